@@ -1,0 +1,371 @@
+"""Settings: the only place that reads the environment or the config file.
+
+Environment variables (prefix ``MODELD_``) win over the TOML config file, which uses the same
+names in lower case without the prefix. The file is ``$MODELD_CONFIG``, else
+``$XDG_CONFIG_HOME/modeld/modeld.toml``, else ``/etc/modeld/modeld.toml`` (the first that
+exists; a ``MODELD_CONFIG`` naming a missing file is an error).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from modeld.errors import SettingsError
+
+ENV_PREFIX = "MODELD_"
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+SIZE_HELP = "bytes, or a number with B, KB, MB, GB (powers of 10) or KiB, MiB, GiB (powers of 2)"
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_PART_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+DURATION_HELP = "a duration such as 30s, 5m, 1h30m, 0 (at once) or -1 (never)"
+
+
+def parse_size(value: str | int | float) -> int:
+    """Parse ``4GiB``, ``500MB``, ``1024`` (bytes) into a byte count; raise ValueError."""
+    if isinstance(value, bool):
+        raise ValueError("not a size")
+    if isinstance(value, int | float):
+        if value < 0 or not math.isfinite(value):
+            raise ValueError("not a size")
+        return int(value)
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError("not a size")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Parse ``5m``, ``30s``, ``1h30m``, ``0``, ``-1`` (never) into seconds; raise ValueError.
+
+    A bare number is seconds. Any negative value means "never" and is returned as -1.
+    """
+    if isinstance(value, bool):
+        raise ValueError("not a duration")
+    if isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise ValueError("not a duration")
+        return -1.0 if value < 0 else float(value)
+    text = value.strip().lower()
+    if re.fullmatch(r"-\d+(?:\.\d+)?[a-z]*", text):
+        return -1.0
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = _DURATION_PART_RE.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError("not a duration")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+
+
+def format_size(n: int | float) -> str:
+    """Human size with binary units, e.g. ``1.5 GiB``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_duration(seconds: float | None) -> str:
+    """Human duration, e.g. ``4m 10s``; ``never`` for a negative value."""
+    if seconds is None or seconds < 0:
+        return "never"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    s = round(seconds)
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    if h:
+        return f"{h}h {m}m"
+    if m:
+        return f"{m}m {sec}s"
+    return f"{sec}s"
+
+
+def _xdg(name: str, fallback: str) -> Path:
+    value = os.environ.get(name)
+    return Path(value) if value else Path.home() / fallback
+
+
+def _default_home() -> Path:
+    return _xdg("XDG_DATA_HOME", ".local/share") / "modeld"
+
+
+def memory_total_bytes() -> int:
+    """The smaller of MemTotal and this process's cgroup memory limit."""
+    total = 0
+    try:
+        with Path("/proc/meminfo").open() as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if total == 0:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and 0 < int(raw) < total:
+            total = int(raw)
+    return total
+
+
+def config_file_path(environ: dict[str, str] | None = None) -> Path | None:
+    """The config file in effect, or None when there is none."""
+    env = os.environ if environ is None else environ
+    explicit = env.get(ENV_PREFIX + "CONFIG")
+    if explicit:
+        return Path(explicit)
+    xdg = env.get("XDG_CONFIG_HOME")
+    candidates = [
+        (Path(xdg) if xdg else Path.home() / ".config") / "modeld" / "modeld.toml",
+        Path("/etc/modeld/modeld.toml"),
+    ]
+    return next((p for p in candidates if p.is_file()), None)
+
+
+class _TomlSource(PydanticBaseSettingsSource):
+    """Values from the TOML config file; unknown keys are typos and are refused."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
+        super().__init__(settings_cls)
+        self.path = path
+        self.data: dict[str, Any] = {}
+        if path is None:
+            return
+        try:
+            with path.open("rb") as f:
+                self.data = tomllib.load(f)
+        except FileNotFoundError as e:
+            raise SettingsError(
+                f"config file {path} does not exist; create it or unset {ENV_PREFIX}CONFIG"
+            ) from e
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise SettingsError(f"config file {path}: {e}; fix the TOML syntax") from e
+        unknown = sorted(set(self.data) - set(settings_cls.model_fields))
+        if unknown:
+            allowed = ", ".join(sorted(settings_cls.model_fields))
+            raise SettingsError(
+                f"config file {path}: unknown key {unknown[0]!r}; allowed keys: {allowed}"
+            )
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return self.data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self.data)
+
+
+SizeSetting = Annotated[int, NoDecode]
+DurationSetting = Annotated[float, NoDecode]
+
+
+class Settings(BaseSettings):
+    """Every setting of DESIGN.md's table; see the README for each one's meaning."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, case_sensitive=False, extra="ignore", validate_default=True
+    )
+
+    home: Path = Field(default_factory=_default_home)
+    socket: Path | None = None
+    registry: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    memory_budget: SizeSetting = Field(default_factory=lambda: memory_total_bytes() // 2)
+    disk_budget: Annotated[int | None, NoDecode] = None
+    keep_alive: DurationSetting = 300.0
+    main_backend: Literal["gpu", "cpu"] = "gpu"
+    vision_backend: Literal["cpu", "gpu"] = "cpu"
+    download_connections: int = Field(default=8, ge=1, le=64)
+    piece_size: SizeSetting = 16 * 1024**2
+    stall_timeout: DurationSetting = 20.0
+    hf_token: SecretStr | None = None
+    log_level: Literal["debug", "info", "warning"] = "info"
+    # Not in DESIGN.md's table; documented in the README.
+    shutdown_timeout: DurationSetting = 10.0
+
+    @field_validator("memory_budget", "piece_size", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int:
+        return parse_size(v)
+
+    @field_validator("memory_budget", "piece_size")
+    @classmethod
+    def _positive_size(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("must be more than 0 bytes")
+        return v
+
+    @field_validator("disk_budget", mode="before")
+    @classmethod
+    def _optional_size(cls, v: Any) -> int | None:
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none")):
+            return None
+        return parse_size(v)
+
+    @field_validator("keep_alive", "stall_timeout", "shutdown_timeout", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @field_validator("stall_timeout", "shutdown_timeout")
+    @classmethod
+    def _positive_duration(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError("must be a positive duration such as 30s")
+        return v
+
+    @field_validator("registry", mode="before")
+    @classmethod
+    def _paths(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [p for p in v.split(":") if p]
+        return v
+
+    @field_validator("main_backend", "vision_backend", "log_level", mode="before")
+    @classmethod
+    def _lower(cls, v: Any) -> Any:
+        return v.strip().lower() if isinstance(v, str) else v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _TomlSource(settings_cls, config_file_path()))
+
+    # --- derived paths ---------------------------------------------------------------
+
+    @property
+    def socket_path(self) -> Path:
+        """``MODELD_SOCKET``, else ``$XDG_RUNTIME_DIR/modeld.sock``, else the state dir's."""
+        if self.socket is not None:
+            return self.socket
+        runtime = os.environ.get("XDG_RUNTIME_DIR")
+        return Path(runtime) / "modeld.sock" if runtime else self.home / "modeld.sock"
+
+    @property
+    def db_path(self) -> Path:
+        return self.home / "modeld.db"
+
+    @property
+    def blobs_dir(self) -> Path:
+        return self.home / "blobs"
+
+    @property
+    def partial_dir(self) -> Path:
+        return self.home / "partial"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.home / "cache"
+
+    def effective(self) -> dict[str, Any]:
+        """The settings as shown by ``/api/status``: sizes in bytes, times in seconds."""
+        return {
+            "home": str(self.home),
+            "socket": str(self.socket_path),
+            "registry": [str(p) for p in self.registry],
+            "memory_budget": self.memory_budget,
+            "disk_budget": self.disk_budget,
+            "keep_alive": self.keep_alive,
+            "main_backend": self.main_backend,
+            "vision_backend": self.vision_backend,
+            "download_connections": self.download_connections,
+            "piece_size": self.piece_size,
+            "stall_timeout": self.stall_timeout,
+            "hf_token": "set" if self.hf_token else None,
+            "log_level": self.log_level,
+            "shutdown_timeout": self.shutdown_timeout,
+            "config_file": str(p) if (p := config_file_path()) else None,
+        }
+
+
+def _allowed(field: str) -> str:
+    allowed = {
+        "memory_budget": SIZE_HELP,
+        "disk_budget": SIZE_HELP,
+        "piece_size": SIZE_HELP,
+        "keep_alive": DURATION_HELP,
+        "stall_timeout": DURATION_HELP,
+        "shutdown_timeout": DURATION_HELP,
+        "main_backend": "gpu or cpu",
+        "vision_backend": "cpu or gpu",
+        "log_level": "debug, info or warning",
+        "download_connections": "a whole number from 1 to 64",
+        "registry": "directories separated by ':'",
+    }
+    return allowed.get(field, "see the README's settings table")
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read the settings, or raise SettingsError with one line naming key, value and rule."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        env_key = ENV_PREFIX + field.upper()
+        source = env_key if env_key in os.environ else f"{field} (config file)"
+        value = err.get("input")
+        reason = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        raise SettingsError(
+            f"{source}={value!s}: {reason}; allowed: {_allowed(field)}", key=field
+        ) from None
+
+
+def client_socket_path(explicit: Path | None = None) -> Path:
+    """Where the CLI looks for the daemon.
+
+    ``--socket``, else ``MODELD_SOCKET``, else the first of ``/run/modeld/modeld.sock``,
+    ``$XDG_RUNTIME_DIR/modeld.sock`` and ``$MODELD_HOME/modeld.sock`` that exists, else the
+    path ``modeld serve`` would bind on these defaults.
+    """
+    if explicit is not None:
+        return explicit
+    env_socket = os.environ.get(ENV_PREFIX + "SOCKET")
+    if env_socket:
+        return Path(env_socket)
+    home_env = os.environ.get(ENV_PREFIX + "HOME")
+    home = Path(home_env) if home_env else _default_home()
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    candidates = [Path("/run/modeld/modeld.sock")]
+    if runtime:
+        candidates.append(Path(runtime) / "modeld.sock")
+    candidates.append(home / "modeld.sock")
+    for candidate in candidates:
+        if candidate.exists():
+            return candidate
+    return Path(runtime) / "modeld.sock" if runtime else home / "modeld.sock"

@@ -1,0 +1,228 @@
+"""One exception hierarchy for modeld.
+
+Every error carries a stable ``code`` (what the API returns and scripts match on) and an
+HTTP ``status``. Messages say what happened and what to do next. Classes also inherit a
+built-in exception where one fits, so callers can catch by meaning.
+
+This module imports nothing from the package (it is imported by everything).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class ModeldError(Exception):
+    """Base of every error modeld raises on purpose."""
+
+    code: ClassVar[str] = "internal"
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_dict(self) -> dict[str, Any]:
+        """The API's error body: ``{"error": {"code": ..., "message": ...}}``."""
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.details:
+            body["details"] = self.details
+        return {"error": body}
+
+
+# --- bad input (400) -------------------------------------------------------------------
+
+
+class BadRequest(ModeldError, ValueError):
+    """The request itself is malformed: fix it and send it again."""
+
+    code = "bad_request"
+    status = 400
+
+
+class SettingsError(ModeldError, ValueError):
+    """A setting has a value that is not allowed; start-up stops with exit status 2."""
+
+    code = "bad_settings"
+    status = 400
+
+
+class RegistryError(ModeldError, ValueError):
+    """A registry file is not a valid entry."""
+
+    code = "bad_registry_entry"
+    status = 400
+
+
+# --- unknown (404) ---------------------------------------------------------------------
+
+
+class NotFound(ModeldError, LookupError):
+    """Something named in the request does not exist."""
+
+    code = "not_found"
+    status = 404
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class ModelNotInstalled(NotFound):
+    code = "model_not_installed"
+
+
+class DownloadNotFound(NotFound):
+    code = "download_not_found"
+
+
+class EngineNotFound(NotFound):
+    code = "engine_not_found"
+
+
+# --- conflict (409) --------------------------------------------------------------------
+
+
+class Conflict(ModeldError):
+    """The request clashes with what modeld is doing now (a load, a download)."""
+
+    code = "conflict"
+    status = 409
+
+
+class ModelInUse(Conflict):
+    code = "model_in_use"
+
+
+# --- too large (413) -------------------------------------------------------------------
+
+
+class TooLarge(ModeldError):
+    code = "too_large"
+    status = 413
+
+
+# --- refused by a rule (422) -----------------------------------------------------------
+
+
+class Refused(ModeldError):
+    """A rule forbids this request; sending it again unchanged will fail again."""
+
+    code = "refused"
+    status = 422
+
+
+class BackendConstraint(Refused):
+    """The file's ``backend_constraint`` forbids the asked backend plan."""
+
+    code = "backend_constraint"
+
+
+class OverBudget(Refused):
+    """The engine could never fit in the memory budget, even with everything evicted."""
+
+    code = "over_budget"
+
+
+class Unverified(Refused):
+    """The installed file was never vouched for by a hash; loading needs consent."""
+
+    code = "unverified"
+
+
+class CorruptModel(Refused):
+    """The file is not a valid ``.litertlm`` (bad magic, truncated, sections out of bounds)."""
+
+    code = "corrupt_model"
+
+
+class IntegrityError(Refused):
+    """Bytes on disk or from a mirror do not match the expected size or digest."""
+
+    code = "integrity"
+
+
+class HeldBack(Refused):
+    """A model crashed its engine repeatedly and is held back for a while."""
+
+    code = "held_back"
+
+
+# --- busy (503) ------------------------------------------------------------------------
+
+
+class Busy(ModeldError):
+    """Capacity is taken right now; retry after ``retry_after`` seconds."""
+
+    code = "busy"
+    status = 503
+
+    def __init__(self, message: str, retry_after: float = 1.0, **details: Any) -> None:
+        super().__init__(message, **details)
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Busy):
+    code = "shutting_down"
+
+
+# --- failures (500/502/507) ------------------------------------------------------------
+
+
+class EngineError(ModeldError, RuntimeError):
+    """The LiteRT-LM runtime reported a failure; the message carries its own reason."""
+
+    code = "engine_error"
+    status = 500
+
+
+class EngineCrashed(EngineError):
+    """An engine's runner process died (a signal or an unexpected exit)."""
+
+    code = "engine_crashed"
+
+
+class DownloadError(ModeldError, OSError):
+    """A download could not finish; the partial file is kept for resume."""
+
+    code = "download_failed"
+    status = 502
+
+
+class DiskFull(DownloadError):
+    code = "disk_full"
+    status = 507
+
+
+class DaemonUnavailable(ModeldError, ConnectionError):
+    """The CLI or client could not reach a daemon on the socket."""
+
+    code = "daemon_unavailable"
+    status = 503
+
+
+def _all_subclasses(cls: type[ModeldError]) -> list[type[ModeldError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+def error_from_body(status: int, body: Any) -> ModeldError:
+    """Rebuild the error a daemon sent (``{"error": {"code", "message"}}``) on the client side."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        return ModeldError(f"daemon answered HTTP {status} without an error body")
+    code = str(err.get("code", "internal"))
+    message = str(err.get("message", f"HTTP {status}"))
+    details = err.get("details") if isinstance(err.get("details"), dict) else {}
+    by_code = {c.code: c for c in _all_subclasses(ModeldError)}
+    cls = by_code.get(code)
+    if cls is None:
+        # An unknown code from a newer daemon: keep its code and status.
+        error = ModeldError(message, **details)
+        error.code = code  # type: ignore[misc]
+        error.status = status  # type: ignore[misc]
+        return error
+    return cls(message, **details)
