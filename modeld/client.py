@@ -63,7 +63,9 @@ class Client:
             raise error_from_body(status, decoded)
         return decoded if decoded is not None else data.decode(errors="replace")
 
-    async def stream(self, method: str, path: str, body: Any = None) -> AsyncIterator[dict[str, Any]]:
+    async def stream(
+        self, method: str, path: str, body: Any = None
+    ) -> AsyncIterator[dict[str, Any]]:
         """Send one request and yield its NDJSON records; an error record is raised."""
         try:
             resp = await self.session.request(method, _BASE + path, json=body)

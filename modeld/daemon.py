@@ -78,7 +78,7 @@ def bind_socket(path: Path) -> socket.socket:
         raise
     finally:
         os.umask(old_umask)
-    os.chmod(path, 0o660)
+    path.chmod(0o660)
     sock.listen(128)
     sock.setblocking(False)
     return sock
@@ -108,18 +108,22 @@ def build_services(settings: Settings) -> Services:
     return services
 
 
-async def run(settings: Settings, *, ready: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down in order."""
+async def run(
+    settings: Settings, *, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> None:
+    """Serve until SIGTERM or SIGINT (or ``stop`` is set), then shut down in order."""
     for d in (settings.home, settings.blobs_dir, settings.partial_dir, settings.cache_dir):
         d.mkdir(parents=True, exist_ok=True)
     lock = lock_state_dir(settings.home)
     services = build_services(settings)
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     runner = web.AppRunner(
-        make_app(services), handle_signals=False, access_log=None,
+        make_app(services),
+        handle_signals=False,
+        access_log=None,
         shutdown_timeout=settings.shutdown_timeout,
     )
     sock: socket.socket | None = None
@@ -129,8 +133,9 @@ async def run(settings: Settings, *, ready: asyncio.Event | None = None) -> None
         await runner.setup()
         sock = bind_socket(settings.socket_path)
         await web.SockSite(runner, sock).start()
-        logs.event("ready", socket=str(settings.socket_path), version=services.version,
-                   pid=os.getpid())
+        logs.event(
+            "ready", socket=str(settings.socket_path), version=services.version, pid=os.getpid()
+        )
         if ready is not None:
             ready.set()
         await stop.wait()

@@ -216,7 +216,8 @@ def error_from_body(status: int, body: Any) -> ModeldError:
         return ModeldError(f"daemon answered HTTP {status} without an error body")
     code = str(err.get("code", "internal"))
     message = str(err.get("message", f"HTTP {status}"))
-    details = err.get("details") if isinstance(err.get("details"), dict) else {}
+    raw_details = err.get("details")
+    details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
     by_code = {c.code: c for c in _all_subclasses(ModeldError)}
     cls = by_code.get(code)
     if cls is None:

@@ -10,7 +10,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 # Latency buckets from 1 ms to 2 min: tiny models answer in ms, real ones take seconds.
 _LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
 )
 
 
@@ -24,12 +39,16 @@ class Metrics:
             "modeld_http_requests", "API requests answered", ["route", "status"], registry=r
         )
         self.http_latency = Histogram(
-            "modeld_http_request_seconds", "API request latency until the response started",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+            "modeld_http_request_seconds",
+            "API request latency until the response started",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.up_since = Gauge("modeld_start_time_seconds", "Daemon start time", registry=r)
         self.registry_errors = Gauge(
-            "modeld_registry_errors", "Registry files skipped because they are invalid",
+            "modeld_registry_errors",
+            "Registry files skipped because they are invalid",
             registry=r,
         )
         # downloads
@@ -43,7 +62,9 @@ class Metrics:
             "modeld_download_repaired_pieces", "Pieces re-fetched after a mismatch", registry=r
         )
         self.download_mirror_speed = Gauge(
-            "modeld_download_mirror_bytes_per_second", "Current speed per mirror", ["mirror"],
+            "modeld_download_mirror_bytes_per_second",
+            "Current speed per mirror",
+            ["mirror"],
             registry=r,
         )
         self.downloads_active = Gauge("modeld_downloads_active", "Downloads running", registry=r)
@@ -60,17 +81,18 @@ class Metrics:
         self.engine_pss = Gauge(
             "modeld_engine_pss_bytes", "Measured PSS per engine", ["engine"], registry=r
         )
-        self.budget_used = Gauge(
-            "modeld_memory_budget_used_bytes", "Sum of runner PSS", registry=r
-        )
+        self.budget_used = Gauge("modeld_memory_budget_used_bytes", "Sum of runner PSS", registry=r)
         self.budget_total = Gauge("modeld_memory_budget_bytes", "The memory budget", registry=r)
         self.queue_depth = Gauge(
             "modeld_queue_depth", "Requests waiting, per model", ["model"], registry=r
         )
         # generation phases
         self.phase_seconds = Histogram(
-            "modeld_generate_phase_seconds", "Time per generation phase",
-            ["phase"], buckets=_LATENCY_BUCKETS, registry=r,
+            "modeld_generate_phase_seconds",
+            "Time per generation phase",
+            ["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.generated_tokens = Counter(
             "modeld_generated_tokens", "Tokens generated", ["model"], registry=r

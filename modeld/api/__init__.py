@@ -74,16 +74,21 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
         }.get(e.status, e.reason)
         response = _plain_error(e.status, code, message)
     except Exception:
-        logging.getLogger("modeld").exception("unhandled error on %s %s", request.method,
-                                              request.path)
+        logging.getLogger("modeld").exception(
+            "unhandled error on %s %s", request.method, request.path
+        )
         response = _plain_error(500, "internal", "internal error; see the daemon's log")
     elapsed = time.perf_counter() - started
     services.metrics.http_requests.labels(route_name, str(response.status)).inc()
     services.metrics.http_latency.labels(route_name).observe(elapsed)
     logs.event(
-        "request", logging.DEBUG if route_name in ("/api/health", "/metrics") else logging.INFO,
-        method=request.method, path=request.path, status=response.status,
-        seconds=elapsed, peer=peer_of(request),
+        "request",
+        logging.DEBUG if route_name in ("/api/health", "/metrics") else logging.INFO,
+        method=request.method,
+        path=request.path,
+        status=response.status,
+        seconds=elapsed,
+        peer=peer_of(request),
     )
     return response
 

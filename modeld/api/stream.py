@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from aiohttp import web
@@ -18,7 +18,9 @@ def _line(record: dict[str, Any]) -> bytes:
     return json.dumps(record, separators=(",", ":")).encode() + b"\n"
 
 
-async def ndjson(request: web.Request, records: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
+async def ndjson(
+    request: web.Request, records: AsyncGenerator[dict[str, Any], None]
+) -> web.StreamResponse:
     """Stream ``records`` as NDJSON.
 
     An error before the first record becomes a plain error response with its status (the
@@ -45,7 +47,9 @@ async def ndjson(request: web.Request, records: AsyncIterator[dict[str, Any]]) -
     except Exception:
         logging.getLogger("modeld").exception("stream failed on %s", request.path)
         await response.write(
-            _line({"error": {"code": "internal", "message": "internal error; see the daemon's log"}})
+            _line(
+                {"error": {"code": "internal", "message": "internal error; see the daemon's log"}}
+            )
         )
     finally:
         await records.aclose()

@@ -21,7 +21,9 @@ VERB_MODULES = [system]
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="modeld")
 @click.option(
-    "--socket", type=click.Path(dir_okay=False), default=None,
+    "--socket",
+    type=click.Path(dir_okay=False),
+    default=None,
     help="Daemon socket (default: MODELD_SOCKET, /run/modeld/modeld.sock, "
     "$XDG_RUNTIME_DIR/modeld.sock, $MODELD_HOME/modeld.sock).",
 )
@@ -50,9 +52,9 @@ def main(argv: list[str] | None = None) -> None:
         e.show()
         sys.exit(2 if isinstance(e, click.UsageError) else 1)
     except SettingsError as e:
-        print(f"modeld: {e.message}", file=sys.stderr)
+        sys.stderr.write(f"modeld: {e.message}\n")
         sys.exit(2)
     except ModeldError as e:
-        print(f"modeld: {e.message}", file=sys.stderr)
+        sys.stderr.write(f"modeld: {e.message}\n")
         sys.exit(1)
     sys.exit(0)

@@ -1,0 +1,41 @@
+"""The CLI's own behaviour: version, usage errors, no daemon."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "modeld", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+
+
+def test_version() -> None:
+    """`modeld --version` prints the version and exits 0."""
+    result = _run("--version")
+    assert result.returncode == 0
+    assert "modeld" in result.stdout
+
+
+def test_bad_usage_exits_2() -> None:
+    """An unknown verb is a usage error: exit 2."""
+    assert _run("frobnicate").returncode == 2
+
+
+def test_no_daemon_one_line_exit_1(short_tmp: Path) -> None:
+    """With no daemon on the socket, the CLI says how to start one in one line and exits 1."""
+    env = dict(os.environ, MODELD_SOCKET=str(short_tmp / "none.sock"))
+    result = _run("status", env=env)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "modeld serve" in lines[0]

@@ -1,0 +1,137 @@
+"""Settings: env over file, sizes and durations, one-line errors, exit status 2."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from modeld.config import load_settings, parse_duration, parse_size
+from modeld.errors import SettingsError
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1024", 1024),
+        ("4GiB", 4 * 1024**3),
+        ("500MB", 500 * 10**6),
+        ("2 KiB", 2048),
+        ("1.5GB", 1_500_000_000),
+        ("10b", 10),
+        (7, 7),
+    ],
+)
+def test_parse_size(text: str | int, expected: int) -> None:
+    """Sizes accept bytes, decimal and binary units."""
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "-1", "4XB", "", "GiB", "1e9"])
+def test_parse_size_rejects(text: str) -> None:
+    """Anything that is not a size is refused."""
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("5m", 300),
+        ("30s", 30),
+        ("0", 0),
+        ("-1", -1),
+        ("1h30m", 5400),
+        ("250ms", 0.25),
+        ("12", 12),
+        ("-5m", -1),
+    ],
+)
+def test_parse_duration(text: str, expected: float) -> None:
+    """Durations accept units, 0 (at once) and negatives (never)."""
+    assert parse_duration(text) == expected
+
+
+@given(st.text(max_size=12))
+def test_parse_size_never_crashes(text: str) -> None:
+    """Arbitrary text either parses to a non-negative int or raises ValueError."""
+    with contextlib.suppress(ValueError):
+        assert parse_size(text) >= 0
+
+
+def test_env_wins_over_file(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An environment variable overrides the same key in the config file."""
+    cfg = clean_env / "modeld.toml"
+    cfg.write_text('keep_alive = "30s"\nmemory_budget = "1GiB"\nregistry = ["/r1", "/r2"]\n')
+    monkeypatch.setenv("MODELD_CONFIG", str(cfg))
+    monkeypatch.setenv("MODELD_KEEP_ALIVE", "-1")
+    s = load_settings()
+    assert s.keep_alive == -1
+    assert s.memory_budget == 1024**3
+    assert s.registry == [Path("/r1"), Path("/r2")]
+
+
+def test_xdg_config_file_is_found(clean_env: Path) -> None:
+    """Without MODELD_CONFIG, $XDG_CONFIG_HOME/modeld/modeld.toml is read."""
+    cfg = clean_env / "xdg-config" / "modeld" / "modeld.toml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text('vision_backend = "gpu"\n')
+    assert load_settings().vision_backend == "gpu"
+
+
+def test_unknown_file_key_is_an_error(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A typo in the config file is refused, naming the key."""
+    cfg = clean_env / "modeld.toml"
+    cfg.write_text("keep_alvie = 3\n")
+    monkeypatch.setenv("MODELD_CONFIG", str(cfg))
+    with pytest.raises(SettingsError, match="keep_alvie"):
+        load_settings()
+
+
+def test_registry_env_is_colon_separated(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MODELD_REGISTRY splits on ':'."""
+    monkeypatch.setenv("MODELD_REGISTRY", "/a:/b")
+    assert load_settings().registry == [Path("/a"), Path("/b")]
+
+
+def test_memory_default_is_half_of_memory(clean_env: Path) -> None:
+    """The memory budget defaults to half of the smaller of MemTotal and the cgroup limit."""
+    from modeld.config import memory_total_bytes
+
+    assert load_settings().memory_budget == memory_total_bytes() // 2
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        ("MODELD_MEMORY_BUDGET", "lots", "MODELD_MEMORY_BUDGET=lots"),
+        ("MODELD_MAIN_BACKEND", "npu", "MODELD_MAIN_BACKEND=npu"),
+        ("MODELD_KEEP_ALIVE", "soon", "MODELD_KEEP_ALIVE=soon"),
+        ("MODELD_DOWNLOAD_CONNECTIONS", "0", "MODELD_DOWNLOAD_CONNECTIONS=0"),
+    ],
+)
+def test_bad_value_exits_2_with_one_line(
+    clean_env: Path, key: str, value: str, needle: str
+) -> None:
+    """`modeld serve` with a bad setting exits 2 with one line naming key, value and rule."""
+    import os
+
+    env = dict(os.environ, **{key: value})
+    result = subprocess.run(
+        [sys.executable, "-m", "modeld", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert needle in lines[0]
+    assert "allowed" in lines[0]
