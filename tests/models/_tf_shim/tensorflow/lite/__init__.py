@@ -1,0 +1,1 @@
+"""Stand-in package (see tensorflow/__init__.py)."""

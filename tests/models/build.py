@@ -1,0 +1,459 @@
+"""Build small but real ``.litertlm`` test models offline.
+
+The fixtures in this folder are random-weight Llama-style decoders exported
+with litert-torch's ``export_hf`` pipeline (int8 weights, a locally trained
+byte-level BPE tokenizer, a Gemma-style chat template) and packed with
+``litert_lm_builder``. The real LiteRT-LM runtime loads them and generates
+(meaningless) tokens. No hub, no network: configs, tokenizer and weights are
+made here from fixed seeds.
+
+Rebuilding
+----------
+The build needs torch and litert-torch, which the daemon does not; use a
+separate virtual environment (install the CPU torch wheel FIRST, explicitly,
+so pip never pulls a multi-GB CUDA build)::
+
+    python3.11 -m venv /work/venv-models
+    /work/venv-models/bin/pip install torch==2.13.0
+    /work/venv-models/bin/pip install -r tests/models/requirements.txt
+    /work/venv-models/bin/python tests/models/build.py            # all fixtures
+    /work/venv-models/bin/python tests/models/build.py --only tiny-text
+    /work/venv-models/bin/python tests/models/build.py --large    # ~40 MB model
+
+Fixtures go to ``--out`` (default: this folder) together with
+``fixtures.json``, the manifest (file, sha256, size, sections, constraints,
+allowed backends, expected runtime behaviour). ``--large`` builds
+``large-text.litertlm`` into ``$MODELD_TEST_MODEL_CACHE`` (default
+``~/.cache/modeld-test-models``); it is for memory tests and is not committed.
+
+Builds are seeded: a rebuild gives files of the same shapes and sections and,
+with the same package versions, identical bytes (the system metadata's uuid
+and timestamp, which the builder would randomise, are fixed here).
+
+litert-torch imports ``tensorflow.lite.python.schema_py_generated`` without
+depending on TensorFlow; ``_tf_shim/`` provides that module by re-exporting
+``ai_edge_litert.schema_py_generated`` and is put on ``sys.path`` below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SHIM = HERE / "_tf_shim"
+if str(SHIM) not in sys.path:
+    sys.path.insert(0, str(SHIM))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p
+)
+# Never reach for a hub, even by accident.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+MANIFEST = "fixtures.json"
+LARGE_CACHE_ENV = "MODELD_TEST_MODEL_CACHE"
+DEFAULT_LARGE_CACHE = Path.home() / ".cache" / "modeld-test-models"
+FIXED_TIMESTAMP = "2026-01-01T00:00:00+00:00"
+IMAGE_SIZE = 32  # the tiny vision encoder takes [1, 32, 32, 3] images
+
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<bos>",
+    "<eos>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for item in m['content'] %}"
+    "{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+CORPUS = [
+    "Hello world, this is a tiny test model for modeld.",
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? Paris is the capital of France.",
+    "Tell me a story about a robot who learns to paint.",
+    "Please summarise the following text in one sentence.",
+    "user model system assistant tool image audio text",
+    "Write a haiku about the sea, the wind and the stars.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14",
+    "How are you today? I am fine, thank you for asking!",
+    "Translate to German: good morning, good night, thank you.",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TextSpec:
+    """Shape of a random Llama-style decoder."""
+
+    seed: int
+    layers: int = 2
+    hidden: int = 64
+    intermediate: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 512
+    prefill: int = 32
+    cache: int = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class FixtureSpec:
+    """One ``.litertlm`` file to build."""
+
+    name: str
+    text: TextSpec
+    description: str
+    vision_constraint: str | None = None  # None: no vision sections at all.
+    large: bool = False
+
+
+FIXTURES: dict[str, FixtureSpec] = {
+    s.name: s
+    for s in (
+        FixtureSpec(
+            "tiny-text",
+            TextSpec(seed=1),
+            "random 2-layer decoder, hidden 64, text only",
+        ),
+        FixtureSpec(
+            "tiny-text-b",
+            TextSpec(seed=2),
+            "same shape as tiny-text, other seed (other digest)",
+        ),
+        FixtureSpec(
+            "gemma3n-like",
+            TextSpec(seed=3),
+            "text decoder + tiny vision encoder (backend_constraint=gpu)"
+            " + vision adapter, like Gemma-3n",
+            vision_constraint="gpu",
+        ),
+        FixtureSpec(
+            "vision-cpu-ok",
+            TextSpec(seed=4),
+            "like gemma3n-like but the vision encoder allows cpu,gpu",
+            vision_constraint="cpu,gpu",
+        ),
+        FixtureSpec(
+            "large-text",
+            TextSpec(seed=5, layers=6, hidden=768, intermediate=2048, heads=12, kv_heads=4),
+            "random 6-layer decoder, hidden 768 (~40 MB), for memory tests;"
+            " built on demand into the cache, not committed",
+            large=True,
+        ),
+    )
+}
+
+
+def sha256_of(path: Path) -> str:
+    """Return the hex sha256 of a file."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def make_source_model(spec: TextSpec, out_dir: Path) -> None:
+    """Write a random LlamaForCausalLM, its config and a BPE tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    config = LlamaConfig(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=max(spec.cache, 512),
+        bos_token_id=ids["<bos>"],
+        eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
+        pad_token_id=ids["<pad>"],
+        # Untied: with tied random embeddings greedy decoding just echoes the
+        # last prompt token ("\n") forever.
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<bos>"],
+        eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
+        pad_token_id=ids["<pad>"],
+    )
+    model.save_pretrained(str(out_dir))
+
+
+def export_text(spec: TextSpec, work: Path) -> Path:
+    """Run litert-torch export_hf; return the folder with its artifacts."""
+    from litert_torch.generative.export_hf import export as export_lib
+
+    src = work / "hf"
+    src.mkdir()
+    make_source_model(spec, src)
+    out = work / "export"
+    export_lib.export(
+        model=str(src),
+        output_dir=str(out),
+        prefill_lengths=[spec.prefill],
+        cache_length=spec.cache,
+        keep_temporary_files=True,
+    )
+    return out
+
+
+def make_vision_models(seed: int, hidden: int, work: Path) -> tuple[Path, Path]:
+    """Export a tiny conv 'vision encoder' and a linear 'vision adapter'."""
+    import litert_torch
+    import torch
+
+    class Encoder(torch.nn.Module):
+        """[1, 32, 32, 3] NHWC image -> [1, 16, hidden] soft tokens (8x8 patches)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, hidden, kernel_size=8, stride=8)
+
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            x = self.conv(images.permute(0, 3, 1, 2))
+            return x.flatten(2).transpose(1, 2)
+
+    class Adapter(torch.nn.Module):
+        """[1, 16, hidden] -> [1, 16, hidden]."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(hidden, hidden)
+
+        def forward(self, soft_tokens: torch.Tensor) -> torch.Tensor:
+            return self.lin(soft_tokens)
+
+    torch.manual_seed(seed)
+    enc_path, ad_path = work / "vision_encoder.tflite", work / "vision_adapter.tflite"
+    litert_torch.convert(Encoder().eval(), (torch.zeros(1, IMAGE_SIZE, IMAGE_SIZE, 3),)).export(
+        str(enc_path)
+    )
+    litert_torch.convert(Adapter().eval(), (torch.zeros(1, 16, hidden),)).export(str(ad_path))
+    return enc_path, ad_path
+
+
+def _deterministic_system_metadata(name: str) -> Any:
+    """Return a replacement for the builder's random uuid/timestamp filler."""
+    import uuid
+
+    from litert_lm_builder import litertlm_builder as lb
+
+    def populate(system_metadata: list[Any]) -> list[Any]:
+        kept = [m for m in system_metadata if m.key not in ("uuid", "creation_timestamp")]
+        kept.append(
+            lb.Metadata(
+                key="uuid",
+                value=str(uuid.uuid5(uuid.NAMESPACE_URL, f"modeld/{name}")),
+                dtype=lb.DType.STRING,
+            )
+        )
+        kept.append(
+            lb.Metadata(key="creation_timestamp", value=FIXED_TIMESTAMP, dtype=lb.DType.STRING)
+        )
+        return kept
+
+    return populate
+
+
+def package(spec: FixtureSpec, export_dir: Path, work: Path, dest: Path) -> list[dict[str, Any]]:
+    """Pack the exported artifacts (plus vision sections) into ``dest``."""
+    from litert_lm_builder import litertlm_builder as lb
+    from litert_lm_builder.runtime.proto import llm_metadata_pb2
+
+    meta = llm_metadata_pb2.LlmMetadata()
+    meta.ParseFromString((export_dir / "llm_metadata.pb").read_bytes())
+    meta.supports_thinking = False
+    meta.supports_function_calling = False
+    # export_hf collects stop tokens in a set: sort them for stable bytes.
+    stops = sorted(t.SerializeToString() for t in meta.stop_tokens)
+    del meta.stop_tokens[:]
+    for raw in stops:
+        meta.stop_tokens.add().ParseFromString(raw)
+    if spec.vision_constraint is not None:
+        # Gemma-3n's model type: image items in a message then go through the
+        # vision encoder/adapter (a generic model silently drops them).
+        g3n = meta.llm_model_type.gemma3n
+        g3n.start_of_image_token.token_str = "<start_of_image>"
+        g3n.end_of_image_token.token_str = "<end_of_image>"
+        g3n.image_tensor_height = IMAGE_SIZE
+        g3n.image_tensor_width = IMAGE_SIZE
+    meta_path = work / "llm_metadata.pb"
+    meta_path.write_bytes(meta.SerializeToString())
+
+    builder = lb.LitertLmFileBuilder()
+    builder.add_system_metadata(
+        lb.Metadata(key="Authors", value="modeld test fixtures", dtype=lb.DType.STRING)
+    )
+    builder.add_system_metadata(lb.Metadata(key="fixture", value=spec.name, dtype=lb.DType.STRING))
+    builder.add_llm_metadata(str(meta_path))
+    builder.add_executor_metadata(str(export_dir / "executor_metadata.pb"))
+    builder.add_hf_tokenizer(str(export_dir / "tokenizer.json"))
+    builder.add_tflite_model(
+        str(export_dir / "model_quantized.tflite"), lb.TfLiteModelType.PREFILL_DECODE
+    )
+    sections: list[dict[str, Any]] = [
+        {"type": "LlmMetadata"},
+        {"type": "ExecutorMetadata"},
+        {"type": "HF_Tokenizer_Zlib"},
+        {"type": "TFLiteModel", "model_type": "tf_lite_prefill_decode"},
+    ]
+    if spec.vision_constraint is not None:
+        enc, ad = make_vision_models(spec.text.seed, spec.text.hidden, work)
+        builder.add_tflite_model(
+            str(enc), lb.TfLiteModelType.VISION_ENCODER, backend_constraint=spec.vision_constraint
+        )
+        builder.add_tflite_model(str(ad), lb.TfLiteModelType.VISION_ADAPTER)
+        sections += [
+            {
+                "type": "TFLiteModel",
+                "model_type": "tf_lite_vision_encoder",
+                "backend_constraint": spec.vision_constraint,
+            },
+            {"type": "TFLiteModel", "model_type": "tf_lite_vision_adapter"},
+        ]
+
+    original = lb.populate_system_metadata
+    lb.populate_system_metadata = _deterministic_system_metadata(spec.name)
+    try:
+        tmp = dest.with_suffix(".litertlm.tmp")
+        with tmp.open("wb") as f:
+            builder.build(f)
+        tmp.replace(dest)
+    finally:
+        lb.populate_system_metadata = original
+    return sections
+
+
+def build_one(spec: FixtureSpec, dest: Path) -> dict[str, Any]:
+    """Build one fixture into ``dest`` and return its manifest entry."""
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"modeld-{spec.name}-") as tmp:
+        work = Path(tmp)
+        export_dir = export_text(spec.text, work)
+        sections = package(spec, export_dir, work, dest)
+    seconds = time.monotonic() - start
+    vision = spec.vision_constraint
+    entry: dict[str, Any] = {
+        "file": dest.name,
+        "sha256": sha256_of(dest),
+        "size": dest.stat().st_size,
+        "description": spec.description,
+        "sections": sections,
+        "shape": dataclasses.asdict(spec.text),
+        "llm_model_type": "generic_model" if vision is None else "gemma3n",
+        "max_num_tokens": spec.text.cache,
+        "backends": ["cpu", "gpu"],
+        "vision_backends": ([] if vision is None else [b.strip() for b in vision.split(",")]),
+        "vision_backend_constraint": vision,
+    }
+    print(f"built {dest} ({entry['size']} bytes, {seconds:.1f} s)", flush=True)
+    return entry
+
+
+def large_cache_dir() -> Path:
+    """Return where on-demand large models go."""
+    return Path(os.environ.get(LARGE_CACHE_ENV) or DEFAULT_LARGE_CACHE).expanduser()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=HERE,
+        help="folder for the committed fixtures (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(FIXTURES),
+        help="build only this fixture (repeatable)",
+    )
+    parser.add_argument(
+        "--large",
+        action="store_true",
+        help=f"also build the large model into ${LARGE_CACHE_ENV} (default {DEFAULT_LARGE_CACHE})",
+    )
+    args = parser.parse_args(argv)
+
+    names = list(args.only or [n for n, s in FIXTURES.items() if not s.large])
+    if args.large and "large-text" not in names:
+        names.append("large-text")
+    args.out.mkdir(parents=True, exist_ok=True)
+    manifest_path = args.out / MANIFEST
+    manifest: dict[str, Any] = (
+        json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    )
+    fixtures: dict[str, Any] = manifest.setdefault("fixtures", {})
+
+    for name in names:
+        spec = FIXTURES[name]
+        if spec.large:
+            cache = large_cache_dir()
+            cache.mkdir(parents=True, exist_ok=True)
+            entry = build_one(spec, cache / f"{name}.litertlm")
+            (cache / f"{name}.json").write_text(json.dumps(entry, indent=2) + "\n")
+        else:
+            fixtures[name] = build_one(spec, args.out / f"{name}.litertlm")
+
+    manifest["generator"] = "tests/models/build.py"
+    manifest["runtime_tested"] = "litert-lm==0.18.1"
+    manifest["fixtures"] = dict(sorted(fixtures.items()))
+    manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
