@@ -55,6 +55,11 @@ def daemon_env(home: Path, **extra: str) -> dict[str, str]:
         MODELD_MAIN_BACKEND="cpu",
         MODELD_LOG_LEVEL="debug",
         XDG_CONFIG_HOME=str(home / "xdg-config"),
+        # Anything that is not loopback goes to a dead proxy: tests never reach a real host,
+        # even when a bundled catalog entry (huggingface.co URLs) is pulled by mistake.
+        HTTP_PROXY="http://127.0.0.1:9",
+        HTTPS_PROXY="http://127.0.0.1:9",
+        NO_PROXY="127.0.0.1,localhost,::1",
     )
     env.update(extra)
     return env
@@ -164,3 +169,106 @@ async def daemon(clean_env: Path) -> AsyncIterator[InProcessDaemon]:
     yield InProcessDaemon(settings, task, stop)
     stop.set()
     await asyncio.wait_for(task, 30)
+
+
+# --- catalog and store fixtures (catalog/store engineer) --------------------------------
+
+import contextlib as _contextlib  # noqa: E402  (appended section; the file is shared)
+
+
+def write_entry(
+    registry: Path,
+    model_id: str,
+    *,
+    size: int,
+    sha256: str | None = None,
+    urls: list[str] | None = None,
+    extra: str = "",
+) -> Path:
+    """Write ``registry/<model_id>.toml``; URLs default to a dead loopback port (no download)."""
+    import json as _json
+
+    registry.mkdir(parents=True, exist_ok=True)
+    urls = urls or [f"http://127.0.0.1:9/{model_id}.litertlm"]
+    lines = [
+        f'id = "{model_id}"',
+        f'display_name = "{model_id}"',
+        f'file_name = "{model_id}.litertlm"',
+        f"urls = {_json.dumps(urls)}",
+        f"size = {size}",
+    ]
+    if sha256 is not None:
+        lines.append(f'sha256 = "{sha256}"')
+    path = registry / f"{model_id}.toml"
+    # Write then rename, so a live-reloading catalog never reads half a file.
+    tmp = registry / f".{model_id}.toml.tmp"
+    tmp.write_text("\n".join(lines) + "\n" + extra)
+    tmp.replace(path)
+    return path
+
+
+def install_fixture(
+    home: Path,
+    model_id: str,
+    path: Path,
+    *,
+    verified_by: str | None = "registry sha256",
+    registry: Path | None = None,
+) -> Any:
+    """Install a copy of ``path`` as ``model_id`` into the state dir ``home``, as a pull would.
+
+    Runs the real Store on its own event loop in a thread, so it works from sync and async
+    tests alike, BEFORE the daemon starts (one daemon per state dir). With ``registry``,
+    also writes a matching entry (real size and sha256). Returns the ``Installed`` record.
+    """
+    import threading
+
+    from modeld.store import Store, sha256_file
+
+    digest, size = sha256_file(path)
+    if registry is not None:
+        write_entry(registry, model_id, size=size, sha256=digest)
+    staged = home / "partial" / f"fixture-{model_id}"
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path, staged)
+    result: list[Any] = []
+
+    async def go() -> None:
+        store = Store(home)
+        await store.open()
+        try:
+            result.append(await store.install(model_id, staged, digest, size, verified_by))
+        finally:
+            await store.close()
+
+    def run_it() -> None:
+        try:
+            asyncio.run(go())
+        except BaseException as e:
+            result.append(e)
+
+    t = threading.Thread(target=run_it)
+    t.start()
+    t.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+@_contextlib.asynccontextmanager
+async def running_daemon(settings: Settings) -> AsyncIterator[InProcessDaemon]:
+    """An in-process daemon with the given settings (e.g. a ``registry`` dir), stopped after."""
+    from modeld import daemon as daemon_mod
+
+    ready, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(daemon_mod.run(settings, ready=ready, stop=stop))
+    waiter = asyncio.create_task(ready.wait())
+    done, _ = await asyncio.wait([task, waiter], timeout=20, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task in done:
+        task.result()
+    try:
+        yield InProcessDaemon(settings, task, stop)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
