@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -94,4 +95,24 @@ class Client:
 
     async def status(self) -> dict[str, Any]:
         result: dict[str, Any] = await self.request("GET", "/api/status")
+        return result
+
+    async def models(self, installed: bool = False) -> dict[str, Any]:
+        """``GET /api/models``: the catalog with install state."""
+        path = "/api/models?installed=1" if installed else "/api/models"
+        result: dict[str, Any] = await self.request("GET", path)
+        return result
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """``GET /api/models/{id}``: entry, install state, sections, plans, probes."""
+        result: dict[str, Any] = await self.request(
+            "GET", f"/api/models/{quote(model_id, safe='')}"
+        )
+        return result
+
+    async def verify(self, model_id: str) -> dict[str, Any]:
+        """``POST /api/models/{id}/verify``: re-hash the installed file."""
+        result: dict[str, Any] = await self.request(
+            "POST", f"/api/models/{quote(model_id, safe='')}/verify"
+        )
         return result

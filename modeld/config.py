@@ -211,6 +211,9 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning"] = "info"
     # Not in DESIGN.md's table; documented in the README.
     shutdown_timeout: DurationSetting = 10.0
+    # Peers (SO_PEERCRED) allowed on the socket; both empty = whoever can open the socket.
+    allow_uids: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    allow_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
 
     @field_validator("memory_budget", "piece_size", mode="before")
     @classmethod
@@ -248,6 +251,20 @@ class Settings(BaseSettings):
     def _paths(cls, v: Any) -> Any:
         if isinstance(v, str):
             return [p for p in v.split(":") if p]
+        return v
+
+    @field_validator("allow_uids", "allow_gids", mode="before")
+    @classmethod
+    def _id_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [p.strip() for p in re.split(r"[:,]", v) if p.strip()]
+        return v
+
+    @field_validator("allow_uids", "allow_gids")
+    @classmethod
+    def _non_negative_ids(cls, v: list[int]) -> list[int]:
+        if any(i < 0 for i in v):
+            raise ValueError("ids are 0 or more")
         return v
 
     @field_validator("main_backend", "vision_backend", "log_level", mode="before")
@@ -309,6 +326,8 @@ class Settings(BaseSettings):
             "hf_token": "set" if self.hf_token else None,
             "log_level": self.log_level,
             "shutdown_timeout": self.shutdown_timeout,
+            "allow_uids": list(self.allow_uids),
+            "allow_gids": list(self.allow_gids),
             "config_file": str(p) if (p := config_file_path()) else None,
         }
 
@@ -326,6 +345,8 @@ def _allowed(field: str) -> str:
         "log_level": "debug, info or warning",
         "download_connections": "a whole number from 1 to 64",
         "registry": "directories separated by ':'",
+        "allow_uids": "numeric uids separated by ':' or ',' (a list in TOML)",
+        "allow_gids": "numeric gids separated by ':' or ',' (a list in TOML)",
     }
     return allowed.get(field, "see the README's settings table")
 

@@ -23,10 +23,15 @@ from typing import IO
 from aiohttp import web
 
 from modeld import logs
+from modeld.activation import inherited_listener
 from modeld.api import make_app
+from modeld.catalog import Catalog, bundled_registry_dir
 from modeld.config import Settings
 from modeld.errors import Conflict, ModeldError, SettingsError
+from modeld.lifecycle import Reloader
+from modeld.notify import Notifier
 from modeld.services import Services
+from modeld.store import Store
 
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_SOCKET_PATH = 107
@@ -105,13 +110,30 @@ def build_services(settings: Settings) -> Services:
     services = Services(settings=settings)
     services.metrics.up_since.set(services.started_at)
     services.metrics.budget_total.set(settings.memory_budget)
+    # Catalog and store first: every later part reads them; their stop hooks run last.
+    catalog = Catalog([bundled_registry_dir(), *settings.registry])
+    store = Store(settings.home)
+    services.parts["catalog"] = catalog
+    services.parts["store"] = store
+    services.status_sections["catalog"] = catalog.status
+    services.status_sections["store"] = store.status
+    services.start_hooks += [store.open, catalog.start]
+    services.stop_hooks += [store.close, catalog.stop]
     return services
 
 
 async def run(
-    settings: Settings, *, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+    settings: Settings,
+    *,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+    notifier: Notifier | None = None,
 ) -> None:
-    """Serve until SIGTERM or SIGINT (or ``stop`` is set), then shut down in order."""
+    """Serve until SIGTERM or SIGINT (or ``stop`` is set), then shut down in order.
+
+    SIGHUP reloads what can change live (``lifecycle.LIVE_FIELDS``) and the registry.
+    """
+    notifier = notifier or Notifier.from_environ()
     for d in (settings.home, settings.blobs_dir, settings.partial_dir, settings.cache_dir):
         d.mkdir(parents=True, exist_ok=True)
     lock = lock_state_dir(settings.home)
@@ -120,6 +142,10 @@ async def run(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloader = Reloader(services, notifier)
+    loop.add_signal_handler(signal.SIGHUP, reloader.request)
+    # Pings from the event loop itself: they stop when the loop stops turning.
+    watchdog = asyncio.create_task(notifier.watchdog_loop())
     runner = web.AppRunner(
         make_app(services),
         handle_signals=False,
@@ -127,19 +153,28 @@ async def run(
         shutdown_timeout=settings.shutdown_timeout,
     )
     sock: socket.socket | None = None
+    inherited = False
     try:
+        notifier.status("starting: loading catalog and store")
         for hook in services.start_hooks:
             await hook()
         await runner.setup()
-        sock = bind_socket(settings.socket_path)
+        # A socket passed by systemd (modeld.socket) wins; otherwise bind our own.
+        sock = inherited_listener()
+        inherited = sock is not None
+        sock = sock or bind_socket(settings.socket_path)
         await web.SockSite(runner, sock).start()
+        where = str(sock.getsockname())
         logs.event(
-            "ready", socket=str(settings.socket_path), version=services.version, pid=os.getpid()
+            "ready", socket=where, version=services.version, pid=os.getpid(), inherited=inherited
         )
+        # READY only now: the socket accepts and every start hook (catalog, store) has run.
+        notifier.ready(f"serving on {where}")
         if ready is not None:
             ready.set()
         await stop.wait()
         logs.event("stopping", reason="signal")
+        notifier.stopping("stopping: finishing requests, stopping engines")
     finally:
         services.stopping = True
         # Stops accepting, waits for in-flight handlers up to shutdown_timeout, cancels the rest.
@@ -150,21 +185,30 @@ async def run(
                 await hook()
             except Exception:
                 logging.getLogger("modeld").exception("stop hook failed")
-        if sock is not None:
+        # An inherited socket's path belongs to modeld.socket: removing it would break the
+        # next activation.
+        if sock is not None and not inherited:
             with contextlib.suppress(OSError):
                 settings.socket_path.unlink()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        await reloader.close()
+        watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
         lock.close()
         logs.event("stopped")
+        notifier.close()
 
 
 def serve(settings: Settings) -> int:
     """Run the daemon; return the process exit status."""
     logs.setup(settings.log_level)
+    notifier = Notifier.from_environ()
     try:
-        asyncio.run(run(settings))
+        asyncio.run(run(settings, notifier=notifier))
     except ModeldError as e:
         logs.event("start_failed", logging.ERROR, code=e.code, message=e.message)
+        notifier.status(f"failed: {e.message}")
         raise
     return 0

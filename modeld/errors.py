@@ -227,3 +227,13 @@ def error_from_body(status: int, body: Any) -> ModeldError:
         error.status = status  # type: ignore[misc]
         return error
     return cls(message, **details)
+
+
+# --- forbidden (403) -------------------------------------------------------------------
+
+
+class Forbidden(ModeldError, PermissionError):
+    """The peer on the socket is not in the allow-list (``allow_uids``/``allow_gids``)."""
+
+    code = "forbidden"
+    status = 403

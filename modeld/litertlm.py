@@ -31,21 +31,22 @@ MAGIC = b"LITERTLM"
 SUPPORTED_MAJOR_VERSIONS = frozenset({1})
 HEADER_BEGIN = 32
 HEADER_END_FIELD = 24
-# Real headers are a few KiB (Gemma-4 E2B: under 4 KiB); the caps bound the work done
-# on a corrupted or hostile file, not a limit any real model comes near.
+# Real headers are a few KiB with a dozen or so sections of a few items each; the caps
+# bound the work done on a corrupted or hostile file (worst case ~30 ms of flatbuffer
+# walking), not a limit any real model comes near.
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_LLM_METADATA_BYTES = 1024 * 1024
-MAX_SECTIONS = 1024
-MAX_ITEMS = 256
+MAX_SECTIONS = 256
+MAX_ITEMS = 64
+# All items together: crafted sections could share one large item vector.
+MAX_TOTAL_ITEMS = 1024
 
 MAIN_MODEL_TYPES = ("tf_lite_prefill_decode", "tf_lite_artisan_text_decoder")
 VISION_MODEL_TYPE = "tf_lite_vision_encoder"
 AUDIO_MODEL_TYPE = "tf_lite_audio_encoder_hw"
 Role = Literal["main", "vision", "audio"]
 
-_DATA_TYPE_NAMES = {
-    v: k for k, v in vars(schema.AnySectionDataType).items() if isinstance(v, int)
-}
+_DATA_TYPE_NAMES = {v: k for k, v in vars(schema.AnySectionDataType).items() if isinstance(v, int)}
 _VDATA_CLASSES: dict[int, Any] = {
     schema.VData.UInt8: schema.UInt8,
     schema.VData.Int8: schema.Int8,
@@ -253,18 +254,7 @@ def read_header_from(
     except Exception as e:
         raise corrupt(f"header flatbuffer cannot be parsed ({type(e).__name__})") from None
 
-    for s in sections:
-        what = f"section {s.index} ({s.model_type or s.data_type})"
-        if not s.begin <= s.end:
-            raise corrupt(f"{what} ends at {s.end} before it begins at {s.begin}")
-        if s.end > file_size:
-            raise corrupt(
-                f"{what} ends at byte {s.end} but the file has only {file_size} bytes; "
-                "the file is truncated"
-            )
-        if s.begin < header_end and s.end > s.begin:
-            raise corrupt(f"{what} begins at {s.begin}, inside the header (ends {header_end})")
-
+    _check_bounds(sections, header_end, file_size, corrupt)
     llm = _read_llm_metadata(pread, sections, corrupt)
     return ModelInfo(
         version=(major, minor, patch),
@@ -322,12 +312,17 @@ def _parse_flatbuffer(buf: bytes) -> tuple[list[Section], dict[str, str]]:
     if secmeta is None:
         return sections, system
     count = _vector_len(secmeta.ObjectsLength(), len(buf), MAX_SECTIONS, "section")
+    total_items = len(system)
     for i in range(count):
         obj = secmeta.Objects(i)
         if obj is None:
             raise _Bad(f"section {i} is missing")
         items: dict[str, str] = {}
-        for j in range(_vector_len(obj.ItemsLength(), len(buf), MAX_ITEMS, "item")):
+        n_items = _vector_len(obj.ItemsLength(), len(buf), MAX_ITEMS, "item")
+        total_items += n_items
+        if total_items > MAX_TOTAL_ITEMS:
+            raise _Bad(f"more than {MAX_TOTAL_ITEMS} items in all")
+        for j in range(n_items):
             key, value = _kv(obj.Items(j))
             items[key] = value
         model_type = items.pop("model_type", None)
@@ -351,6 +346,25 @@ def _parse_flatbuffer(buf: bytes) -> tuple[list[Section], dict[str, str]]:
             )
         )
     return sections, system
+
+
+def _check_bounds(
+    sections: list[Section],
+    header_end: int,
+    file_size: int,
+    corrupt: Callable[[str], CorruptModel],
+) -> None:
+    for s in sections:
+        what = f"section {s.index} ({s.model_type or s.data_type})"
+        if not s.begin <= s.end:
+            raise corrupt(f"{what} ends at {s.end} before it begins at {s.begin}")
+        if s.end > file_size:
+            raise corrupt(
+                f"{what} ends at byte {s.end} but the file has only {file_size} bytes; "
+                "the file is truncated"
+            )
+        if s.begin < header_end and s.end > s.begin:
+            raise corrupt(f"{what} begins at {s.begin}, inside the header (ends {header_end})")
 
 
 def _read_llm_metadata(

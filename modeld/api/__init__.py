@@ -14,8 +14,9 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from modeld import logs
-from modeld.api import system
+from modeld.api import models, system
 from modeld.errors import Busy, ModeldError
+from modeld.peers import enforce as enforce_peer
 from modeld.services import Services
 
 SERVICES: web.AppKey[Services] = web.AppKey("services", Services)
@@ -25,7 +26,7 @@ MAX_BODY = 64 * 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-ROUTE_MODULES = [system]
+ROUTE_MODULES = [system, models]
 
 
 def error_response(err: ModeldError) -> web.Response:
@@ -60,6 +61,8 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
     route = request.match_info.route.resource
     route_name = route.canonical if route is not None else "unmatched"
     try:
+        # Allow-lists are read from services.settings on each request, so SIGHUP applies them.
+        enforce_peer(services.settings, request.transport)
         response = await handler(request)
     except ModeldError as e:
         response = error_response(e)
