@@ -1,0 +1,364 @@
+"""The catalog: registry entries loaded from TOML files, validated, merged and live-reloaded.
+
+One file per model, named ``<id>.toml`` (DESIGN.md's format). Dirs merge in order: the
+bundled ``registry/`` first, then each ``MODELD_REGISTRY`` dir; a later dir overrides an
+earlier one by id. A bad file is reported (path, key, what is wrong) and skipped; it never
+hides the good entries. Two files with the same id inside one dir are both refused, since
+either could be the one the admin meant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from modeld import logs
+from modeld.errors import ModelNotFound
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+ID_RE = re.compile(ID_PATTERN)
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+# watchfiles waits this long for more changes before it reports a batch; its default
+# (1.6 s) would break the promise that an edit shows within a second.
+WATCH_DEBOUNCE_MS = 150
+WATCH_STEP_MS = 50
+WATCH_IDLE_MS = 500
+
+Backend = Literal["cpu", "gpu"]
+
+
+class _Strict(BaseModel):
+    # Unknown keys are typos; TOML already gives real ints and bools, so no coercion.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Limits(_Strict):
+    """Per-model caps the pool and the generate route apply."""
+
+    max_tokens: int | None = Field(default=None, gt=0)
+    vision_max_tokens: int | None = Field(default=None, gt=0)
+    max_images: int | None = Field(default=None, ge=0)
+    speculative_decoding: bool | None = None
+
+
+class Backends(_Strict):
+    """Per-model backend preference; overrides the settings, never the file's constraints."""
+
+    main: Backend | None = None
+    vision: Backend | None = None
+
+
+class Entry(_Strict):
+    """One registry entry, exactly DESIGN.md's registry format."""
+
+    id: str = Field(pattern=ID_PATTERN)
+    display_name: str = Field(min_length=1, max_length=200)
+    file_name: str = Field(min_length=1, max_length=255)
+    urls: list[str] = Field(min_length=1)
+    size: int = Field(gt=0)
+    sha256: str | None = Field(default=None, pattern=SHA256_RE.pattern)
+    limits: Limits = Field(default_factory=Limits)
+    backends: Backends = Field(default_factory=Backends)
+
+    @field_validator("file_name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        # ``export`` writes the file under this name: it must never leave the target dir.
+        if "/" in v or "\\" in v or "\0" in v or v in (".", "..") or ".." in v:
+            raise ValueError("must be a plain file name without separators or '..'")
+        return v
+
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{url!r} is not an http(s) URL with a host")
+        return v
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A registry file that could not be used, and why."""
+
+    path: Path
+    key: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.path}: {self.key}" if self.key else str(self.path)
+        return f"{where}: {self.message}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": str(self.path), "key": self.key, "message": self.message}
+
+
+@dataclass(frozen=True)
+class Change:
+    """What one reload changed, by id."""
+
+    added: frozenset[str]
+    changed: frozenset[str]
+    removed: frozenset[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.changed or self.removed)
+
+
+def bundled_registry_dir() -> Path:
+    """The registry shipped with modeld.
+
+    The files live in the repo's ``registry/``; ``modeld/registry`` is a symlink to it,
+    so an editable install and a wheel (setuptools copies the files as package data)
+    find them at the same place.
+    """
+    with contextlib.suppress(ModuleNotFoundError, TypeError):
+        path = Path(str(resources.files("modeld") / "registry"))
+        if path.is_dir():
+            return path.resolve()
+    return Path(__file__).resolve().parent.parent / "registry"
+
+
+def _key_of(loc: tuple[int | str, ...]) -> str | None:
+    key = ".".join(str(p) for p in loc)
+    return key or None
+
+
+def load_file(path: Path) -> tuple[Entry | None, list[Problem]]:
+    """Parse and validate one registry file; usable only when no problem is returned."""
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        return None, [Problem(path, None, f"not valid TOML ({e}); fix the syntax")]
+    except OSError as e:
+        return None, [Problem(path, None, f"cannot be read ({e.strerror or e})")]
+    try:
+        entry = Entry.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            key = _key_of(err["loc"])
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key (a typo?); see the README's registry format"
+            elif err["type"] == "missing":
+                msg = "required key is missing"
+            else:
+                msg = err["msg"]
+            problems.append(Problem(path, key, msg))
+        return None, problems
+    if path.name != f"{entry.id}.toml":
+        # The entry is still returned, so a duplicate id in the dir is found for both files.
+        return entry, [
+            Problem(path, "id", f"id {entry.id!r} must match the file name ({entry.id}.toml)")
+        ]
+    return entry, []
+
+
+def load_dir(directory: Path) -> tuple[dict[str, tuple[Entry, Path]], list[Problem]]:
+    """Every good entry of one dir, by id, and the problems of the bad files."""
+    problems: list[Problem] = []
+    if not directory.is_dir():
+        return {}, [
+            Problem(
+                directory, None, "registry dir does not exist; create it or fix MODELD_REGISTRY"
+            )
+        ]
+    found: dict[str, list[tuple[Entry, Path, bool]]] = {}
+    for path in sorted(directory.glob("*.toml")):
+        # Editors' temp files (``.#x.toml``) and hidden files are not entries.
+        if path.name.startswith(".") or not path.is_file():
+            continue
+        entry, errs = load_file(path)
+        problems += errs
+        if entry is not None:
+            found.setdefault(entry.id, []).append((entry, path, not errs))
+    entries: dict[str, tuple[Entry, Path]] = {}
+    for model_id, hits in found.items():
+        if len(hits) == 1:
+            entry, path, good = hits[0]
+            if good:
+                entries[model_id] = (entry, path)
+            continue
+        names = ", ".join(p.name for _, p, _ in hits)
+        for _, path, _ in hits:
+            problems.append(
+                Problem(
+                    path,
+                    "id",
+                    f"id {model_id!r} is defined more than once in this dir ({names}); keep one",
+                )
+            )
+    return entries, problems
+
+
+class Catalog:
+    """The merged, validated registry; ``get`` never sees a bad entry."""
+
+    def __init__(self, dirs: Sequence[Path]) -> None:
+        self.dirs = [Path(d) for d in dirs]
+        self._entries: dict[str, Entry] = {}
+        self._sources: dict[str, Path] = {}
+        self.problems: list[Problem] = []
+        self.listeners: list[Callable[[Change], None]] = []
+        self._watcher: asyncio.Task[None] | None = None
+        self._stop: asyncio.Event | None = None
+        self.reload()
+
+    # --- reading ---------------------------------------------------------------------
+
+    def get(self, model_id: str) -> Entry:
+        entry = self._entries.get(model_id)
+        if entry is None:
+            raise ModelNotFound(
+                f"no model {model_id!r} in the catalog; `modeld list` shows the known ids"
+            )
+        return entry
+
+    def find(self, model_id: str) -> Entry | None:
+        return self._entries.get(model_id)
+
+    def source_of(self, model_id: str) -> Path | None:
+        return self._sources.get(model_id)
+
+    def entries(self) -> list[Entry]:
+        return [self._entries[k] for k in sorted(self._entries)]
+
+    def __contains__(self, model_id: object) -> bool:
+        return model_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # --- loading ---------------------------------------------------------------------
+
+    def reload(self) -> Change:
+        """Read every dir again; swap in the result at once (readers never see a half)."""
+        entries: dict[str, Entry] = {}
+        sources: dict[str, Path] = {}
+        problems: list[Problem] = []
+        for directory in self.dirs:
+            found, errs = load_dir(directory)
+            problems += errs
+            for model_id, (entry, path) in found.items():
+                entries[model_id] = entry
+                sources[model_id] = path
+        old = self._entries
+        change = Change(
+            added=frozenset(entries.keys() - old.keys()),
+            changed=frozenset(k for k in entries.keys() & old.keys() if entries[k] != old[k]),
+            removed=frozenset(old.keys() - entries.keys()),
+        )
+        self._entries, self._sources = entries, sources
+        if [str(p) for p in problems] != [str(p) for p in self.problems]:
+            for p in problems:
+                logs.event("registry_problem", path=str(p.path), key=p.key, message=p.message)
+        self.problems = problems
+        if change:
+            logs.event(
+                "catalog_reloaded",
+                entries=len(entries),
+                added=",".join(sorted(change.added)) or None,
+                changed=",".join(sorted(change.changed)) or None,
+                removed=",".join(sorted(change.removed)) or None,
+            )
+            for listener in self.listeners:
+                listener(change)
+        return change
+
+    def status(self) -> dict[str, Any]:
+        """The ``catalog`` section of ``/api/status``."""
+        n = len(self._entries)
+        summary = f"{n} model{'s' if n != 1 else ''} from {len(self.dirs)} registry dir(s)"
+        if self.problems:
+            summary += f"; {len(self.problems)} problem(s) in registry files"
+        return {
+            "summary": summary,
+            "entries": n,
+            "dirs": [str(d) for d in self.dirs],
+            "watching": self._watcher is not None and not self._watcher.done(),
+            "problems": [str(p) for p in self.problems],
+            "problem_details": [p.to_dict() for p in self.problems],
+        }
+
+    # --- live reload -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start watching the registry dirs (a start hook)."""
+        if self._watcher is None or self._watcher.done():
+            self._stop = asyncio.Event()
+            self._watcher = asyncio.create_task(self._watch(self._stop), name="catalog-watch")
+
+    async def stop(self) -> None:
+        """Stop watching (a stop hook; idempotent)."""
+        task, self._watcher = self._watcher, None
+        if self._stop is not None:
+            self._stop.set()
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _watched(self) -> list[Path]:
+        return [d for d in self.dirs if d.is_dir()]
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        from watchfiles import awatch
+
+        while not stop.is_set():
+            paths = self._watched()
+            if not paths:
+                return
+            caught_up = False
+            try:
+                async for changes in awatch(
+                    *paths,
+                    stop_event=stop,
+                    debounce=WATCH_DEBOUNCE_MS,
+                    step=WATCH_STEP_MS,
+                    watch_filter=_toml_filter,
+                    recursive=False,
+                    # An empty batch every WATCH_IDLE_MS tells that the watcher is live:
+                    # the first one triggers a catch-up reload for edits made while it
+                    # was being set up.
+                    yield_on_timeout=True,
+                    rust_timeout=WATCH_IDLE_MS,
+                ):
+                    if changes or not caught_up:
+                        caught_up = True
+                        self.reload()
+            except Exception as e:  # a watched dir vanished, inotify limits: keep serving
+                logs.event("catalog_watch_failed", error=f"{type(e).__name__}: {e}")
+                self.reload()
+                await asyncio.sleep(1.0)
+
+
+def _toml_filter(_change: Any, path: str) -> bool:
+    return path.endswith(".toml")
+
+
+def outdated(entry: Entry | None, digest: str, size: int) -> bool:
+    """Whether an installed file is no longer the one the entry describes.
+
+    True when the entry names another sha256 or another size (an entry without sha256
+    that moved to a new revision changes its size, as the E2B file did).
+    """
+    if entry is None:
+        return False
+    if entry.sha256 is not None and entry.sha256 != digest:
+        return True
+    return entry.size != size

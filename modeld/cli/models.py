@@ -1,0 +1,164 @@
+"""``list``, ``show`` and ``verify``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+from rich.markup import escape
+
+from modeld.cli.common import call, console, emit, err_console, json_option, table
+from modeld.config import format_duration, format_size
+from modeld.errors import IntegrityError
+
+_STATE_STYLE = {
+    "installed": "green",
+    "outdated": "yellow",
+    "missing": "red",
+    "not_installed": "dim",
+}
+
+
+def _state(m: dict[str, Any]) -> str:
+    label = m["state"].replace("_", " ")
+    return f"[{_STATE_STYLE.get(m['state'], '')}]{label}[/]"
+
+
+def _verified(inst: dict[str, Any] | None) -> str:
+    if inst is None:
+        return "-"
+    return inst["verified_by"] if inst["verified"] else "[yellow]UNVERIFIED[/]"
+
+
+def _ago(t: float | None) -> str:
+    return "never" if t is None else f"{format_duration(time.time() - t)} ago"
+
+
+def _print_list(doc: dict[str, Any]) -> None:
+    t = table("ID", "SIZE", "STATE", "VERIFIED", "LAST USED")
+    for m in doc["models"]:
+        inst = m["installed"]
+        size = inst["size"] if inst else m["size"]
+        t.add_row(
+            m["id"] + ("" if m["in_catalog"] else " [dim](not in catalog)[/]"),
+            format_size(size) if size is not None else "-",
+            _state(m),
+            _verified(inst),
+            _ago(inst["last_used"]) if inst else "-",
+        )
+    if doc["models"]:
+        console.print(t)
+    else:
+        console.print("no models")
+    for p in doc["problems"]:
+        err_console.print(f"[yellow]! registry: {escape(p)}[/]")
+
+
+@click.command(name="list")
+@click.option("--installed", is_flag=True, help="Only installed models.")
+@json_option
+@click.pass_context
+def list_(ctx: click.Context, installed: bool, as_json: bool) -> None:
+    """List the catalog's models with their install state."""
+    doc = call(ctx, lambda c: c.models(installed=installed))
+    emit(as_json, doc, _print_list)
+
+
+def _print_plan(name: str, p: dict[str, Any]) -> None:
+    if p["plan"] is not None:
+        plan = p["plan"]
+        text = f"main={plan['main']} vision={plan['vision'] or 'none'}"
+        if plan["fell_back"]:
+            text += " [yellow](fell back to cpu: the GPU probe failed)[/]"
+        if p.get("needs_probe"):
+            text += f" [dim](not probed yet: {', '.join(p['needs_probe'])})[/]"
+        console.print(f"    {name:<8} {text}")
+    else:
+        console.print(f"    {name:<8} [red]none[/]: {escape(p['error']['message'])}")
+
+
+def _print_show(m: dict[str, Any]) -> None:
+    console.print(f"[bold]{m['id']}[/] {escape(m['display_name'])}  {_state(m)}")
+    entry = m["entry"]
+    if entry:
+        console.print(f"  file      {entry['file_name']} ({format_size(entry['size'])})")
+        console.print(f"  sha256    {entry['sha256'] or '(none: the server vouches)'}")
+        for url in entry["urls"]:
+            console.print(f"  url       {escape(url)}", overflow="ignore", crop=False)
+        limits = {k: v for k, v in entry["limits"].items() if v is not None}
+        if limits:
+            console.print("  limits    " + " ".join(f"{k}={v}" for k, v in limits.items()))
+        console.print(f"  registry  {escape(str(m['source']))}")
+    else:
+        console.print("  [yellow]not in the catalog[/]")
+    inst = m["installed"]
+    if inst:
+        console.print(f"  installed {escape(inst['path'])} ({format_size(inst['size'])})")
+        console.print(f"  digest    sha256:{inst['digest']}")
+        console.print(f"  verified  {_verified(inst)}")
+        console.print(f"  last used {_ago(inst['last_used'])}")
+        if inst["outdated"]:
+            console.print(
+                "  [yellow]outdated: the catalog now names another file; "
+                f"`modeld pull {m['id']}` fetches it[/]"
+            )
+    header = m["header"]
+    if header:
+        llm = header["llm_metadata"] or {}
+        console.print(
+            f"  format    LiteRT-LM {header['version']}, model type "
+            f"{llm.get('model_type') or '?'}, max tokens {llm.get('max_num_tokens') or '?'}"
+        )
+        console.print("  sections")
+        for s in header["sections"]:
+            kind = s["model_type"] or s["data_type"]
+            constraint = s["backend_constraint"]
+            where = f" backends={','.join(constraint)}" if constraint else ""
+            console.print(f"    {s['index']:>2} {kind:<28} {format_size(s['size']):>10}{where}")
+    elif m["header_error"]:
+        console.print(f"  [red]header: {escape(m['header_error']['message'])}[/]")
+    console.print("  plans")
+    for name, p in m["plans"].items():
+        _print_plan(name, p)
+    if m["probes"]:
+        console.print("  probes")
+        for backend, p in m["probes"].items():
+            result = "ok" if p["ok"] else f"[red]failed[/]: {escape(str(p['reason']))}"
+            console.print(f"    {backend:<4} {result} ({_ago(p['at'])})")
+
+
+@click.command()
+@click.argument("model_id", metavar="ID")
+@json_option
+@click.pass_context
+def show(ctx: click.Context, model_id: str, as_json: bool) -> None:
+    """Show one model: entry, install state, sections, backend plans, probe results."""
+    doc = call(ctx, lambda c: c.model(model_id))
+    emit(as_json, doc, _print_show)
+
+
+def _print_verify(doc: dict[str, Any]) -> None:
+    if doc["ok"]:
+        extra = f"; verified by {doc['verified_by']}" if doc["verified_by"] else "; UNVERIFIED"
+        console.print(
+            f"[green]ok[/] {doc['id']}: sha256 {doc['actual_digest']} "
+            f"({format_size(doc['actual_size'])}, {doc['seconds']:.1f} s){extra}"
+        )
+        if doc["outdated"]:
+            console.print(
+                f"[yellow]outdated: the catalog now names another file; "
+                f"`modeld pull {doc['id']}` fetches it[/]"
+            )
+
+
+@click.command()
+@click.argument("model_id", metavar="ID")
+@json_option
+@click.pass_context
+def verify(ctx: click.Context, model_id: str, as_json: bool) -> None:
+    """Re-hash an installed model's file; a mismatching file is quarantined (exit 1)."""
+    doc = call(ctx, lambda c: c.verify(model_id))
+    emit(as_json, doc, _print_verify)
+    if not doc["ok"]:
+        raise IntegrityError(doc["message"])

@@ -1,0 +1,639 @@
+"""The state dir: content-addressed blobs on disk and the SQLite index that names them.
+
+Layout of ``MODELD_HOME``: ``blobs/sha256-<hex>`` (read-only model files), ``partial/``
+(downloads in progress), ``cache/<hex>/`` (the runtime's ``cache_dir`` per blob) and
+``modeld.db``. A digest is checked against ``DIGEST_RE`` before it becomes a path; a model
+id never becomes a path at all.
+
+SQLite runs in WAL mode with a busy timeout. Every write goes through one writer thread,
+one transaction at a time, each opened with ``BEGIN IMMEDIATE``: a deferred transaction
+that later upgrades to a write can fail with SQLITE_BUSY despite the busy timeout.
+
+A new blob is committed in this order: fsync the file, rename it into ``blobs/``, fsync
+the dir, then write the row. A crash at any point leaves at worst a file without a row
+(an orphan, reported at start-up), never a row that points at a missing file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import os
+import queue
+import re
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import sqlite_utils
+
+from modeld import logs
+from modeld.errors import BadRequest, IntegrityError, ModelNotInstalled
+from modeld.store_scan import ScanReport, scan_state_dir, sha256_file
+
+__all__ = ["DIGEST_RE", "Installed", "ScanReport", "Store", "VerifyReport", "sha256_file"]
+
+T = TypeVar("T")
+
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+_MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+BUSY_TIMEOUT_MS = 10_000
+SCHEMA_VERSION = 1
+_FAILED = ".FAILED"
+
+
+@dataclass(frozen=True)
+class Installed:
+    """One installed model: a row of ``installed`` and the blob it names."""
+
+    model_id: str
+    digest: str
+    size: int
+    # How the bytes were vouched for, e.g. "registry sha256" or
+    # "x-linked-etag (huggingface.co)"; None means nobody did (unverified).
+    verified_by: str | None
+    installed_at: float
+    last_used: float | None
+    path: Path
+
+    @property
+    def verified(self) -> bool:
+        return self.verified_by is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.model_id,
+            "digest": self.digest,
+            "size": self.size,
+            "verified": self.verified,
+            "verified_by": self.verified_by,
+            "installed_at": self.installed_at,
+            "last_used": self.last_used,
+            "path": str(self.path),
+        }
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The outcome of re-hashing one installed blob."""
+
+    model_id: str
+    ok: bool
+    digest: str
+    actual: str | None
+    size: int
+    actual_size: int
+    seconds: float
+    quarantined: Path | None
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.model_id,
+            "ok": self.ok,
+            "digest": self.digest,
+            "actual_digest": self.actual,
+            "size": self.size,
+            "actual_size": self.actual_size,
+            "seconds": round(self.seconds, 3),
+            "quarantined": str(self.quarantined) if self.quarantined else None,
+            "message": self.message,
+        }
+
+
+_Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any], asyncio.AbstractEventLoop]
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    # isolation_level=None: no implicit BEGIN; the writer issues BEGIN IMMEDIATE itself.
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn.row_factory = sqlite3.Row
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    conn.execute("PRAGMA foreign_keys = ON")
+    return conn
+
+
+def _create_schema(conn: sqlite3.Connection) -> None:
+    conn.execute("PRAGMA journal_mode = WAL")
+    # FULL: a committed row survives power loss, so it never outlives its fsynced blob.
+    conn.execute("PRAGMA synchronous = FULL")
+    db = sqlite_utils.Database(conn)
+    db.table("installed").create(
+        {
+            "id": str,
+            "digest": str,
+            "size": int,
+            "verified_by": str,
+            "installed_at": float,
+            "last_used": float,
+            # Set when start-up found the blob gone: the model counts as not installed.
+            "missing_since": float,
+        },
+        pk="id",
+        not_null={"digest", "size", "installed_at"},
+        if_not_exists=True,
+    )
+    db.table("memory").create(
+        {"digest": str, "plan_key": str, "max_tokens": int, "pss": int, "measured_at": float},
+        pk=("digest", "plan_key", "max_tokens"),
+        not_null={"pss", "measured_at"},
+        if_not_exists=True,
+    )
+    db.table("probes").create(
+        {"digest": str, "backend": str, "ok": int, "reason": str, "at": float},
+        pk=("digest", "backend"),
+        not_null={"ok", "at"},
+        if_not_exists=True,
+    )
+    db.table("events").create(
+        {"seq": int, "at": float, "kind": str, "fields": str},
+        pk="seq",
+        not_null={"at", "kind"},
+        if_not_exists=True,
+    )
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _installed_from(row: sqlite3.Row, blobs: Path) -> Installed:
+    return Installed(
+        model_id=row["id"],
+        digest=row["digest"],
+        size=row["size"],
+        verified_by=row["verified_by"],
+        installed_at=row["installed_at"],
+        last_used=row["last_used"],
+        path=blobs / f"sha256-{row['digest']}",
+    )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Store:
+    """Blobs, partials and caches under ``home``, indexed in ``home/modeld.db``."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = Path(home)
+        self.db_path = self.home / "modeld.db"
+        self.blobs_dir = self.home / "blobs"
+        self.partial_dir = self.home / "partial"
+        self.cache_dir = self.home / "cache"
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._reader: sqlite3.Connection | None = None
+        self._read_lock = threading.Lock()
+        self.last_scan: ScanReport | None = None
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create the dirs and the db, start the writer, and scan for leftovers."""
+        if self._writer is not None:
+            return
+        for d in (self.home, self.blobs_dir, self.partial_dir, self.cache_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._writer = threading.Thread(
+            target=self._write_loop,
+            args=(started, asyncio.get_running_loop()),
+            name="modeld-db-writer",
+            daemon=True,
+        )
+        self._writer.start()
+        await started
+        self._reader = _connect(self.db_path)
+        await self.scan()
+
+    async def close(self) -> None:
+        """Finish queued writes and close the db (a stop hook; idempotent)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            self._queue.put(None)
+            await asyncio.to_thread(writer.join)
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            with self._read_lock:
+                reader.close()
+
+    def _write_loop(self, started: asyncio.Future[None], loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            conn = _connect(self.db_path)
+            _create_schema(conn)
+        except Exception as e:
+            loop.call_soon_threadsafe(started.set_exception, e)
+            return
+        loop.call_soon_threadsafe(started.set_result, None)
+        try:
+            while (job := self._queue.get()) is not None:
+                fn, fut, job_loop = job
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    result = fn(conn)
+                    # executescript() commits on its own (fine for idempotent DDL).
+                    if conn.in_transaction:
+                        conn.execute("COMMIT")
+                except BaseException as e:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    self._settle(job_loop, fut, None, e)
+                else:
+                    self._settle(job_loop, fut, result, None)
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _settle(
+        loop: asyncio.AbstractEventLoop,
+        fut: asyncio.Future[Any],
+        result: Any,
+        error: BaseException | None,
+    ) -> None:
+        def settle() -> None:
+            if fut.done():  # the caller was cancelled; the write itself still happened
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        # The loop may already be closed when a caller gave up during shutdown.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle)
+
+    # --- transactions ----------------------------------------------------------------
+
+    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn`` in one ``BEGIN IMMEDIATE`` transaction on the single writer thread."""
+        if self._writer is None:
+            raise RuntimeError("Store.write before Store.open")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._queue.put((fn, fut, loop))
+        return await fut
+
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn`` on the read connection in a thread (WAL: never blocked by the writer)."""
+        if self._reader is None:
+            raise RuntimeError("Store.read before Store.open")
+        reader = self._reader
+
+        def run() -> T:
+            with self._read_lock:
+                reader.execute("BEGIN")
+                try:
+                    return fn(reader)
+                finally:
+                    reader.execute("COMMIT")
+
+        return await asyncio.to_thread(run)
+
+    # --- paths -----------------------------------------------------------------------
+
+    def blob_path(self, digest: str) -> Path:
+        if not DIGEST_RE.fullmatch(digest):
+            raise BadRequest(f"{digest!r} is not a sha256 digest (64 lowercase hex digits)")
+        return self.blobs_dir / f"sha256-{digest}"
+
+    def cache_dir_for(self, digest: str) -> Path:
+        """``cache/<digest>/``: the runtime's cache_dir for this blob."""
+        self.blob_path(digest)
+        return self.cache_dir / digest
+
+    # --- installed models ------------------------------------------------------------
+
+    async def install(
+        self, model_id: str, src: Path, digest: str, size: int, verified_by: str | None
+    ) -> Installed:
+        """Move ``src`` into ``blobs/`` and record it as ``model_id`` (replacing its old row).
+
+        ``src`` should be on the state dir's file system (``partial/``); if not, it is
+        copied first. The caller vouches for ``digest``; only the size is checked here.
+        """
+        if not _MODEL_ID_RE.fullmatch(model_id):
+            raise BadRequest(f"{model_id!r} is not a valid model id")
+        dest = self.blob_path(digest)
+        await asyncio.to_thread(self._place_blob, Path(src), dest, size)
+        now = time.time()
+
+        def tx(conn: sqlite3.Connection) -> str | None:
+            old = conn.execute("SELECT digest FROM installed WHERE id = ?", (model_id,)).fetchone()
+            conn.execute(
+                "INSERT OR REPLACE INTO installed"
+                " (id, digest, size, verified_by, installed_at, last_used, missing_since)"
+                " VALUES (?, ?, ?, ?, ?, NULL, NULL)",
+                (model_id, digest, size, verified_by, now),
+            )
+            return old["digest"] if old is not None and old["digest"] != digest else None
+
+        replaced = await self.write(tx)
+        if replaced is not None:
+            await self._drop_blob_if_unused(replaced)
+        await self.event(
+            "installed", model=model_id, digest=digest, size=size, verified_by=verified_by
+        )
+        return Installed(model_id, digest, size, verified_by, now, None, dest)
+
+    def _place_blob(self, src: Path, dest: Path, size: int) -> None:
+        actual = src.stat().st_size
+        if actual != size:
+            raise IntegrityError(f"{src} has {actual} bytes, expected {size}; it was not installed")
+        _fsync_file(src)
+        src.chmod(0o444)
+        try:
+            src.replace(dest)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            # Another file system: copy next to the blobs first, so the rename is atomic.
+            tmp = self.partial_dir / f"{dest.name}.install-{os.getpid()}"
+            shutil.copyfile(src, tmp)
+            _fsync_file(tmp)
+            tmp.chmod(0o444)
+            tmp.replace(dest)
+            src.unlink()
+        _fsync_dir(self.blobs_dir)
+
+    async def installed(self, model_id: str) -> Installed | None:
+        """The model's install, or None (also when start-up found its blob missing)."""
+
+        def q(conn: sqlite3.Connection) -> sqlite3.Row | None:
+            row: sqlite3.Row | None = conn.execute(
+                "SELECT * FROM installed WHERE id = ? AND missing_since IS NULL", (model_id,)
+            ).fetchone()
+            return row
+
+        row = await self.read(q)
+        return _installed_from(row, self.blobs_dir) if row is not None else None
+
+    async def list_installed(self) -> list[Installed]:
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT * FROM installed WHERE missing_since IS NULL ORDER BY id"
+            ).fetchall()
+        )
+        return [_installed_from(r, self.blobs_dir) for r in rows]
+
+    async def missing(self) -> dict[str, float]:
+        """Models whose row survives but whose blob was gone at the last scan: id -> since."""
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT id, missing_since FROM installed WHERE missing_since IS NOT NULL"
+            ).fetchall()
+        )
+        return {r["id"]: r["missing_since"] for r in rows}
+
+    async def remove(self, model_id: str) -> None:
+        """Remove the row, and the blob and its cache if no other row uses them."""
+
+        def tx(conn: sqlite3.Connection) -> str | None:
+            row = conn.execute("SELECT digest FROM installed WHERE id = ?", (model_id,)).fetchone()
+            if row is None:
+                return None
+            conn.execute("DELETE FROM installed WHERE id = ?", (model_id,))
+            digest: str = row["digest"]
+            return digest
+
+        digest = await self.write(tx)
+        if digest is None:
+            raise ModelNotInstalled(f"model {model_id} is not installed; nothing to remove")
+        await self._drop_blob_if_unused(digest)
+        await self.event("removed", model=model_id, digest=digest)
+
+    async def _drop_blob_if_unused(self, digest: str) -> None:
+        users = await self.read(
+            lambda c: c.execute(
+                "SELECT count(*) FROM installed WHERE digest = ?", (digest,)
+            ).fetchone()[0]
+        )
+        if users:
+            return
+
+        def drop() -> None:
+            self.blob_path(digest).unlink(missing_ok=True)
+            shutil.rmtree(self.cache_dir_for(digest), ignore_errors=True)
+
+        await asyncio.to_thread(drop)
+
+    async def touch(self, model_id: str) -> None:
+        now = time.time()
+        await self.write(
+            lambda c: c.execute("UPDATE installed SET last_used = ? WHERE id = ?", (now, model_id))
+        )
+
+    async def set_verified(self, model_id: str, verified_by: str) -> None:
+        """Record that the installed bytes were vouched for after the fact."""
+        await self.write(
+            lambda c: c.execute(
+                "UPDATE installed SET verified_by = ? WHERE id = ?", (verified_by, model_id)
+            )
+        )
+        await self.event("verified", model=model_id, verified_by=verified_by)
+
+    # --- verification ----------------------------------------------------------------
+
+    async def verify(self, model_id: str) -> VerifyReport:
+        """Re-hash the model's blob; a mismatching blob is quarantined and the row removed.
+
+        The bad file is renamed to ``blobs/sha256-<hex>.FAILED`` (apt's convention) so it
+        can be inspected, and it no longer counts as installed: ``modeld pull`` fetches a
+        good copy; ``modeld prune --orphans`` deletes the quarantined file.
+        """
+        inst = await self.installed(model_id)
+        if inst is None:
+            raise ModelNotInstalled(
+                f"model {model_id} is not installed; run `modeld pull {model_id}`"
+            )
+        started = time.monotonic()
+        try:
+            actual, actual_size = await asyncio.to_thread(sha256_file, inst.path)
+        except FileNotFoundError:
+            await self.scan()
+            raise ModelNotInstalled(
+                f"model {model_id}: its file {inst.path} is gone; run `modeld pull {model_id}`"
+            ) from None
+        seconds = time.monotonic() - started
+        if actual == inst.digest and actual_size == inst.size:
+            await self.event("verify_ok", model=model_id, digest=actual, seconds=seconds)
+            return VerifyReport(
+                model_id,
+                True,
+                inst.digest,
+                actual,
+                inst.size,
+                actual_size,
+                seconds,
+                None,
+                f"model {model_id}: sha256 {actual} matches ({actual_size} bytes)",
+            )
+        moved = await self._quarantine(inst.digest)
+        await self.event(
+            "verify_failed",
+            model=model_id,
+            digest=inst.digest,
+            actual=actual,
+            actual_size=actual_size,
+            quarantined=str(moved),
+        )
+        return VerifyReport(
+            model_id,
+            False,
+            inst.digest,
+            actual,
+            inst.size,
+            actual_size,
+            seconds,
+            moved,
+            f"model {model_id}: the file's sha256 is {actual} ({actual_size} bytes), expected "
+            f"{inst.digest} ({inst.size} bytes); it was moved to {moved} and the model is no "
+            f"longer installed. Run `modeld pull {model_id}` to fetch a good copy",
+        )
+
+    async def _quarantine(self, digest: str) -> Path:
+        src = self.blob_path(digest)
+
+        def move() -> Path:
+            dest = src.with_name(src.name + _FAILED)
+            if dest.exists():
+                dest = src.with_name(f"{src.name}{_FAILED}.{int(time.time())}")
+            src.replace(dest)
+            _fsync_dir(self.blobs_dir)
+            shutil.rmtree(self.cache_dir_for(digest), ignore_errors=True)
+            return dest
+
+        # File first, then the rows: a crash in between leaves rows that the next
+        # start-up scan marks missing, never a row that calls a bad file good.
+        dest = await asyncio.to_thread(move)
+        await self.write(lambda c: c.execute("DELETE FROM installed WHERE digest = ?", (digest,)))
+        return dest
+
+    # --- start-up scan ---------------------------------------------------------------
+
+    async def scan(self) -> ScanReport:
+        """Find orphans: files without rows, rows without files, leftover partials."""
+        rows = await self.read(
+            lambda c: c.execute("SELECT id, digest, size, missing_since FROM installed").fetchall()
+        )
+        by_id = {r["id"]: (r["digest"], r["size"], r["missing_since"]) for r in rows}
+        report = await asyncio.to_thread(
+            scan_state_dir, self.blobs_dir, self.partial_dir, self.cache_dir, by_id
+        )
+        now = time.time()
+        gone = [m for m in report.missing if by_id[m][2] is None]
+        back = [
+            m for m, (_, _, since) in by_id.items() if since is not None and m not in report.missing
+        ]
+
+        def tx(conn: sqlite3.Connection) -> None:
+            for m in gone:
+                conn.execute("UPDATE installed SET missing_since = ? WHERE id = ?", (now, m))
+            for m in back:
+                conn.execute("UPDATE installed SET missing_since = NULL WHERE id = ?", (m,))
+
+        if gone or back:
+            await self.write(tx)
+        for m in gone:
+            await self.event("blob_missing", model=m, digest=by_id[m][0])
+        self.last_scan = report
+        for problem in report.problems():
+            logs.event("store_problem", problem=problem)
+        return report
+
+    async def status(self) -> dict[str, Any]:
+        """The ``store`` section of ``/api/status``."""
+        installed = await self.list_installed()
+        total = sum(i.size for i in installed)
+        scan = self.last_scan
+        doc: dict[str, Any] = {
+            "home": str(self.home),
+            "installed": len(installed),
+            "installed_bytes": total,
+            "unverified": sorted(i.model_id for i in installed if not i.verified),
+            "scan": scan.to_dict() if scan else None,
+            "problems": scan.problems() if scan else [],
+        }
+        doc["summary"] = f"{len(installed)} installed model(s), {total} bytes in {self.blobs_dir}"
+        return doc
+
+    # --- measurements and events -----------------------------------------------------
+
+    async def record_memory(self, digest: str, plan_key: str, max_tokens: int, pss: int) -> None:
+        now = time.time()
+        await self.write(
+            lambda c: c.execute(
+                "INSERT OR REPLACE INTO memory VALUES (?, ?, ?, ?, ?)",
+                (digest, plan_key, max_tokens, pss, now),
+            )
+        )
+
+    async def measured_memory(self, digest: str, plan_key: str, max_tokens: int) -> int | None:
+        row = await self.read(
+            lambda c: c.execute(
+                "SELECT pss FROM memory WHERE digest = ? AND plan_key = ? AND max_tokens = ?",
+                (digest, plan_key, max_tokens),
+            ).fetchone()
+        )
+        return int(row["pss"]) if row is not None else None
+
+    async def record_probe(self, digest: str, backend: str, ok: bool, reason: str | None) -> None:
+        now = time.time()
+        await self.write(
+            lambda c: c.execute(
+                "INSERT OR REPLACE INTO probes VALUES (?, ?, ?, ?, ?)",
+                (digest, backend, int(ok), reason, now),
+            )
+        )
+
+    async def probes(self, digest: str) -> dict[str, dict[str, Any]]:
+        """backend -> {"ok", "reason", "at"} for this blob."""
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT backend, ok, reason, at FROM probes WHERE digest = ? ORDER BY backend",
+                (digest,),
+            ).fetchall()
+        )
+        return {
+            r["backend"]: {"ok": bool(r["ok"]), "reason": r["reason"], "at": r["at"]} for r in rows
+        }
+
+    async def event(self, kind: str, **fields: Any) -> None:
+        """Append one event to the ``events`` table (and the log)."""
+        logs.event(kind, **fields)
+        payload = json.dumps({k: v for k, v in fields.items() if v is not None}, default=str)
+        now = time.time()
+        await self.write(
+            lambda c: c.execute(
+                "INSERT INTO events (at, kind, fields) VALUES (?, ?, ?)", (now, kind, payload)
+            )
+        )
+
+    async def events(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The latest events, newest first."""
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT seq, at, kind, fields FROM events ORDER BY seq DESC LIMIT ?", (limit,)
+            ).fetchall()
+        )
+        return [
+            {"seq": r["seq"], "at": r["at"], "kind": r["kind"], "fields": json.loads(r["fields"])}
+            for r in rows
+        ]
