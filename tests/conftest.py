@@ -272,3 +272,21 @@ async def running_daemon(settings: Settings) -> AsyncIterator[InProcessDaemon]:
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+def unix_http(
+    path: Path | str, target: str = "/api/health", timeout: float = 10.0
+) -> tuple[int, Any]:
+    """One ``GET`` over a Unix socket with the stdlib only: ``(status, decoded JSON body)``."""
+    import socket as socket_mod
+
+    with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(f"GET {target} HTTP/1.0\r\nHost: modeld\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body) if body else None
