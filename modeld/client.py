@@ -116,3 +116,14 @@ class Client:
             "POST", f"/api/models/{quote(model_id, safe='')}/verify"
         )
         return result
+
+    async def remove(self, model_id: str, *, force: bool = False) -> dict[str, Any]:
+        """``DELETE /api/models/{id}``: remove the install and its partial (``force`` unloads)."""
+        path = f"/api/models/{quote(model_id, safe='')}" + ("?force=1" if force else "")
+        result: dict[str, Any] = await self.request("DELETE", path)
+        return result
+
+    async def prune(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /api/prune``: ``dry_run``, ``partials``, ``orphans``, ``unused_for``, ``to_budget``."""
+        result: dict[str, Any] = await self.request("POST", "/api/prune", body or {})
+        return result

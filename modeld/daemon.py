@@ -30,6 +30,8 @@ from modeld.config import Settings
 from modeld.errors import Conflict, ModeldError, SettingsError
 from modeld.lifecycle import Reloader
 from modeld.notify import Notifier
+from modeld.engines import register as register_engines
+from modeld.pulls import register as register_downloads
 from modeld.services import Services
 from modeld.store import Store
 
@@ -119,6 +121,10 @@ def build_services(settings: Settings) -> Services:
     services.status_sections["store"] = store.status
     services.start_hooks += [store.open, catalog.start]
     services.stop_hooks += [store.close, catalog.stop]
+    # Downloads: their stop hook (journals written, jobs stopped) runs before the store closes.
+    register_downloads(services)
+    # Engine pool: registered after the store, so its stop hook (all runners) runs first.
+    register_engines(services)
     return services
 
 

@@ -237,3 +237,13 @@ class Forbidden(ModeldError, PermissionError):
 
     code = "forbidden"
     status = 403
+
+
+# --- removal (500) ---------------------------------------------------------------------
+
+
+class RemoveFailed(ModeldError, OSError):
+    """``rm`` or ``prune`` could not delete a file (permissions, a busy mount)."""
+
+    code = "remove_failed"
+    status = 500

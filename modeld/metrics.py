@@ -97,6 +97,14 @@ class Metrics:
         self.generated_tokens = Counter(
             "modeld_generated_tokens", "Tokens generated", ["model"], registry=r
         )
+        # rm and prune
+        self.removed_bytes = Counter(
+            "modeld_removed_bytes", "Bytes freed by rm and prune, by kind of item", ["kind"],
+            registry=r,
+        )
+        self.removed_items = Counter(
+            "modeld_removed_items", "Items removed by rm and prune, by kind", ["kind"], registry=r
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

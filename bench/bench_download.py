@@ -1,0 +1,291 @@
+"""Benchmark: modeld's downloader vs aria2c (with checksum) vs curl, from nginx on loopback.
+
+Starts its own nginx (one fast server, one with ``limit_rate 20m``) on 127.0.0.1 ephemeral
+ports over a random file, warms the page cache the same way before each run, and prints
+times and ratios for: (1) one mirror, (2) fast + slow mirror, (3) kill -9 at ~50 % then
+resume (bytes fetched / file size, counted by nginx), (4) last byte → installed latency.
+
+    python bench/bench_download.py --size 2GB      # default 512MB; needs nginx, aria2c, curl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from modeld.config import format_size, parse_size  # noqa: E402
+from modeld.download import DownloadJob, Target, Tuning  # noqa: E402
+from modeld.journal import SqliteJournal  # noqa: E402
+from modeld.store import Store  # noqa: E402
+
+NGINX_CONF = """
+worker_processes 1;
+daemon off;
+user root;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    sendfile on;
+    tcp_nopush on;
+    keepalive_requests 100000;
+    log_format bytes '$bytes_sent';
+    access_log {prefix}/access.log bytes;
+    server {{ listen 127.0.0.1:{fast}; root {root}; }}
+    server {{ listen 127.0.0.1:{slow}; root {root}; limit_rate 20m; }}
+}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_file(path: Path, size: int) -> str:
+    marker = path.with_suffix(".sha256")
+    if path.exists() and path.stat().st_size == size and marker.exists():
+        return marker.read_text().strip()
+    h = hashlib.sha256()
+    with path.open("wb") as f:
+        left = size
+        while left:
+            chunk = os.urandom(min(left, 16 << 20))
+            h.update(chunk)
+            f.write(chunk)
+            left -= len(chunk)
+    marker.write_text(h.hexdigest())
+    return h.hexdigest()
+
+
+def warm(path: Path) -> None:
+    """Same state before every run: source file in the page cache, old outputs gone."""
+    with path.open("rb") as f:
+        while f.read(16 << 20):
+            pass
+
+
+def nginx_bytes(prefix: Path) -> int:
+    log = prefix / "access.log"
+    return sum(int(x) for x in log.read_text().split()) if log.exists() else 0
+
+
+def reset_log(prefix: Path, proc: subprocess.Popen[bytes]) -> None:
+    (prefix / "access.log").unlink(missing_ok=True)
+    proc.send_signal(signal.SIGUSR1)  # reopen logs
+    time.sleep(0.2)
+
+
+def timed(cmd: list[str]) -> float:
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t
+
+
+async def modeld_pull(
+    home: Path, urls: list[str], size: int, sha: str, tuning: Tuning, kill_at: float | None = None
+) -> dict[str, Any]:
+    store = Store(home)
+    await store.open()
+    try:
+        job = DownloadJob(
+            target=Target("bench", urls, size, sha),
+            partial=home / "partial" / "bench.partial",
+            journal=SqliteJournal(store),
+            installer=store.install,
+            tuning=tuning,
+        )
+        t = time.perf_counter()
+        job.start()
+        if kill_at is not None:
+            # Polling progress is the point here (a kill at a byte count, not an event).
+            while job.fetcher is None or job.fetcher.done_bytes < kill_at * size:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+            print(json.dumps({"killing_at": job.fetcher.done_bytes}), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        await job.wait()
+        return {
+            "seconds": time.perf_counter() - t,
+            "install_latency": job.install_latency,
+            "resumed": job.resumed,
+            "timings": job.timings,
+        }
+    finally:
+        await store.close()
+
+
+def child(args: argparse.Namespace) -> None:
+    """Run one pull in this process (so the parent can kill it with -9)."""
+    tuning = Tuning(args.connections, parse_size(args.piece_size), 20.0)
+    result = asyncio.run(
+        modeld_pull(Path(args.home), args.urls, args.bytes, args.sha, tuning, args.kill_at)
+    )
+    print(json.dumps(result), flush=True)
+
+
+def run_child(
+    home: Path,
+    urls: list[str],
+    size: int,
+    sha: str,
+    a: argparse.Namespace,
+    kill_at: float | None = None,
+) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--home",
+        str(home),
+        "--bytes",
+        str(size),
+        "--sha",
+        sha,
+        "--connections",
+        str(a.connections),
+        "--piece-size",
+        a.piece_size,
+        "--urls",
+        *urls,
+    ]
+    if kill_at is not None:
+        cmd += ["--kill-at", str(kill_at)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    if kill_at is None and (out.returncode != 0 or not lines):
+        raise RuntimeError(out.stderr)
+    return lines[-1] if lines else {}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", default="512MB")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--dir", default="/tmp/modeld-bench")
+    p.add_argument("--connections", type=int, default=8)
+    p.add_argument("--piece-size", default="16MiB")
+    p.add_argument("--child", action="store_true")
+    p.add_argument("--home")
+    p.add_argument("--bytes", type=int)
+    p.add_argument("--sha")
+    p.add_argument("--urls", nargs="*")
+    p.add_argument("--kill-at", type=float)
+    a = p.parse_args()
+    if a.child:
+        child(a)
+        return
+    size = parse_size(a.size)
+    work = Path(a.dir)
+    root, prefix = work / "www", work / "nginx"
+    for d in (root, prefix):
+        d.mkdir(parents=True, exist_ok=True)
+    src = root / "model.bin"
+    print(f"file: {format_size(size)} in {src}", flush=True)
+    sha = make_file(src, size)
+    fast, slow = free_port(), free_port()
+    (prefix / "nginx.conf").write_text(
+        NGINX_CONF.format(prefix=prefix, root=root, fast=fast, slow=slow)
+    )
+    nginx = subprocess.Popen(["nginx", "-c", str(prefix / "nginx.conf"), "-p", str(prefix)])
+    time.sleep(0.5)
+    fast_url, slow_url = f"http://127.0.0.1:{fast}/model.bin", f"http://127.0.0.1:{slow}/model.bin"
+    out = work / "out"
+    results: dict[str, list[float]] = {}
+    latencies: list[float] = []
+
+    def fresh() -> Path:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        warm(src)
+        return out
+
+    try:
+        for _ in range(a.runs):
+            fresh()
+            results.setdefault("curl", []).append(
+                timed(["curl", "-s", "-o", str(out / "c.bin"), fast_url])
+            )
+            aria = [
+                "aria2c",
+                "-x16",
+                "-s16",
+                "--file-allocation=none",
+                "--allow-overwrite=true",
+                "--console-log-level=error",
+                "--summary-interval=0",
+                "-d",
+                str(out),
+            ]
+            fresh()
+            results.setdefault("aria2c", []).append(timed([*aria, "-o", "a.bin", fast_url]))
+            fresh()
+            results.setdefault("aria2c --checksum", []).append(
+                timed([*aria, f"--checksum=sha-256={sha}", "-o", "a.bin", fast_url])
+            )
+            fresh()
+            results.setdefault("aria2c fast+slow", []).append(
+                timed([*aria, "-o", "a.bin", fast_url, slow_url])
+            )
+            fresh()
+            r = run_child(out / "home1", [fast_url], size, sha, a)
+            results.setdefault("modeld", []).append(r["seconds"])
+            latencies.append(r["install_latency"])
+            print("modeld", r, flush=True)
+            fresh()
+            r = run_child(out / "home2", [fast_url, slow_url], size, sha, a)
+            results.setdefault("modeld fast+slow", []).append(r["seconds"])
+        # (3) kill -9 at ~50 %, then resume: bytes nginx sent / file size.
+        fresh()
+        reset_log(prefix, nginx)
+        run_child(out / "home3", [fast_url], size, sha, a, kill_at=0.5)
+        r = run_child(out / "home3", [fast_url], size, sha, a)
+        time.sleep(0.3)
+        resume_ratio = nginx_bytes(prefix) / size
+    finally:
+        nginx.terminate()
+        nginx.wait()
+        shutil.rmtree(out, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in results.items()}
+    print(
+        f"\nmedian of {a.runs} runs, {format_size(size)}, connections={a.connections}, "
+        f"piece={a.piece_size}"
+    )
+    for k, v in med.items():
+        print(f"  {k:<20} {v:7.2f} s  ({size / v / 1e6:7.0f} MB/s)")
+    print("goals:")
+    print(f"  (1) modeld / curl            {med['modeld'] / med['curl']:.2f}  (goal <= 1.0)")
+    print(
+        f"      modeld / aria2c checksum {med['modeld'] / med['aria2c --checksum']:.2f}"
+        "  (goal <= 0.3)"
+    )
+    print(
+        f"  (2) modeld fast+slow / modeld {med['modeld fast+slow'] / med['modeld']:.2f}"
+        f"  (goal <= 1.1; aria2c fast+slow / aria2c "
+        f"{med['aria2c fast+slow'] / med['aria2c']:.2f})"
+    )
+    print(
+        f"  (3) kill -9 at 50 %: fetched / size {resume_ratio:.3f}  (goal <= 1.05; "
+        f"resumed {format_size(r['resumed'])})"
+    )
+    print(f"  (4) last byte -> installed  {statistics.median(latencies):.3f} s  (goal <= 0.1)")
+
+
+if __name__ == "__main__":
+    main()

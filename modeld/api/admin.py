@@ -1,0 +1,157 @@
+"""``DELETE /api/models/{id}`` (``rm``) and ``POST /api/prune``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+
+from modeld.config import parse_duration
+from modeld.errors import BadRequest
+from modeld.prune import DEFAULT_SELECTION, Selection
+from modeld.remover import Remover
+from modeld.services import Services
+
+_BOOL = "true or false"
+_HINTS = {
+    "dry_run": _BOOL,
+    "orphans": _BOOL,
+    "to_budget": _BOOL,
+    "force": _BOOL,
+    "partials": 'true (all), false, or an age such as "7d" (only partials older than that)',
+    "unused_for": 'a duration such as "30d", "12h" or a number of seconds',
+}
+_TRUE = {"1", "true", "yes"}
+_FALSE = {"0", "false", "no", ""}
+
+
+class PruneBody(BaseModel):
+    """The body of ``POST /api/prune``; with no selection field, partials and orphans."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dry_run: StrictBool = False
+    partials: StrictBool | StrictStr | StrictInt | StrictFloat | None = None
+    orphans: StrictBool | None = None
+    unused_for: StrictStr | StrictInt | StrictFloat | None = None
+    to_budget: StrictBool | None = None
+
+
+class RmBody(BaseModel):
+    """The optional body of ``DELETE /api/models/{id}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    force: StrictBool = False
+
+
+def _validation_message(e: ValidationError, fields: list[str]) -> str:
+    problems = []
+    for err in e.errors():
+        name = str(err["loc"][0]) if err["loc"] else "body"
+        if err["type"] == "extra_forbidden":
+            problems.append(f"{name[:40]!r}: unknown field; allowed: {', '.join(fields)}")
+        else:
+            problems.append(f"{name}: must be {_HINTS.get(name, err['msg'])}")
+    # A union reports once per branch; say each field once.
+    return "; ".join(dict.fromkeys(problems))
+
+
+async def read_object(request: web.Request) -> dict[str, Any]:
+    """The JSON object in the body ({} when there is none), or a 400 saying what is wrong."""
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not JSON ({e}); send a JSON object") from e
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def _duration(name: str, value: str | int | float) -> float:
+    try:
+        seconds = parse_duration(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds < 0:
+        raise BadRequest(f"{name}: {str(value)[:40]!r} is not a duration; use {_HINTS[name]}")
+    return seconds
+
+
+def selection_of(body: PruneBody) -> Selection:
+    """The prune selection a body asks for (partials and orphans when it names none)."""
+    named = (body.partials, body.orphans, body.unused_for, body.to_budget)
+    if all(v is None for v in named):
+        return DEFAULT_SELECTION
+    age = 0.0
+    partials = body.partials
+    if isinstance(partials, str) and partials.strip().lower() == "all":
+        partials = True
+    if partials is not None and not isinstance(partials, bool):
+        age = _duration("partials", partials)
+        partials = True
+    unused = None if body.unused_for is None else _duration("unused_for", body.unused_for)
+    sel = Selection(
+        partials=bool(partials),
+        partials_age=age,
+        orphans=bool(body.orphans),
+        unused_for=unused,
+        to_budget=bool(body.to_budget),
+    )
+    if sel.empty:
+        raise BadRequest(
+            "nothing selected to prune: set partials, orphans, unused_for or to_budget "
+            "(or send {} for partials and orphans)"
+        )
+    return sel
+
+
+def _force(request: web.Request, body: dict[str, Any]) -> bool:
+    try:
+        from_body = RmBody.model_validate(body).force
+    except ValidationError as e:
+        raise BadRequest(_validation_message(e, ["force"])) from None
+    raw = request.query.get("force")
+    if raw is None:
+        return from_body
+    value = raw.strip().lower()
+    if value not in _TRUE | _FALSE:
+        raise BadRequest(f"force={raw[:20]!r}: use force=1 or force=0")
+    return from_body or value in _TRUE
+
+
+def add_routes(app: web.Application, services: Services) -> None:
+    remover = Remover(services)
+    services.parts["remover"] = remover
+    # Registered after every part's hooks, so it runs first on shutdown (reverse order).
+    services.stop_hooks.append(remover.drain)
+
+    async def remove(request: web.Request) -> web.Response:
+        model_id = request.match_info["id"]
+        force = _force(request, await read_object(request))
+        return web.json_response(await remover.remove_model(model_id, force=force))
+
+    async def prune(request: web.Request) -> web.Response:
+        body = await read_object(request)
+        try:
+            parsed = PruneBody.model_validate(body)
+        except ValidationError as e:
+            raise BadRequest(_validation_message(e, list(PruneBody.model_fields))) from None
+        sel = selection_of(parsed)
+        return web.json_response(await remover.prune(sel, dry_run=parsed.dry_run))
+
+    app.router.add_delete("/api/models/{id}", remove)
+    app.router.add_post("/api/prune", prune)

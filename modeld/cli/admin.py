@@ -1,0 +1,158 @@
+"""``rm`` and ``prune``. The daemon does the removing; the CLI asks and waits.
+
+Ctrl-C while waiting exits 130; the daemon still finishes the removal it started (each
+item is removed whole or not at all), so nothing is left half done.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.markup import escape
+
+from modeld.cli.common import call, console, emit, err_console, json_option, table
+from modeld.config import format_size, parse_duration
+from modeld.errors import RemoveFailed
+
+_KIND_LABEL = {
+    "partial": "partial",
+    "journal": "journal",
+    "quarantined": "quarantined",
+    "orphan_blob": "orphan file",
+    "orphan_cache": "orphan cache",
+    "model": "model",
+}
+
+
+def _what(item: dict[str, Any]) -> str:
+    if item["kind"] == "model" and item["id"]:
+        return str(item["id"])
+    if item["path"]:
+        # Relative to the state dir (blobs/, partial/, cache/); --json has the full path.
+        p = Path(item["path"])
+        return f"{p.parent.name}/{p.name}"
+    return str(item["id"] or "-")
+
+
+def _items_table(items: list[dict[str, Any]]) -> None:
+    t = table("KIND", "WHAT", "SIZE", "REASON")
+    t.columns[1].overflow = "fold"
+    t.columns[2].no_wrap = True
+    for i in items:
+        t.add_row(
+            _KIND_LABEL.get(i["kind"], i["kind"]),
+            escape(_what(i)),
+            format_size(i["size"]),
+            escape(i["reason"]),
+        )
+    console.print(t)
+
+
+def _print_prune(doc: dict[str, Any]) -> None:
+    items, kept = doc["items"], doc["kept"]
+    if items:
+        _items_table(items)
+    else:
+        console.print("nothing to remove")
+    if doc["dry_run"]:
+        console.print(f"would free {format_size(doc['total'])} ({len(items)} item(s)); dry run")
+    else:
+        console.print(f"freed {format_size(doc['freed'])} ({len(items)} item(s))")
+    if kept:
+        console.print("[yellow]kept (in use):[/]")
+        _items_table(kept)
+    budget = doc["disk_budget"]
+    if doc["selection"]["to_budget"] and budget is not None:
+        over = doc["installed_after"] > budget
+        style = "red" if over else "green"
+        console.print(
+            f"installed models: {format_size(doc['installed_after'])} of the "
+            f"[{style}]{format_size(budget)}[/] disk budget"
+            + (" (still over: what is left is in use)" if over else "")
+        )
+
+
+def _check_duration(name: str, value: str | None) -> None:
+    if value is None or (name == "--partials" and value == "all"):
+        return
+    try:
+        ok = parse_duration(value) >= 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise click.BadParameter(
+            f"{value!r} is not a duration such as 7d, 12h or 30m", param_hint=name
+        )
+
+
+@click.command(name="rm")
+@click.argument("model_id", metavar="ID")
+@click.option("--force", is_flag=True, help="Unload the model or cancel its download first.")
+@json_option
+@click.pass_context
+def rm(ctx: click.Context, model_id: str, force: bool, as_json: bool) -> None:
+    """Remove an installed model (and its partial download); refused while in use."""
+    doc = call(ctx, lambda c: c.remove(model_id, force=force))
+
+    def human(d: dict[str, Any]) -> None:
+        done = []
+        if d["cancelled_download"]:
+            done.append("cancelled its download")
+        if d["unloaded"]:
+            done.append("unloaded " + ", ".join(d["unloaded"]))
+        kinds = ", ".join(sorted({i["kind"] for i in d["removed"]})) or "nothing"
+        line = f"removed {escape(d['id'])} ({kinds}), freed {format_size(d['freed'])}"
+        console.print(line + (f"; {'; '.join(done)}" if done else ""))
+
+    emit(as_json, doc, human)
+
+
+@click.command()
+@click.option("--dry-run", is_flag=True, help="List what would go and the total; remove nothing.")
+@click.option(
+    "--partials",
+    is_flag=False,
+    flag_value="all",
+    default=None,
+    metavar="[AGE]",
+    help="Partial downloads not in progress (all, or only those older than AGE, e.g. 7d).",
+)
+@click.option("--orphans", is_flag=True, help="Files no model uses, *.FAILED, stale caches.")
+@click.option("--unused-for", metavar="D", help="Installed models not used for D (e.g. 30d).")
+@click.option(
+    "--to-budget", is_flag=True, help="LRU installed models until under MODELD_DISK_BUDGET."
+)
+@json_option
+@click.pass_context
+def prune(  # noqa: PLR0917  (click passes each option as an argument)
+    ctx: click.Context,
+    dry_run: bool,
+    partials: str | None,
+    orphans: bool,
+    unused_for: str | None,
+    to_budget: bool,
+    as_json: bool,
+) -> None:
+    """Free disk space; with no selection, --partials --orphans (never installed models)."""
+    _check_duration("--partials", partials)
+    _check_duration("--unused-for", unused_for)
+    body: dict[str, Any] = {"dry_run": dry_run}
+    if partials is not None:
+        body["partials"] = True if partials == "all" else partials
+    if orphans:
+        body["orphans"] = True
+    if unused_for is not None:
+        body["unused_for"] = unused_for
+    if to_budget:
+        body["to_budget"] = True
+    doc = call(ctx, lambda c: c.prune(body))
+    emit(as_json, doc, _print_prune)
+    if doc["errors"]:
+        for e in doc["errors"]:
+            err_console.print(f"[red]! {escape(e['message'])}[/]")
+        raise RemoveFailed(
+            f"{len(doc['errors'])} item(s) could not be removed (see above); "
+            "fix their permissions and prune again"
+        )

@@ -1,0 +1,368 @@
+"""Mirrors for one download: strict HTTP range requests, redirects, health and error classes.
+
+Every rule here comes from a failure seen in the wild (see ANCHORS.md "Downloading"):
+a 200 to a Range request is never spliced in, a ``Content-Range`` must match exactly,
+redirects are followed by hand (at most 10, never https → http) so that the headers
+huggingface.co puts on its redirect (``X-Linked-Etag``/``X-Linked-Size``) are read, the
+Hugging Face token goes only to huggingface.co, and a 403 from a signed CDN URL sends us
+back to the original URL for a fresh signature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+from yarl import URL
+
+from modeld.errors import DiskFull, DownloadError
+
+MAX_REDIRECTS = 10
+# Consecutive transient failures before a mirror is given up for this download.
+MAX_STRIKES = 6
+_CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class MirrorFailure(Exception):
+    """One request to one mirror failed; ``kind`` says what the engine does next.
+
+    kinds: ``transient`` (back off, retry), ``stall`` (retry at once, no strike),
+    ``gone`` (drop the mirror for this download), ``no_ranges`` (usable only as a stream
+    from byte 0), ``expired`` (signed URL expired: go back to the original URL).
+    """
+
+    def __init__(self, kind: str, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.retry_after = retry_after
+
+
+# Hosts that get the HF token and whose redirects carry X-Linked-Etag (tests add loopback).
+HF_HOSTS: tuple[str, ...] = ("huggingface.co",)
+
+
+def is_hf_host(url: URL) -> bool:
+    """huggingface.co itself (not its CDN hosts): the only place the HF token may go."""
+    host = (url.host or "").lower()
+    return any(host == h or host.endswith("." + h) for h in HF_HOSTS)
+
+
+def check_url(url: URL, came_from: URL | None = None) -> None:
+    """Refuse anything but http(s), and any https → http downgrade on a redirect."""
+    if url.scheme not in ("http", "https") or not url.host:
+        raise MirrorFailure("gone", f"refused URL {url.human_repr()!r}: only http(s) URLs")
+    if came_from is not None and came_from.scheme == "https" and url.scheme == "http":
+        raise MirrorFailure(
+            "gone", f"refused redirect from https to http ({url.human_repr()}); fix the mirror"
+        )
+
+
+def parse_content_range(value: str | None) -> tuple[int, int, int | None] | None:
+    """``bytes a-b/total`` → (a, b, total); None when absent or malformed."""
+    m = _CONTENT_RANGE_RE.match((value or "").strip())
+    if m is None:
+        return None
+    total = None if m.group(3) == "*" else int(m.group(3))
+    return int(m.group(1)), int(m.group(2)), total
+
+
+def strong_etag(value: str | None) -> str | None:
+    """A strong ETag usable with If-Range (weak ones, ``W/"..."``, are not)."""
+    if not value or value.startswith("W/"):
+        return None
+    return value
+
+
+def linked_sha256(value: str | None) -> str | None:
+    """Hugging Face's ``X-Linked-Etag`` is the file's sha256, quoted."""
+    text = (value or "").strip().removeprefix("W/").strip('"').lower()
+    return text if _SHA256_RE.match(text) else None
+
+
+def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
+    raw = resp.headers.get("Retry-After", "")
+    try:
+        return max(0.0, min(float(raw), 120.0))
+    except ValueError:
+        return None
+
+
+def classify_status(status: int, resp: aiohttp.ClientResponse | None = None) -> MirrorFailure:
+    """The failure for an unexpected HTTP status."""
+    after = _retry_after(resp) if resp is not None else None
+    if status in (404, 410):
+        return MirrorFailure("gone", f"HTTP {status}: the file is not on this mirror")
+    if status in (408, 429) or status >= 500:
+        return MirrorFailure("transient", f"HTTP {status}", retry_after=after)
+    if status == 416:
+        return MirrorFailure("gone", "HTTP 416: the mirror's file is shorter than the entry")
+    return MirrorFailure("gone", f"HTTP {status}")
+
+
+def classify_exception(exc: BaseException) -> MirrorFailure | None:
+    """Map a transport or OS error to a failure; None for errors that must stop the pull."""
+    if isinstance(exc, MirrorFailure):
+        return exc
+    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        return MirrorFailure("stall", "no bytes within the stall timeout")
+    if isinstance(exc, aiohttp.TooManyRedirects):
+        return MirrorFailure("gone", "too many redirects")
+    if isinstance(exc, aiohttp.ClientError | ConnectionError):
+        return MirrorFailure("transient", f"{exc.__class__.__name__}: {exc}")
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """tenacity predicate: worth another try after a back-off (resets, 408, 429, 5xx, stalls)."""
+    failure = classify_exception(exc)
+    return failure is not None and failure.kind in ("transient", "stall", "expired")
+
+
+def os_error_to_modeld(exc: OSError, path: str) -> DownloadError:
+    """Disk errors stop the pull at once, with a message that says what to do."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFull(f"disk full while writing {path}; free space and pull again (it resumes)")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return DownloadError(
+            f"cannot write {path}: {exc.strerror}; fix the permissions of MODELD_HOME"
+        )
+    return DownloadError(f"cannot write {path}: {exc}; the partial is kept, pull again to resume")
+
+
+@dataclass
+class Mirror:
+    """One URL of the entry and what this download learnt about it."""
+
+    url: URL
+    primary: bool = False
+    state: str = "new"  # new → ok | slow | stream_only | backoff | dropped | banned
+    reason: str | None = None
+    resolved: URL | None = None  # cached redirect target (a signed CDN URL)
+    etag: str | None = None
+    linked_sha256: str | None = None
+    linked_size: int | None = None
+    active: int = 0
+    received: int = 0
+    strikes: int = 0
+    not_before: float = 0.0
+    # Per-connection throughput (EWMA, bytes/s) judged on recent chunks.
+    conn_rate: float | None = None
+    _window_start: float = field(default_factory=time.monotonic)
+    _window_bytes: int = 0
+    speed: float = 0.0  # aggregate bytes/s over the last window
+
+    @property
+    def label(self) -> str:
+        host = self.url.host or str(self.url)
+        return f"{host}:{self.url.explicit_port}" if self.url.explicit_port else host
+
+    @property
+    def usable(self) -> bool:
+        return self.state in ("new", "ok", "slow", "backoff", "stream_only")
+
+    @property
+    def ranges(self) -> bool:
+        return self.state != "stream_only"
+
+    def count(self, n: int, seconds: float) -> None:
+        """Account ``n`` bytes that took ``seconds`` on one connection."""
+        self.received += n
+        self._window_bytes += n
+        if seconds > 0 and n >= 64 * 1024:
+            rate = n / seconds
+            self.conn_rate = rate if self.conn_rate is None else 0.7 * self.conn_rate + 0.3 * rate
+        now = time.monotonic()
+        if now - self._window_start >= 0.5:
+            self.speed = self._window_bytes / (now - self._window_start)
+            self._window_start, self._window_bytes = now, 0
+
+    def current_speed(self) -> float:
+        now = time.monotonic()
+        if now - self._window_start > 2.0:
+            self.speed = self._window_bytes / (now - self._window_start)
+        return self.speed
+
+    def fail(self, failure: MirrorFailure) -> None:
+        """Record a failure: a back-off with jitter, or the mirror dropped."""
+        self.reason = str(failure)
+        if failure.kind == "gone":
+            self.state = "dropped"
+            return
+        if failure.kind == "no_ranges":
+            self.state = "stream_only"
+            return
+        if failure.kind == "expired":
+            self.resolved = None
+            return
+        if failure.kind in ("transient", "stall"):
+            # A stall is retried at once (no back-off), but a mirror that always stalls goes.
+            self.strikes += 1
+            if self.strikes >= MAX_STRIKES:
+                self.state = "dropped"
+                self.reason = f"{failure} ({self.strikes} times in a row)"
+                return
+        # n^2-ish exponential back-off with jitter; Retry-After wins when the server sent one.
+        delay = failure.retry_after
+        if delay is None:
+            delay = 0.0 if failure.kind == "stall" else min(30.0, 0.2 * 2**self.strikes)
+            delay *= random.uniform(0.5, 1.5)  # noqa: S311 (jitter, not crypto)
+        self.not_before = time.monotonic() + delay
+        if self.state != "stream_only":
+            self.state = "backoff"
+
+    def succeed(self) -> None:
+        self.strikes = 0
+        if self.state in ("new", "backoff"):
+            self.state = "ok"
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "url": self.url.human_repr(),
+            "host": self.label,
+            "state": self.state,
+            "reason": self.reason,
+            "received": self.received,
+            "speed": round(self.current_speed()),
+            "connections": self.active,
+        }
+
+
+def _headers(url: URL, token: str | None, extra: dict[str, str]) -> dict[str, str]:
+    headers = {"Accept-Encoding": "identity", "User-Agent": "modeld", **extra}
+    if token and is_hf_host(url):
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+async def request(
+    session: aiohttp.ClientSession,
+    mirror: Mirror,
+    headers: dict[str, str],
+    token: str | None,
+) -> aiohttp.ClientResponse:
+    """GET following redirects by hand; returns the final (non-redirect) response.
+
+    Reads X-Linked-Etag/Size from huggingface.co's redirect response, caches the final URL,
+    and on a 403 from a cached redirect target goes back to the original URL once.
+    """
+    for attempt in range(2):
+        url = mirror.resolved or mirror.url
+        from_cache = mirror.resolved is not None
+        came_from: URL | None = None
+        for _ in range(MAX_REDIRECTS + 1):
+            check_url(url, came_from)
+            resp = await session.get(
+                url, headers=_headers(url, token, headers), allow_redirects=False
+            )
+            if resp.status not in (301, 302, 303, 307, 308):
+                if resp.status == 403 and (from_cache or came_from is not None) and attempt == 0:
+                    resp.release()
+                    mirror.resolved = None  # signed URL expired: ask the origin again
+                    break
+                if came_from is not None:
+                    mirror.resolved = url
+                return resp
+            sha = linked_sha256(resp.headers.get("X-Linked-Etag"))
+            if sha is not None and is_hf_host(url):
+                mirror.linked_sha256 = sha
+                size = resp.headers.get("X-Linked-Size", "")
+                mirror.linked_size = int(size) if size.isdigit() else None
+            location = resp.headers.get("Location")
+            resp.release()
+            if not location:
+                raise MirrorFailure("gone", f"HTTP {resp.status} without a Location")
+            came_from, url = url, url.join(URL(location))
+        else:
+            raise MirrorFailure("gone", f"more than {MAX_REDIRECTS} redirects")
+    raise MirrorFailure("gone", "HTTP 403 even after a fresh redirect; the URL needs access")
+
+
+async def open_range(  # noqa: PLR0917 (a range is start, end and total)
+    session: aiohttp.ClientSession,
+    mirror: Mirror,
+    start: int,
+    end: int,
+    total: int,
+    token: str | None,
+) -> aiohttp.ClientResponse:
+    """Open ``[start, end)`` and check the answer is exactly that range of a ``total`` file."""
+    extra = {"Range": f"bytes={start}-{end - 1}"}
+    if mirror.etag:
+        extra["If-Range"] = mirror.etag
+    resp = await request(session, mirror, extra, token)
+    if resp.status == 206:
+        encoding = resp.headers.get("Content-Encoding", "identity").lower()
+        if encoding not in ("identity", ""):
+            resp.release()
+            raise MirrorFailure("gone", f"sent Content-Encoding {encoding} despite identity")
+        parsed = parse_content_range(resp.headers.get("Content-Range"))
+        if parsed is None or parsed[0] != start or parsed[1] >= end or parsed[1] < start:
+            resp.release()
+            raise MirrorFailure(
+                "gone", f"wrong Content-Range {resp.headers.get('Content-Range')!r}"
+            )
+        if parsed[2] is not None and parsed[2] != total:
+            resp.release()
+            raise MirrorFailure("gone", f"file is {parsed[2]} bytes, the entry says {total}")
+        return resp
+    resp.release()
+    if resp.status == 200:
+        # Never spliced in: the body starts at byte 0 (or the file changed: If-Range).
+        raise MirrorFailure("no_ranges", "answered a Range request with 200")
+    raise classify_status(resp.status, resp)
+
+
+async def probe(
+    session: aiohttp.ClientSession, mirror: Mirror, size: int, token: str | None
+) -> None:
+    """``Range: bytes=0-0``: learn the size, ETag and range support; drop a wrong size."""
+
+    async def once() -> None:
+        resp = await request(session, mirror, {"Range": "bytes=0-0"}, token)
+        try:
+            if resp.status == 206:
+                parsed = parse_content_range(resp.headers.get("Content-Range"))
+                if parsed is None or parsed[:2] != (0, 0) or parsed[2] is None:
+                    raise MirrorFailure(
+                        "gone", f"bad Content-Range {resp.headers.get('Content-Range')!r}"
+                    )
+                total = parsed[2]
+            elif resp.status == 200:
+                total = resp.content_length if resp.content_length is not None else -1
+                mirror.state = "stream_only"
+            else:
+                raise classify_status(resp.status, resp)
+            if total != size:
+                raise MirrorFailure("gone", f"file is {total} bytes, the entry says {size}")
+            mirror.etag = strong_etag(resp.headers.get("ETag"))
+        finally:
+            resp.release()
+
+    retrying = AsyncRetrying(
+        retry=retry_if_exception(is_transient),
+        wait=wait_random_exponential(multiplier=0.2, max=5),
+        stop=stop_after_attempt(4),
+        reraise=True,
+    )
+    try:
+        async for attempt in retrying:
+            with attempt:
+                await once()
+    except (TimeoutError, MirrorFailure, aiohttp.ClientError, ConnectionError) as e:
+        failure = classify_exception(e) or MirrorFailure("gone", str(e))
+        if failure.kind == "gone":
+            mirror.state, mirror.reason = "dropped", f"probe failed: {failure}"
+        else:
+            # Still worth trying later: every range answer is checked against the size anyway.
+            mirror.fail(failure)
+        return
+    if mirror.state == "new":
+        mirror.state = "ok"

@@ -1,0 +1,173 @@
+"""A test mirror: aiohttp on 127.0.0.1 (ephemeral port) serving one file, with switchable faults.
+
+Each fault is a field of ``Faults`` and can be changed while the mirror runs:
+throttle, stall after N bytes, drop mid-piece, ignore Range (200), short 206, wrong
+Content-Range, flip a byte, wrong total size, a fixed status (404), 500-then-OK, a redirect
+loop, a redirect to any URL (e.g. https → http or ftp), and a Hugging Face-like redirect
+that carries ``X-Linked-Etag``/``X-Linked-Size`` and whose signed target expires (403).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+CHUNK = 64 * 1024
+
+
+@dataclass
+class Faults:
+    throttle: float | None = None  # bytes per second per response
+    stall_after: int | None = None  # after this many body bytes in total, stop sending
+    drop_after: int | None = None  # abort the connection after this many bytes of a response
+    drop_times: int = 1_000_000  # how many responses to drop
+    ignore_range: bool = False  # answer Range requests with 200 and the whole file
+    short: bool = False  # answer with a 206 covering only the first half of the asked range
+    wrong_content_range: bool = False  # Content-Range start shifted by one
+    flip_byte: int | None = None  # offset whose byte is served XOR 0xFF
+    wrong_size: bool = False  # total size in Content-Range is one more than the file
+    status: int | None = None  # answer every request with this status
+    fail_first: int = 0  # answer this many requests with 500 (then serve normally)
+    retry_after: str | None = None  # Retry-After on the 500s
+    redirect_loop: bool = False
+    redirect_to: str | None = None
+    hf: bool = False  # redirect like huggingface.co: X-Linked-* headers, signed /cdn target
+    linked_sha256: str | None = None  # X-Linked-Etag value in hf mode (default: the truth)
+    sign_ttl: float | None = None  # signed /cdn URLs answer 403 after this many seconds
+    etag: str | None = None  # override the ETag (to simulate a changed file)
+
+
+@dataclass
+class Mirror:
+    """One running mirror; ``url`` is where the file is."""
+
+    data: bytes
+    faults: Faults = field(default_factory=Faults)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    sent: int = 0
+    runner: web.AppRunner | None = None
+    port: int = 0
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/f"
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    async def start(self) -> Mirror:
+        app = web.Application()
+        app.router.add_get("/f", self._origin)
+        app.router.add_get("/cdn/f", self._cdn)
+        # A short shutdown timeout: a stalled handler must not hold the test's teardown.
+        self.runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=0.2
+        )
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    def _etag(self) -> str:
+        return self.faults.etag or f'"{self.sha256[:16]}"'
+
+    async def _origin(self, request: web.Request) -> web.StreamResponse:
+        f = self.faults
+        self.requests.append({"path": request.path_qs, **dict(request.headers)})
+        if f.status is not None:
+            return web.Response(status=f.status)
+        if f.fail_first > 0:
+            f.fail_first -= 1
+            headers = {"Retry-After": f.retry_after} if f.retry_after else {}
+            return web.Response(status=500, headers=headers)
+        if f.redirect_loop:
+            n = int(request.query.get("n", "0")) + 1
+            raise web.HTTPFound(f"/f?n={n}")
+        if f.redirect_to:
+            raise web.HTTPFound(f.redirect_to)
+        if f.hf:
+            sha = f.linked_sha256 or self.sha256
+            raise web.HTTPFound(
+                # The CDN is another host, as cas-bridge.xethub.hf.co is for huggingface.co.
+                f"http://127.0.0.1:{self.port}/cdn/f?sig={time.monotonic()}",
+                headers={"X-Linked-Etag": f'"{sha}"', "X-Linked-Size": str(len(self.data))},
+            )
+        return await self._serve(request)
+
+    async def _cdn(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append({"path": request.path_qs, **dict(request.headers)})
+        ttl = self.faults.sign_ttl
+        if ttl is not None and time.monotonic() - float(request.query.get("sig", "0")) > ttl:
+            return web.Response(status=403, text="Request has expired")
+        return await self._serve(request, etag='"cdn-etag-differs"')
+
+    async def _serve(self, request: web.Request, etag: str | None = None) -> web.StreamResponse:
+        f = self.faults
+        data = self.data
+        total = len(data) + (1 if f.wrong_size else 0)
+        etag = etag or self._etag()
+        rng = request.headers.get("Range")
+        if_range = request.headers.get("If-Range")
+        start, end = 0, len(data) - 1
+        partial = False
+        if rng and not f.ignore_range and (if_range is None or if_range == etag):
+            spec = rng.removeprefix("bytes=")
+            a, _, b = spec.partition("-")
+            start, end = int(a), min(int(b) if b else len(data) - 1, len(data) - 1)
+            if start >= len(data):
+                return web.Response(status=416, headers={"Content-Range": f"bytes */{total}"})
+            partial = True
+            if f.short and end > start:
+                end = start + (end - start) // 2
+        resp = web.StreamResponse(status=206 if partial else 200)
+        resp.headers["ETag"] = etag
+        resp.headers["Accept-Ranges"] = "bytes"
+        if partial:
+            shown = start + 1 if f.wrong_content_range else start
+            resp.headers["Content-Range"] = f"bytes {shown}-{end}/{total}"
+        resp.content_length = end - start + 1 if partial else total
+        await resp.prepare(request)
+        pos = start
+        sent_here = 0
+        began = time.monotonic()
+        while pos <= end:
+            n = min(CHUNK, end - pos + 1)
+            if f.stall_after is not None and self.sent + n > f.stall_after:
+                await asyncio.sleep(3600)
+            if f.drop_after is not None and f.drop_times > 0 and sent_here + n > f.drop_after:
+                f.drop_times -= 1
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            chunk = bytearray(data[pos : pos + n])
+            if f.flip_byte is not None and pos <= f.flip_byte < pos + n:
+                chunk[f.flip_byte - pos] ^= 0xFF
+            await resp.write(bytes(chunk))
+            pos += n
+            sent_here += n
+            self.sent += n
+            if f.throttle:
+                ahead = sent_here / f.throttle - (time.monotonic() - began)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+        await resp.write_eof()
+        return resp
+
+
+async def start_mirrors(data: bytes, *faults: Faults) -> list[Mirror]:
+    """Start one mirror per ``Faults`` (at least one), all serving ``data``."""
+    return [await Mirror(data, f).start() for f in (faults or (Faults(),))]
