@@ -1,0 +1,224 @@
+"""From a model id to an engine ``Target``: install check, header, plan, probe, memory estimate.
+
+This is the glue between the catalog/store, the plan resolver and the pool; the pool itself
+knows nothing of models. ``register(services)`` creates the daemon's pool and hooks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from modeld import logs
+from modeld.errors import CorruptModel, ModelNotInstalled, Unverified
+from modeld.litertlm import ModelInfo, read_header
+from modeld.plan import Plan, Prefs, needs_probe, resolve
+from modeld.pool import Pool, PoolConfig, Target
+from modeld.runner_client import Runner
+
+MiB = 1024 * 1024
+# PSS of a runner with the runtime loaded and no engine, measured on 0.18.1 (~41 MiB); a
+# spare runner's real PSS replaces it once one has started.
+RUNNER_BASE = 48 * MiB
+_VISION_TYPES = ("tf_lite_vision_encoder", "tf_lite_vision_adapter")
+_AUDIO_TYPES = ("tf_lite_audio_encoder_hw", "tf_lite_audio_adapter")
+# KV cache per token, as a fraction of the main weights: a rough rule that gives ~50 KB a
+# token for a 2 GB decoder (Gemma-4-E2B-like). It only decides the first load: after one
+# run the measured peak PSS for (digest, plan, max_tokens) replaces the whole estimate.
+_KV_FRACTION_PER_TOKEN = 1 / 40_000
+_KV_MIN_PER_TOKEN = 2048
+DEFAULT_MAX_TOKENS = 4096
+
+
+def estimate_memory(info: ModelInfo, plan: Plan, max_tokens: int, base: int = RUNNER_BASE) -> int:
+    """Bytes of PSS an engine for ``plan`` is expected to take: base + weights + KV cache."""
+    weights = main = 0
+    for s in info.sections:
+        if s.model_type in _VISION_TYPES and plan.vision is None:
+            continue
+        if s.model_type in _AUDIO_TYPES and plan.audio is None:
+            continue
+        weights += s.size
+        if s.model_type and s.model_type not in _VISION_TYPES + _AUDIO_TYPES:
+            main += s.size
+    kv = max_tokens * max(_KV_MIN_PER_TOKEN, int(main * _KV_FRACTION_PER_TOKEN))
+    return base + weights + kv
+
+
+class Engines:
+    """Resolves requests to targets and hands them to the pool."""
+
+    def __init__(self, services: Any, pool: Pool) -> None:
+        self.settings = services.settings
+        self.catalog = services.parts["catalog"]
+        self.store = services.parts["store"]
+        self.pool = pool
+        self._probing: dict[str, asyncio.Task[dict[str, bool | None]]] = {}
+        # Blobs are content-addressed and only this daemon writes probes and measurements
+        # (one daemon per state dir), so these caches cannot go stale; they keep SQLite and
+        # header parsing off the warm request path.
+        self._headers: dict[str, ModelInfo] = {}
+        self._probe_cache: dict[str, dict[str, bool | None]] = {}
+        self._learned: dict[tuple[str, str, int], int | None] = {}
+
+    async def _probes(self, digest: str) -> dict[str, bool | None]:
+        if digest not in self._probe_cache:
+            rows = await self.store.probes(digest)
+            self._probe_cache[digest] = {b: bool(row["ok"]) for b, row in rows.items()}
+        return self._probe_cache[digest]
+
+    async def _probe_gpu(self, digest: str, path: Any) -> dict[str, bool | None]:
+        """Run the GPU probe for this file once (single-flight) and record it."""
+        task = self._probing.get(digest)
+        if task is None:
+
+            async def go() -> dict[str, bool | None]:
+                from modeld.probe import probe
+
+                result = await probe(path, "gpu", self.store.cache_dir_for(digest))
+                await self.store.record_probe(digest, "gpu", result.ok, result.reason)
+                self._probe_cache.pop(digest, None)
+                logs.event("gpu_probe", digest=digest[:12], ok=result.ok, reason=result.reason)
+                return await self._probes(digest)
+
+            task = asyncio.ensure_future(go())
+            self._probing[digest] = task
+            task.add_done_callback(lambda _: self._probing.pop(digest, None))
+        return await asyncio.shield(task)
+
+    async def target(
+        self,
+        model_id: str,
+        *,
+        modalities: Iterable[str] = ("text",),
+        backends: dict[str, Any] | None = None,
+        allow_unverified: bool = False,
+    ) -> Target:
+        """The engine target for ``model_id``, or a clear refusal (before any runner starts)."""
+        entry = self.catalog.get(model_id)
+        installed = await self.store.installed(model_id)
+        if installed is None:
+            raise ModelNotInstalled(
+                f"model {model_id} is not installed; run `modeld pull {model_id}` first"
+            )
+        if not installed.verified and not allow_unverified:
+            raise Unverified(
+                f"model {model_id}: no source vouched for its file's hash; run "
+                f"`modeld verify {model_id}` or load it with --allow-unverified"
+            )
+        path = installed.path
+        if not path.is_file():
+            raise CorruptModel(
+                f"model {model_id}: its file {path} is missing; run `modeld pull {model_id}`"
+            )
+        info = self._headers.get(installed.digest)
+        if info is None:
+            info = await asyncio.to_thread(read_header, path, model_id=model_id)
+            self._headers[installed.digest] = info
+        modalities = tuple(modalities)
+        entry_prefs = Prefs.from_mapping(entry.backends.model_dump())
+        request_prefs = Prefs.from_mapping(backends)
+        settings_prefs = Prefs.from_settings(self.settings)
+
+        def plan_with(probes: dict[str, bool | None]) -> Plan:
+            return resolve(
+                info,
+                model=model_id,
+                settings=settings_prefs,
+                entry=entry_prefs,
+                request=request_prefs,
+                modalities=modalities,
+                probes=probes,
+            )
+
+        probes = await self._probes(installed.digest)
+        plan = plan_with(probes)
+        if needs_probe(plan, probes):
+            probes = await self._probe_gpu(installed.digest, path)
+            plan = plan_with(probes)
+        limits = entry.limits
+        max_tokens = (
+            (limits.vision_max_tokens if plan.vision else None)
+            or limits.max_tokens
+            or (info.llm_metadata.max_num_tokens if info.llm_metadata else None)
+            or DEFAULT_MAX_TOKENS
+        )
+        max_images = (
+            (limits.max_images if limits.max_images is not None else 1) if plan.vision else None
+        )
+        base = self.pool.spare_reserved if self.pool.spare is not None else RUNNER_BASE
+        mkey = (installed.digest, plan.key, max_tokens)
+        if mkey not in self._learned:
+            self._learned[mkey] = await self.store.measured_memory(*mkey)
+        learned = self._learned[mkey]
+        spec: dict[str, Any] = {
+            "path": str(self._runtime_path(installed.digest, path)),
+            "backend": plan.main,
+            "vision": plan.vision,
+            "audio": plan.audio,
+            "max_tokens": max_tokens,
+            "max_images": max_images,
+            # Without it the runtime writes its xnnpack cache next to the blob.
+            "cache_dir": str(self.store.cache_dir_for(installed.digest)),
+            # Off unless the entry enables it (DESIGN: speculative decoding is opt-in).
+            "speculative": bool(limits.speculative_decoding)
+            if limits.speculative_decoding
+            else None,
+        }
+        return Target(
+            model_id=model_id,
+            digest=installed.digest,
+            plan=plan.to_dict(),
+            spec=spec,
+            estimate=estimate_memory(info, plan, max_tokens, base or RUNNER_BASE),
+            max_tokens=max_tokens,
+            learned=learned,
+        )
+
+    def _runtime_path(self, digest: str, blob: Path) -> Path:
+        """A ``.litertlm`` name for the blob: the runtime picks the format by file extension."""
+        link: Path = self.store.cache_dir_for(digest) / "model.litertlm"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not (link.is_symlink() and link.resolve() == blob.resolve()):
+            tmp = link.with_name(f".model.{os.getpid()}.tmp")
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(blob)
+            tmp.replace(link)
+        return link
+
+    def max_images(self, model_id: str) -> int:
+        limit = self.catalog.get(model_id).limits.max_images
+        return 1 if limit is None else int(limit)
+
+    async def learned(self, target: Target, pss: int) -> None:
+        await self.store.record_memory(
+            target.digest, str(target.plan["key"]), target.max_tokens, pss
+        )
+
+
+def register(services: Any, *, spare: bool = True) -> Engines:
+    """Create the daemon's pool (real runners) and its status section and hooks."""
+    s = services.settings
+    engines_ref: list[Engines] = []
+
+    async def on_learned(target: Target, pss: int) -> None:
+        await engines_ref[0].learned(target, pss)
+
+    pool = Pool(
+        PoolConfig(budget=s.memory_budget, keep_alive=s.keep_alive, spare=spare),
+        Runner.start,
+        metrics=services.metrics,
+        on_learned=on_learned,
+    )
+    engines = Engines(services, pool)
+    engines_ref.append(engines)
+    services.parts["pool"] = pool
+    services.parts["engines"] = engines
+    services.status_sections["pool"] = pool.status
+    services.start_hooks.append(pool.start)
+    # Registered after the store, so (reverse order) runners stop before the store closes.
+    services.stop_hooks.append(pool.stop)
+    return engines

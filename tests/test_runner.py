@@ -1,0 +1,179 @@
+"""The runner child process on the real LiteRT-LM runtime with the tiny test models."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modeld.runner_client import Runner, RunnerDied, RunnerError
+from modeld.runner_generate import classify_json
+
+MODELS = Path(__file__).resolve().parent / "models"
+TINY = MODELS / "tiny-text.litertlm"
+
+
+def spec(tmp: Path, path: Path = TINY, **extra: Any) -> dict[str, Any]:
+    return {"path": str(path), "backend": "cpu", "cache_dir": str(tmp / "cache"), **extra}
+
+
+def ask(text: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": text}], **extra}
+
+
+async def collect(runner: Runner, job: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    text, final = [], {}
+    async for rec in runner.generate(job):
+        if "token" in rec:
+            text.append(rec["token"])
+        else:
+            final = rec
+    return "".join(text), final
+
+
+async def test_create_and_generate_reports_phases_and_memory(short_tmp: Path) -> None:
+    """A real engine streams tokens and ends with finish, token counts, timings and PSS."""
+    runner = await Runner.start()
+    try:
+        created = await runner.create(spec(short_tmp, max_tokens=256))
+        assert created["seconds"] > 0 and created["pss"] > 0
+        text, final = await collect(runner, ask(max_tokens=12, seed=1, top_k=5, temperature=0.7))
+        assert final["done"] and final["finish"] == "length" and final["tokens"] == 12
+        assert text
+        t = final["timings"]
+        assert t["first_token"] > 0 and t["generate"] >= t["first_token"]
+        assert t["decode_tokens_per_second"] > 0 and t["prefill"] is not None
+        assert runner.memory()[0] > 0
+        # No cache next to the model: the runtime wrote it into cache_dir.
+        assert list((short_tmp / "cache").iterdir())
+        assert not list(MODELS.glob("*xnnpack_cache"))
+    finally:
+        await runner.close()
+    assert not runner.alive
+
+
+async def test_multi_turn_system_and_stop_string(short_tmp: Path) -> None:
+    """Messages with a system turn work, and a stop string cuts the reply before it."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp))
+        job = {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "again"},
+            ],
+            "max_tokens": 40,
+            "seed": 3,
+        }
+        full, _ = await collect(runner, job)
+        assert len(full) > 4
+        stop = full[2:4]
+        cut, final = await collect(runner, {**job, "stop": [stop]})
+        assert stop not in cut and full.startswith(cut)
+        assert final["finish"] == "stop"
+    finally:
+        await runner.close()
+
+
+async def test_cancel_mid_generation_then_next_request(short_tmp: Path) -> None:
+    """Leaving a stream cancels it in the child; the same engine then serves the next one."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp))
+        gen = runner.generate(ask(max_tokens=200))
+        async for _ in gen:
+            break
+        await gen.aclose()
+        _, final = await collect(runner, ask(max_tokens=3))
+        assert final["tokens"] == 3
+    finally:
+        await runner.close()
+
+
+async def test_runtime_failure_carries_runtime_reason(short_tmp: Path) -> None:
+    """A damaged file fails create with the runtime's own words, not a generic error."""
+    bad = short_tmp / "trunc.litertlm"
+    bad.write_bytes(TINY.read_bytes()[:100_000])
+    runner = await Runner.start()
+    try:
+        with pytest.raises(RunnerError) as info:
+            await runner.create(spec(short_tmp, path=bad))
+        assert info.value.code == "engine_error"
+        assert "tf_lite_prefill_decode" in info.value.message
+    finally:
+        await runner.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGKILL])
+async def test_signal_mid_request_is_noticed(short_tmp: Path, sig: signal.Signals) -> None:
+    """A runner killed while a request waits on it fails that request with the signal."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp))
+        os.kill(runner.pid, signal.SIGSTOP)  # the request is surely in flight when it dies
+        task = asyncio.ensure_future(collect(runner, ask(max_tokens=50)))
+        await asyncio.sleep(0.1)
+        os.kill(runner.pid, sig)
+        os.kill(runner.pid, signal.SIGCONT)
+        with pytest.raises(RunnerDied) as info:
+            await task
+        assert info.value.signal_name == sig.name
+    finally:
+        await runner.kill()
+
+
+def test_runner_dies_with_its_parent(short_tmp: Path) -> None:
+    """kill -9 of the process that started a runner leaves no runner behind."""
+    script = (
+        "import asyncio, sys\n"
+        "from modeld.runner_client import Runner\n"
+        "async def main():\n"
+        "    r = await Runner.start()\n"
+        "    print(r.pid, flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    assert Path(f"/proc/{pid}").exists()
+    parent.kill()
+    parent.wait()
+    parent.stdout.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize(
+    ("text", "finish", "status"),
+    [
+        ('{"a": 1}', "stop", "complete"),
+        ("", "stop", "empty"),
+        ('{"a": [1, 2', "length", "truncated"),
+        ("sure! here", "stop", "not_json"),
+        ("", "length", "truncated"),
+    ],
+)
+def test_classify_json(text: str, finish: str, status: str) -> None:
+    """JSON diagnostics tell complete, empty, truncated and not_json apart, keeping the raw text."""
+    result = classify_json(text, finish)
+    assert result["status"] == status and result["raw"] == text
