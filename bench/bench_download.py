@@ -186,6 +186,9 @@ def main() -> None:
     p.add_argument("--sha")
     p.add_argument("--urls", nargs="*")
     p.add_argument("--kill-at", type=float)
+    p.add_argument("--no-aria", action="store_true", help="skip the aria2c runs (quicker)")
+    p.add_argument("--no-slow", action="store_true", help="skip the fast+slow runs")
+    p.add_argument("--no-kill", action="store_true", help="skip the kill -9 / resume run")
     a = p.parse_args()
     if a.child:
         child(a)
@@ -215,48 +218,64 @@ def main() -> None:
         warm(src)
         return out
 
+    aria = [
+        "aria2c",
+        "-x16",
+        "-s16",
+        "--file-allocation=none",
+        "--allow-overwrite=true",
+        "--console-log-level=error",
+        "--summary-interval=0",
+        "-d",
+        str(out),
+    ]
+    # Each round runs every contender once, interleaved, so a noisy neighbour hurts them alike.
+    cases: list[tuple[str, Any]] = [
+        ("curl", lambda: timed(["curl", "-s", "-o", str(out / "c.bin"), fast_url])),
+        ("modeld", lambda: run_child(out / "home1", [fast_url], size, sha, a)),
+    ]
+    if not a.no_aria:
+        cases += [
+            ("aria2c", lambda: timed([*aria, "-o", "a.bin", fast_url])),
+            (
+                "aria2c --checksum",
+                lambda: timed([*aria, f"--checksum=sha-256={sha}", "-o", "a.bin", fast_url]),
+            ),
+        ]
+    if not a.no_slow:
+        cases.append(
+            (
+                "modeld fast+slow",
+                lambda: run_child(out / "home2", [fast_url, slow_url], size, sha, a),
+            )
+        )
+        if not a.no_aria:
+            cases.append(
+                ("aria2c fast+slow", lambda: timed([*aria, "-o", "a.bin", fast_url, slow_url]))
+            )
+    resume_ratios: list[float] = []
+    resumed: list[int] = []
     try:
         for _ in range(a.runs):
-            fresh()
-            results.setdefault("curl", []).append(
-                timed(["curl", "-s", "-o", str(out / "c.bin"), fast_url])
-            )
-            aria = [
-                "aria2c",
-                "-x16",
-                "-s16",
-                "--file-allocation=none",
-                "--allow-overwrite=true",
-                "--console-log-level=error",
-                "--summary-interval=0",
-                "-d",
-                str(out),
-            ]
-            fresh()
-            results.setdefault("aria2c", []).append(timed([*aria, "-o", "a.bin", fast_url]))
-            fresh()
-            results.setdefault("aria2c --checksum", []).append(
-                timed([*aria, f"--checksum=sha-256={sha}", "-o", "a.bin", fast_url])
-            )
-            fresh()
-            results.setdefault("aria2c fast+slow", []).append(
-                timed([*aria, "-o", "a.bin", fast_url, slow_url])
-            )
-            fresh()
-            r = run_child(out / "home1", [fast_url], size, sha, a)
-            results.setdefault("modeld", []).append(r["seconds"])
-            latencies.append(r["install_latency"])
-            print("modeld", r, flush=True)
-            fresh()
-            r = run_child(out / "home2", [fast_url, slow_url], size, sha, a)
-            results.setdefault("modeld fast+slow", []).append(r["seconds"])
-        # (3) kill -9 at ~50 %, then resume: bytes nginx sent / file size.
-        fresh()
-        reset_log(prefix, nginx)
-        run_child(out / "home3", [fast_url], size, sha, a, kill_at=0.5)
-        r = run_child(out / "home3", [fast_url], size, sha, a)
-        time.sleep(0.3)
-        resume_ratio = nginx_bytes(prefix) / size
+            for name, fn in cases:
+                fresh()
+                r = fn()
+                if isinstance(r, dict):
+                    print(name, r, flush=True)
+                    results.setdefault(name, []).append(r["seconds"])
+                    if name == "modeld":
+                        latencies.append(r["install_latency"])
+                else:
+                    results.setdefault(name, []).append(r)
+            if not a.no_kill:
+                # (3) kill -9 at ~50 %, then resume: bytes nginx sent / file size.
+                fresh()
+                reset_log(prefix, nginx)
+                run_child(out / "home3", [fast_url], size, sha, a, kill_at=0.5)
+                r = run_child(out / "home3", [fast_url], size, sha, a)
+                time.sleep(0.3)
+                resume_ratios.append(nginx_bytes(prefix) / size)
+                resumed.append(r["resumed"])
     finally:
         nginx.terminate()
         nginx.wait()
@@ -268,23 +287,35 @@ def main() -> None:
         f"piece={a.piece_size}"
     )
     for k, v in med.items():
-        print(f"  {k:<20} {v:7.2f} s  ({size / v / 1e6:7.0f} MB/s)")
+        runs = " ".join(f"{x:.2f}" for x in results[k])
+        print(f"  {k:<20} {v:7.2f} s  ({size / v / 1e6:7.0f} MB/s)  [{runs}]")
     print("goals:")
     print(f"  (1) modeld / curl            {med['modeld'] / med['curl']:.2f}  (goal <= 1.0)")
+    if "aria2c --checksum" in med:
+        print(
+            f"      modeld / aria2c checksum {med['modeld'] / med['aria2c --checksum']:.2f}"
+            "  (goal <= 0.3)"
+        )
+    if "modeld fast+slow" in med:
+        peer = (
+            f"; aria2c fast+slow / aria2c {med['aria2c fast+slow'] / med['aria2c']:.2f}"
+            if "aria2c fast+slow" in med
+            else ""
+        )
+        print(
+            f"  (2) modeld fast+slow / modeld {med['modeld fast+slow'] / med['modeld']:.2f}"
+            f"  (goal <= 1.1{peer})"
+        )
+    if resume_ratios:
+        print(
+            f"  (3) kill -9 at 50 %: fetched / size {statistics.median(resume_ratios):.3f}"
+            f"  (goal <= 1.05; runs {' '.join(f'{x:.3f}' for x in resume_ratios)}; "
+            f"resumed {format_size(int(statistics.median(resumed)))})"
+        )
+    lat = " ".join(f"{x:.3f}" for x in latencies)
     print(
-        f"      modeld / aria2c checksum {med['modeld'] / med['aria2c --checksum']:.2f}"
-        "  (goal <= 0.3)"
+        f"  (4) last byte -> installed  {statistics.median(latencies):.3f} s  (goal <= 0.1; {lat})"
     )
-    print(
-        f"  (2) modeld fast+slow / modeld {med['modeld fast+slow'] / med['modeld']:.2f}"
-        f"  (goal <= 1.1; aria2c fast+slow / aria2c "
-        f"{med['aria2c fast+slow'] / med['aria2c']:.2f})"
-    )
-    print(
-        f"  (3) kill -9 at 50 %: fetched / size {resume_ratio:.3f}  (goal <= 1.05; "
-        f"resumed {format_size(r['resumed'])})"
-    )
-    print(f"  (4) last byte -> installed  {statistics.median(latencies):.3f} s  (goal <= 0.1)")
 
 
 if __name__ == "__main__":

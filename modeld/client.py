@@ -124,6 +124,6 @@ class Client:
         return result
 
     async def prune(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """``POST /api/prune``: ``dry_run``, ``partials``, ``orphans``, ``unused_for``, ``to_budget``."""
+        """``POST /api/prune`` with ``dry_run``, ``partials``, ``orphans``, ``unused_for``..."""
         result: dict[str, Any] = await self.request("POST", "/api/prune", body or {})
         return result

@@ -27,10 +27,10 @@ from modeld.activation import inherited_listener
 from modeld.api import make_app
 from modeld.catalog import Catalog, bundled_registry_dir
 from modeld.config import Settings
+from modeld.engines import register as register_engines
 from modeld.errors import Conflict, ModeldError, SettingsError
 from modeld.lifecycle import Reloader
 from modeld.notify import Notifier
-from modeld.engines import register as register_engines
 from modeld.pulls import register as register_downloads
 from modeld.services import Services
 from modeld.store import Store
@@ -118,6 +118,7 @@ def build_services(settings: Settings) -> Services:
     services.parts["catalog"] = catalog
     services.parts["store"] = store
     services.status_sections["catalog"] = catalog.status
+    services.metrics.registry_errors.set_function(lambda: len({p.path for p in catalog.problems}))
     services.status_sections["store"] = store.status
     services.start_hooks += [store.open, catalog.start]
     services.stop_hooks += [store.close, catalog.stop]

@@ -310,7 +310,9 @@ class DownloadJob:
         if state is not None and state.blocks:
             good = await asyncio.to_thread(_crc_blocks, fd, t.size, block, state.blocks)
             self._crcs = {i: state.blocks[i] for i in good}
-        self.mirrors = [Mirror(URL(u), primary=(i == 0)) for i, u in enumerate(t.urls)]
+        self.mirrors = [
+            Mirror(URL(u), primary=(i == 0), metrics=self.metrics) for i, u in enumerate(t.urls)
+        ]
         timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=self.tuning.connect_timeout,
@@ -418,11 +420,11 @@ class DownloadJob:
             if expected is not None and digest != expected:
                 digest = await repair(self, fd, expected, digest)
             stop.set()
-            await flusher
-            self._set("installing")
             self._digest, self.verified_by = digest, by
+            self._set("installing")  # also wakes the flusher, which now drains and ends
             self.result = await self.installer(self.id, self.partial, digest, self.target.size, by)
             self.install_latency = round(time.monotonic() - last_byte, 4)
+            await flusher  # no journal write may land after the clear
             await self.journal.clear(self.id)
             logs.event(
                 "download_installed",

@@ -99,7 +99,9 @@ class Metrics:
         )
         # rm and prune
         self.removed_bytes = Counter(
-            "modeld_removed_bytes", "Bytes freed by rm and prune, by kind of item", ["kind"],
+            "modeld_removed_bytes",
+            "Bytes freed by rm and prune, by kind of item",
+            ["kind"],
             registry=r,
         )
         self.removed_items = Counter(

@@ -16,13 +16,16 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 from yarl import URL
 
 from modeld.errors import DiskFull, DownloadError
+
+if TYPE_CHECKING:
+    from modeld.metrics import Metrics
 
 MAX_REDIRECTS = 10
 # Consecutive transient failures before a mirror is given up for this download.
@@ -158,6 +161,8 @@ class Mirror:
     _window_start: float = field(default_factory=time.monotonic)
     _window_bytes: int = 0
     speed: float = 0.0  # aggregate bytes/s over the last window
+    # Errors by class and per-mirror speed are reported here, where they are known.
+    metrics: Metrics | None = field(default=None, repr=False, compare=False)
 
     @property
     def label(self) -> str:
@@ -183,6 +188,8 @@ class Mirror:
         if now - self._window_start >= 0.5:
             self.speed = self._window_bytes / (now - self._window_start)
             self._window_start, self._window_bytes = now, 0
+            if self.metrics is not None:
+                self.metrics.download_mirror_speed.labels(self.label).set(self.speed)
 
     def current_speed(self) -> float:
         now = time.monotonic()
@@ -193,6 +200,8 @@ class Mirror:
     def fail(self, failure: MirrorFailure) -> None:
         """Record a failure: a back-off with jitter, or the mirror dropped."""
         self.reason = str(failure)
+        if self.metrics is not None:
+            self.metrics.download_errors.labels(self.label, failure.kind).inc()
         if failure.kind == "gone":
             self.state = "dropped"
             return

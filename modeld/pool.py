@@ -1,17 +1,13 @@
 """The engine pool: lazy, single-flight engines in runner processes, under a memory budget.
 
 Every engine is keyed by ``(digest, plan key)``. N requests for a cold engine start one
-runner; a load whose waiters all left is cancelled. The budget is DESIGN's: the sum of the
-runners' PSS, the spare runner included. A new engine reserves its expected size (the
-learned peak for that digest/plan/max_tokens, else the estimate from the file); to make room
-the pool evicts idle engines, least recently used first, pinned never; if that is not
-enough it waits in a bounded queue (then ``Busy``), and if the engine could never fit it
-refuses at once (``OverBudget``). A watcher re-reads real PSS and evicts idle engines when
-the sum passes the budget.
+runner; a load whose waiters all left is cancelled. Memory admission, the spare runner and
+eviction are in ``modeld.admission``; ``ps``/status views and the final record of a request
+in ``modeld.pool_views``; the data types in ``modeld.pool_types`` (all re-exported here).
 
 Each engine's state (``State``) is changed only by ``Pool._set_state``, which checks the
-transition. Requests to one engine run one at a time in arrival order (``asyncio.Lock`` is
-FIFO); different engines run in parallel.
+transition against ``ALLOWED``. Requests to one engine run one at a time in arrival order
+(``asyncio.Lock`` is FIFO); different engines run in parallel.
 """
 
 from __future__ import annotations
@@ -19,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
+import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any
 
 from modeld import logs
-from modeld.config import format_size
+from modeld.admission import Admission
 from modeld.errors import (
     BackendConstraint,
     BadRequest,
@@ -36,146 +31,39 @@ from modeld.errors import (
     EngineNotFound,
     HeldBack,
     ModeldError,
-    OverBudget,
     ShuttingDown,
 )
 from modeld.metrics import Metrics
+from modeld.pool_types import (
+    ALLOWED,
+    Engine,
+    Learned,
+    PoolConfig,
+    RunnerFactory,
+    RunnerLike,
+    State,
+    Target,
+    validate_keep_alive,
+)
+from modeld.pool_views import Views, engine_view
 from modeld.runner_client import RunnerDied, RunnerError
 
-
-class RunnerLike(Protocol):
-    """What the pool needs of a runner; ``runner_client.Runner`` and ``FakeRunner`` have it."""
-
-    pid: int
-    closing: bool
-
-    @property
-    def alive(self) -> bool: ...
-    async def create(self, spec: dict[str, Any]) -> dict[str, Any]: ...
-    def generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]: ...
-    def memory(self) -> tuple[int, int]: ...
-    async def wait_exit(self) -> RunnerDied: ...
-    async def close(self, grace: float = 5.0) -> None: ...
-    async def kill(self) -> None: ...
+__all__ = [
+    "ALLOWED",
+    "Engine",
+    "Learned",
+    "Pool",
+    "PoolConfig",
+    "RunnerFactory",
+    "RunnerLike",
+    "State",
+    "Target",
+    "engine_view",
+    "validate_keep_alive",
+]
 
 
-RunnerFactory = Callable[[], Awaitable[RunnerLike]]
-Learned = Callable[["Target", int], Awaitable[None]]
-
-
-class State(enum.Enum):
-    LOADING = "loading"  # reserving memory, starting the runner, creating the engine
-    READY = "ready"  # loaded and idle
-    BUSY = "busy"  # one request running (others may queue)
-    UNLOADING = "unloading"  # no new requests; in-flight ones finish, then the runner stops
-    FAILED = "failed"  # load failed or the runner died; removed right after
-
-
-_ALLOWED = {
-    State.LOADING: {State.READY, State.FAILED, State.UNLOADING},
-    State.READY: {State.BUSY, State.UNLOADING, State.FAILED},
-    State.BUSY: {State.READY, State.UNLOADING, State.FAILED},
-    State.UNLOADING: {State.FAILED},
-    State.FAILED: set(),
-}
-
-
-@dataclass(frozen=True)
-class Target:
-    """One engine to run: the file, the plan and what the runner's ``create`` gets."""
-
-    model_id: str
-    digest: str
-    plan: dict[str, Any]
-    spec: dict[str, Any]
-    estimate: int
-    max_tokens: int
-    learned: int | None = None  # measured peak PSS from earlier runs, if any
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.digest, str(self.plan["key"]))
-
-    @property
-    def expected(self) -> int:
-        return self.learned if self.learned else self.estimate
-
-    @property
-    def engine_id(self) -> str:
-        p = self.plan
-        extra = "".join(f"+{m}-{p[m]}" for m in ("vision", "audio") if p.get(m))
-        return f"{self.model_id}:{p['main']}{extra}"
-
-
-@dataclass(eq=False)
-class Engine:
-    target: Target
-    state: State = State.LOADING
-    runner: RunnerLike | None = None
-    reserved: int = 0
-    measured: int | None = None
-    peak: int = 0
-    users: int = 0  # requests waiting for the load, queued on the lock, or running
-    served: int = 0
-    pinned: bool = False
-    explicit: bool = False
-    keep_alive: float = 300.0
-    created_at: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
-    expires_at: float | None = None
-    load_seconds: float | None = None
-    create_seconds: float | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    ready: asyncio.Future[None] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-    gone: asyncio.Event = field(default_factory=asyncio.Event)
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    load_task: asyncio.Task[None] | None = None
-    watch_task: asyncio.Task[None] | None = None
-
-    def view(self, now: float, last_eviction: str | None) -> dict[str, Any]:
-        idle = self.state is State.READY and self.users == 0
-        return {
-            "id": self.target.engine_id,
-            "model": self.target.model_id,
-            "digest": self.target.digest,
-            "plan": self.target.plan,
-            "state": self.state.value,
-            "pid": self.runner.pid if self.runner else None,
-            "pss_estimate": self.target.expected,
-            "pss": self.measured,
-            "peak_pss": self.peak or None,
-            "reserved": self.reserved,
-            "max_tokens": self.target.max_tokens,
-            "idle_seconds": round(now - self.last_used, 3) if idle else None,
-            "expires_in": round(self.expires_at - now, 3) if self.expires_at and idle else None,
-            "keep_alive": self.keep_alive,
-            "pinned": self.pinned,
-            "requests": self.served,
-            "queued": max(0, self.users - (1 if self.state is State.BUSY else 0)),
-            "load_seconds": self.load_seconds,
-            "loaded_at": self.created_at,
-            "last_eviction": last_eviction,
-        }
-
-
-@dataclass
-class PoolConfig:
-    budget: int
-    keep_alive: float = 300.0  # seconds; 0 after each request; -1 never
-    queue_limit: int = 128  # requests queued per engine, and loads waiting for memory
-    wait_timeout: float = 30.0  # how long a load waits for memory before Busy
-    unload_timeout: float = 10.0  # how long unload waits for in-flight requests
-    watch_interval: float = 1.0
-    spare: bool = True  # keep one runner with the runtime loaded, ready for a cold load
-    spare_estimate: int = 64 * 1024 * 1024
-    crash_limit: int = 3  # crashes within crash_window hold a model back for hold_seconds
-    crash_window: float = 600.0
-    hold_seconds: float = 300.0
-
-
-class Pool:
+class Pool(Admission, Views):
     """Owns every engine and runner of one daemon; see the module docstring."""
 
     def __init__(
@@ -203,26 +91,24 @@ class Pool:
         self._capacity_waiters = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wake_reaper = asyncio.Event()
+        self._reaper_due: float | None = None  # when the reaper wakes up by itself
         self._spare_task: asyncio.Task[None] | None = None
-
-    # --- bookkeeping ---------------------------------------------------------------------
-
-    def used(self) -> int:
-        return sum(e.reserved for e in self.engines.values()) + self.spare_reserved
-
-    def _note_used(self) -> None:
-        used = self.used()
-        self.max_used = max(self.max_used, used)
-        if self.metrics:
-            self.metrics.budget_used.set(used)
 
     def _set_state(self, e: Engine, new: State) -> None:
         """The one place an engine's state changes."""
         if new is e.state:
             return
-        if new not in _ALLOWED[e.state]:
+        if new not in ALLOWED[e.state]:
             raise AssertionError(f"engine {e.target.engine_id}: {e.state.value} -> {new.value}")
-        logs.event("engine_state", engine=e.target.engine_id, old=e.state.value, new=new.value)
+        # READY <-> BUSY happens twice a request: a debug line, not one in every request's log.
+        routine = {e.state, new} == {State.READY, State.BUSY}
+        logs.event(
+            "engine_state",
+            logging.DEBUG if routine else logging.INFO,
+            engine=e.target.engine_id,
+            old=e.state.value,
+            new=new.value,
+        )
         e.state = new
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
@@ -235,10 +121,13 @@ class Pool:
         async with self._cond:
             self._cond.notify_all()
 
-    def _wake(self) -> None:
-        # Never notify inline: callers may hold the condition's lock already.
-        self._spawn(self._notify())
-        self._wake_reaper.set()
+    def _wake(self, reaper: bool = True) -> None:
+        # Never notify inline: callers may hold the condition's lock already. A waiter
+        # counts itself under the lock before it looks, so none is missed when there are 0.
+        if self._capacity_waiters:
+            self._spawn(self._notify())
+        if reaper:
+            self._wake_reaper.set()
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -267,109 +156,6 @@ class Pool:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-
-    # --- the spare runner --------------------------------------------------------------
-
-    def _refill_spare(self) -> None:
-        if not self.config.spare or self.stopping or self.spare is not None:
-            return
-        if self._spare_task is not None and not self._spare_task.done():
-            return
-        if self.used() + self.config.spare_estimate > self.config.budget:
-            return
-        self._spare_task = asyncio.ensure_future(self._start_spare())
-
-    async def _start_spare(self) -> None:
-        self.spare_reserved = self.config.spare_estimate
-        try:
-            runner = await self.factory()
-        except Exception as e:
-            self.spare_reserved = 0
-            logs.event("spare_failed", error=str(e))
-            return
-        self.spare = runner
-        self.spare_reserved = max(runner.memory()[0], 1)
-        if self.stopping or self.used() > self.config.budget:
-            self.spare, self.spare_reserved = None, 0
-            await runner.kill()
-            return
-        self._note_used()
-
-    async def _take_spare(self) -> RunnerLike | None:
-        if self._spare_task is not None and not self._spare_task.done():
-            # A spare half started is still faster than a new one.
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(self._spare_task)
-        runner, self.spare = self.spare, None
-        if runner is not None and not runner.alive:
-            runner = None
-        return runner
-
-    async def _drop_spare(self) -> None:
-        if self._spare_task is not None and not self._spare_task.done():
-            self._spare_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._spare_task
-        runner, self.spare = self.spare, None
-        self.spare_reserved = 0
-        if runner is not None:
-            await runner.kill()
-
-    # --- admission -----------------------------------------------------------------------
-
-    def _victim(self, exclude: Engine | None) -> Engine | None:
-        idle = [
-            e
-            for e in self.engines.values()
-            if e is not exclude and e.state is State.READY and e.users == 0 and not e.pinned
-        ]
-        return min(idle, key=lambda e: e.last_used, default=None)
-
-    async def _admit(self, e: Engine) -> None:
-        """Grow ``e.reserved`` to its expected size, evicting idle engines or waiting."""
-        need = e.target.expected
-        budget = self.config.budget
-        if need > budget:
-            raise OverBudget(
-                f"model {e.target.model_id}: its engine needs about {format_size(need)} "
-                f"({'measured' if e.target.learned else 'estimated from the file'}) but the "
-                f"memory budget is {format_size(budget)}; raise MODELD_MEMORY_BUDGET or ask "
-                "for fewer max_tokens",
-                estimate=need,
-                budget=budget,
-            )
-        deadline = time.monotonic() + self.config.wait_timeout
-        async with self._cond:
-            if self._capacity_waiters >= self.config.queue_limit:
-                raise Busy("too many engine loads are waiting for memory; retry later", 5.0)
-            self._capacity_waiters += 1
-            try:
-                while True:
-                    if self.used() - e.reserved + need <= budget:
-                        e.reserved = max(e.reserved, need)
-                        self._note_used()
-                        return
-                    if self.spare is not None or self.spare_reserved:
-                        await self._drop_spare()
-                        continue
-                    victim = self._victim(e)
-                    if victim is not None:
-                        await self._stop_engine(victim, f"evicted to load {e.target.model_id}")
-                        continue
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise Busy(
-                            f"model {e.target.model_id}: no memory free for its engine "
-                            f"({format_size(need)} needed, {format_size(self.used())} of "
-                            f"{format_size(budget)} in use by busy or pinned engines); "
-                            "retry later or unload one",
-                            min(self.config.wait_timeout, 10.0),
-                        )
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(remaining):
-                            await self._cond.wait()
-            finally:
-                self._capacity_waiters -= 1
 
     # --- loading -------------------------------------------------------------------------
 
@@ -464,17 +250,6 @@ class Pool:
         await self._enforce_budget(keep=e)
         self._refill_spare()
         self._wake()
-
-    async def _enforce_budget(self, keep: Engine | None = None) -> None:
-        while self.used() > self.config.budget:
-            if self.spare is not None:
-                await self._drop_spare()
-                continue
-            victim = self._victim(exclude=keep)
-            if victim is None:
-                logs.event("over_budget", used=self.used(), budget=self.config.budget)
-                return
-            await self._stop_engine(victim, "budget: measured PSS over the estimate")
 
     def _load_error(self, t: Target, exc: BaseException) -> ModeldError:
         if isinstance(exc, ModeldError):
@@ -588,7 +363,9 @@ class Pool:
                     self._spawn(self._stop_engine(e, "keep_alive 0"))
                 elif e.keep_alive > 0:
                     e.expires_at = e.last_used + e.keep_alive
-        self._wake()
+        # The reaper needs waking only for an expiry earlier than the one it sleeps until.
+        due = self._reaper_due
+        self._wake(reaper=e.expires_at is not None and (due is None or e.expires_at < due))
 
     async def load(
         self, target: Target, *, keep_alive: float | None = None, pin: bool = False
@@ -601,7 +378,7 @@ class Pool:
             await self._wait_ready(e)
         finally:
             self._release(e)
-        return e.view(time.monotonic(), self.last_eviction.get(e.target.key))
+        return engine_view(e, time.monotonic(), self.last_eviction.get(e.target.key))
 
     async def generate(
         self, target: Target, job: dict[str, Any], *, keep_alive: float | None = None
@@ -658,60 +435,8 @@ class Pool:
                 yield self._final(
                     e, rec, arrived=arrived, loaded_at=loaded_at, began=began, first=first
                 )
-        self._spawn(self._measure_after(e))
-
-    async def _measure_after(self, e: Engine) -> None:
-        """Measure an engine's PSS after a request (off its path) and learn its peak."""
-        if e.runner is None:
-            return
-        pss = (await asyncio.to_thread(e.runner.memory))[0]
-        if pss and e.state in (State.READY, State.BUSY):
-            e.measured = pss
-            e.peak = max(e.peak, pss)
-            e.reserved = max(pss, e.target.expected)
-            self._note_used()
-        if e.peak > (e.target.learned or 0) and self.on_learned is not None:
-            await self.on_learned(e.target, e.peak)
-
-    def _final(
-        self,
-        e: Engine,
-        rec: dict[str, Any],
-        *,
-        arrived: float,
-        loaded_at: float,
-        began: float,
-        first: float | None,
-    ) -> dict[str, Any]:
-        now = time.monotonic()
-        inner = rec.get("timings") or {}
-        waited_load = loaded_at - arrived
-        timings = {
-            "load": waited_load,
-            "engine_create": e.create_seconds if waited_load > 0.001 else 0.0,
-            "queue": began - loaded_at,
-            "prefill": inner.get("prefill"),
-            "first_token": (first - arrived) if first is not None else None,
-            "decode_tokens_per_second": inner.get("decode_tokens_per_second"),
-            "total": now - arrived,
-        }
-        if self.metrics:
-            for phase in ("load", "queue", "prefill", "first_token", "total"):
-                value = timings[phase]
-                if value is not None:
-                    self.metrics.phase_seconds.labels(phase).observe(float(value))
-            self.metrics.generated_tokens.labels(e.target.model_id).inc(rec.get("tokens") or 0)
-        fields: dict[str, Any] = {k: v for k, v in timings.items() if v is not None}
-        logs.event(
-            "generate",
-            engine=e.target.engine_id,
-            finish=rec.get("finish"),
-            tokens=rec.get("tokens"),
-            **fields,
-        )
-        out = {k: v for k, v in rec.items() if k not in ("id", "timings")}
-        out.update(done=True, model=e.target.model_id, engine=e.target.engine_id, timings=timings)
-        return out
+        if not e.measured_at or time.monotonic() - e.measured_at >= self.config.watch_interval:
+            self._spawn(self._measure_after(e))
 
     # --- unload, expiry, watching ----------------------------------------------------------
 
@@ -729,7 +454,7 @@ class Pool:
         grace = self.config.unload_timeout if grace is None else grace
         views = []
         for e in engines:
-            views.append(e.view(time.monotonic(), None))
+            views.append(engine_view(e, time.monotonic(), None))
             was_loading = e.state is State.LOADING
             if e.state in (State.READY, State.BUSY, State.LOADING):
                 self._set_state(e, State.UNLOADING)
@@ -743,6 +468,10 @@ class Pool:
 
     async def _reaper(self) -> None:
         while True:
+            # Cleared before the scan, and "no due time" while it runs: an expiry set while
+            # an engine is being stopped below wakes the next round instead of being lost.
+            self._wake_reaper.clear()
+            self._reaper_due = None
             now = time.monotonic()
             due = [
                 e
@@ -754,80 +483,9 @@ class Pool:
             nxt = min(
                 (e.expires_at for e in due if e.expires_at and e.expires_at > now), default=None
             )
-            self._wake_reaper.clear()
+            self._reaper_due = nxt
             # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that
             # races with the event (the loop would then never stop).
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(None if nxt is None else max(0.0, nxt - now)):
                     await self._wake_reaper.wait()
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.watch_interval)
-            # smaps_rollup reads take milliseconds each: keep them off the event loop.
-            readings = await asyncio.to_thread(self._read_all)
-            self.measure(readings)
-            await self._enforce_budget()
-
-    def _read_all(self) -> dict[int, int]:
-        runners = [e.runner for e in list(self.engines.values()) if e.runner is not None]
-        if self.spare is not None:
-            runners.append(self.spare)
-        return {r.pid: r.memory()[0] for r in runners}
-
-    def measure(self, readings: dict[int, int] | None = None) -> None:
-        """Take every runner's PSS; an engine reserves at least what it really uses."""
-        readings = self._read_all() if readings is None else readings
-        for e in list(self.engines.values()):
-            if e.runner is not None and e.state in (State.READY, State.BUSY):
-                pss = readings.get(e.runner.pid, 0)
-                if pss:
-                    e.measured = pss
-                    e.peak = max(e.peak, pss)
-                    e.reserved = max(pss, e.target.expected)
-                    if self.metrics:
-                        self.metrics.engine_pss.labels(e.target.engine_id).set(pss)
-        if self.spare is not None and self.spare.pid in readings:
-            self.spare_reserved = max(readings[self.spare.pid], 1) if self.spare.alive else 0
-        self._note_used()
-
-    # --- views ---------------------------------------------------------------------------
-
-    def list(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
-        return [e.view(now, self.last_eviction.get(k)) for k, e in self.engines.items()]
-
-    def status(self) -> dict[str, Any]:
-        used, budget = self.used(), self.config.budget
-        problems = []
-        if used > budget:
-            problems.append(
-                f"engines use {format_size(used)}, over the budget {format_size(budget)}"
-            )
-        held = [k[0][:12] for k, until in self.held_until.items() if until > time.monotonic()]
-        if held:
-            problems.append(f"{len(held)} model file(s) held back after repeated crashes")
-        return {
-            "summary": f"{len(self.engines)} engine(s), {format_size(used)} of "
-            f"{format_size(budget)} budget",
-            "problems": problems,
-            "loaded": len(self.engines),
-            "budget": budget,
-            "used": used,
-            "max_used": self.max_used,
-            "spare": {"pid": self.spare.pid if self.spare else None, "pss": self.spare_reserved},
-            "recent_evictions": list(self.recent_evictions),
-        }
-
-
-def validate_keep_alive(value: Any) -> float | None:
-    """A request's ``keep_alive``: seconds, a duration string, 0, or -1; None keeps the default."""
-    if value is None:
-        return None
-    from modeld.config import parse_duration
-
-    try:
-        seconds = parse_duration(value)
-    except (ValueError, ModeldError) as e:
-        raise BadRequest(f"keep_alive {value!r}: use e.g. 30s, 5m, 0 or -1") from e
-    return -1.0 if seconds < 0 else seconds

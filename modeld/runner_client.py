@@ -21,11 +21,12 @@ import sys
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from modeld.runner import _HEADER, MAX_FRAME, decode_body, encode_frame, read_memory
+from modeld.runner import ProtocolError, encode_frame, read_memory, split_frames
 
 _STDERR_LINES = 200
 START_TIMEOUT = 60.0
 CANCEL_DRAIN_TIMEOUT = 10.0
+_READ_SIZE = 1 << 18
 
 
 class RunnerDied(Exception):
@@ -139,25 +140,31 @@ class Runner:
     # --- reading -------------------------------------------------------------------------
 
     async def _read_frames(self, reader: asyncio.StreamReader) -> None:
+        # One read takes everything that has arrived, and every complete frame in it is
+        # routed before the consumers run: tokens that came together leave together.
+        buf = bytearray()
         try:
             while True:
-                header = await reader.readexactly(_HEADER.size)
-                (length,) = _HEADER.unpack(header)
-                if length > MAX_FRAME:
+                chunk = await reader.read(_READ_SIZE)
+                if not chunk:
                     break
-                msg = decode_body(await reader.readexactly(length))
-                if msg.get("op") == "hello":
-                    if self._hello is not None and not self._hello.done():
-                        self._hello.set_result(msg)
-                    continue
-                rid = msg.get("id")
-                q = self._pending.get(rid) if isinstance(rid, int) else None
-                if q is not None:
-                    q.put_nowait(msg)
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+                buf += chunk
+                for msg in split_frames(buf):
+                    self._route(msg)
+        except (ConnectionError, ValueError, ProtocolError):
             pass
         finally:
             await self._on_exit()
+
+    def _route(self, msg: dict[str, Any]) -> None:
+        if msg.get("op") == "hello":
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_result(msg)
+            return
+        rid = msg.get("id")
+        q = self._pending.get(rid) if isinstance(rid, int) else None
+        if q is not None:
+            q.put_nowait(msg)
 
     async def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
@@ -234,10 +241,25 @@ class Runner:
         q: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
         self._pending[rid] = q
         finished = False
+        held: dict[str, Any] | BaseException | None = None
         try:
             await self._send({"op": "generate", "id": rid, **job})
             while True:
-                rec = await q.get()
+                rec = held if held is not None else await q.get()
+                held = None
+                if isinstance(rec, dict) and "token" in rec:
+                    # Merge the tokens that are already here into one record: one write
+                    # downstream instead of one per token (clients see fewer, longer pieces).
+                    parts = [rec["token"]]
+                    while not q.empty():
+                        nxt = q.get_nowait()
+                        if isinstance(nxt, dict) and "token" in nxt:
+                            parts.append(nxt["token"])
+                        else:
+                            held = nxt
+                            break
+                    if len(parts) > 1:
+                        rec = {"id": rid, "token": "".join(parts)}
                 if isinstance(rec, BaseException):
                     finished = True
                     raise rec
@@ -251,7 +273,9 @@ class Runner:
                     return
                 yield rec
         finally:
-            if not finished and self.alive:
+            # A record held back by the merge is always the last one (done, error, or the
+            # runner's death): the generation is over and there is nothing to cancel.
+            if not finished and held is None and self.alive:
                 # The caller left (client gone, unload): stop the work in the child and wait
                 # for its end, so the next request on this engine starts on a quiet engine.
                 await asyncio.shield(self._cancel_and_drain(rid, q))

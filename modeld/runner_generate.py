@@ -142,14 +142,14 @@ def run_generation(child: _Child, job: dict[str, Any]) -> None:  # noqa: PLR0912
         piece = stops.feed(_text_of(message))
         if piece:
             text_parts.append(piece)
-            child.send({"id": rid, "token": piece})
+            child.send_token(rid, piece)
         if stops.hit:
             conversation.cancel_process()
             break
     tail = stops.flush()
     if tail:
         text_parts.append(tail)
-        child.send({"id": rid, "token": tail})
+        child.send_token(rid, tail)
     ended = time.perf_counter()
     cancelled = rid in child.cancelled and not stops.hit
     info = None
@@ -200,5 +200,7 @@ def run_generation(child: _Child, job: dict[str, Any]) -> None:  # noqa: PLR0912
     }
     if job.get("format") == "json":
         final["json"] = classify_json("".join(text_parts), finish)
-    conversation.close()
     child.send(final)
+    # After the final record, not before: closing is the runner's business, not the
+    # client's wait (the next job runs on this same thread, so it starts on a closed one).
+    conversation.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import itertools
 import json
 import os
 import queue
@@ -203,6 +204,11 @@ class Store:
         self._reader: sqlite3.Connection | None = None
         self._read_lock = threading.Lock()
         self.last_scan: ScanReport | None = None
+        # A new value as every write transaction is queued and again (on the writer thread)
+        # after it commits or rolls back, so a cache of reads (engines.py keeps installed
+        # rows) can tell whether a write came between. next() on a count is atomic.
+        self._generations = itertools.count(1)
+        self.generation = 0
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -255,8 +261,10 @@ class Store:
                 except BaseException as e:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
+                    self.generation = next(self._generations)
                     self._settle(job_loop, fut, None, e)
                 else:
+                    self.generation = next(self._generations)
                     self._settle(job_loop, fut, result, None)
         finally:
             conn.close()
@@ -288,6 +296,7 @@ class Store:
             raise RuntimeError("Store.write before Store.open")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
+        self.generation = next(self._generations)
         self._queue.put((fn, fut, loop))
         return await fut
 
@@ -364,8 +373,9 @@ class Store:
         except OSError as e:
             if e.errno != errno.EXDEV:
                 raise
-            # Another file system: copy next to the blobs first, so the rename is atomic.
-            tmp = self.partial_dir / f"{dest.name}.install-{os.getpid()}"
+            # Another file system: copy into blobs/ under a name no blob has, so the final
+            # rename stays on one file system and is atomic (a leftover is a stray for prune).
+            tmp = self.blobs_dir / f".{dest.name}.install-{os.getpid()}"
             shutil.copyfile(src, tmp)
             _fsync_file(tmp)
             tmp.chmod(0o444)

@@ -75,7 +75,8 @@ class Mirror:
         await site.start()
         server = site._server
         assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        sockets: Any = getattr(server, "sockets", None)  # asyncio.Server; typed as abstract
+        self.port = sockets[0].getsockname()[1]
         return self
 
     async def stop(self) -> None:

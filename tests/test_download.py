@@ -357,3 +357,67 @@ async def test_not_enough_free_space_is_refused_before_the_first_byte(
     with pytest.raises(DiskFull, match="free"):
         await run_pull(short_tmp, ms, stop_later, sha=None, size=1 << 60)
     assert ms[0].requests == []
+
+
+BIG = 16 * 1024 * 1024 + 4321  # 17 blocks of 1 MiB, the last one short
+
+
+@pytest.fixture(scope="module")
+def big() -> bytes:
+    return random.Random(11).randbytes(BIG)
+
+
+async def test_endgame_takes_over_a_throttled_mirrors_piece(
+    short_tmp: Path, big: bytes, stop_later: list[Mirror]
+) -> None:
+    """A hard-throttled primary's in-flight block is taken over by the fast mirror at the end."""
+    # 64 KB/s: the primary's first block alone would take 16 s; the fast mirror does the rest.
+    ms = await start_mirrors(big, Faults(throttle=64_000), Faults())
+    job = await run_pull(
+        short_tmp,
+        ms,
+        stop_later,
+        sha=hashlib.sha256(big).hexdigest(),
+        size=BIG,
+        tuning=tuning(connections=4, piece_size=4 * 1024 * 1024, stall_timeout=60.0),
+    )
+    assert installed_bytes(job) == big
+    f = job.fetcher
+    assert f is not None
+    slow, fast = job.mirrors
+    # The slow mirror was given work (its probe block), not just left out ...
+    assert [r["Range"] for r in ms[0].requests if r.get("Range") != "bytes=0-0"]
+    # ... and that work was taken over: every block came from the fast mirror, the slow one
+    # sent less than one block, and its connection was closed without a strike against it.
+    assert f.takeovers >= 1
+    assert set(f.sources.values()) == {fast.label}
+    assert ms[0].sent < 1024 * 1024
+    assert slow.strikes == 0 and slow.reason is None
+
+
+async def test_endgame_splits_pieces_of_a_mirror_that_stalls(
+    short_tmp: Path, big: bytes, stop_later: list[Mirror]
+) -> None:
+    """Pieces in flight on a mirror that goes silent are split/taken over, not waited for."""
+    # Both mirrors are fast until the primary stops sending after 5 MiB (mid-piece); the
+    # stall timeout (60 s) is far away, so only the endgame can finish those pieces.
+    ms = await start_mirrors(big, Faults(stall_after=5 * 1024 * 1024 + 100_000), Faults())
+    job = await run_pull(
+        short_tmp,
+        ms,
+        stop_later,
+        sha=hashlib.sha256(big).hexdigest(),
+        size=BIG,
+        tuning=tuning(connections=4, piece_size=4 * 1024 * 1024, stall_timeout=60.0),
+    )
+    assert installed_bytes(job) == big
+    f = job.fetcher
+    assert f is not None
+    stalled, fast = job.mirrors
+    served = list(f.sources.values())
+    # The stalled mirror served at most what it sent before going silent, the rest came
+    # from the other one, and no request of the stalled mirror ran into the stall timeout.
+    assert served.count(stalled.label) <= 5
+    assert served.count(fast.label) >= len(served) - 5
+    assert f.splits + f.takeovers >= 1
+    assert stalled.reason is None and stalled.strikes == 0

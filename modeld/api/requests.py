@@ -1,0 +1,386 @@
+"""Request bodies as pydantic models, and the generation path the native and OpenAI routes share.
+
+Every route that takes a JSON body validates it here; a bad body is a 400 ``bad_request``
+naming the field and why (``"max_tokens": must be ≥ 1``). A generation request, native or
+OpenAI, becomes one ``Generation`` (turns with their images, sampling options), and
+``start`` turns that into the pool's token stream: image preparation, the engine target
+(plan resolved with the vision modality before any runner starts), then ``pool.generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import json
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeVar
+
+from aiohttp import web
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
+
+from modeld.catalog import ID_PATTERN
+from modeld.errors import BadRequest, TooLarge
+from modeld.services import Services
+
+IMAGE_LONG_SIDE = 640
+JPEG_QUALITY = 88
+# Bounds the runtime's C++ side takes without overflow (int32 fields).
+INT32 = 2**31 - 1
+
+ModelId = Annotated[StrictStr, Field(pattern=ID_PATTERN)]
+Number = StrictInt | StrictFloat
+Duration = StrictStr | StrictInt | StrictFloat
+Backend = Literal["cpu", "gpu"]
+
+B = TypeVar("B", bound=BaseModel)
+
+
+class Strict(BaseModel):
+    """A body whose unknown fields are errors (they are typos)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class Backends(Strict):
+    main: Backend | None = None
+    vision: Backend | None = None
+    audio: Backend | None = None
+
+
+class Sampling(Strict):
+    """Sampling options shared by the native and OpenAI bodies."""
+
+    temperature: Annotated[Number, Field(ge=0, le=100)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=1, le=INT32)] | None = None
+    top_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=INT32)] | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
+    keep_alive: Duration | None = None
+    allow_unverified: StrictBool = False
+    backends: Backends | None = None
+
+
+class NativeMessage(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr
+
+
+class GenerateBody(Sampling):
+    """``POST /api/generate``."""
+
+    model: ModelId
+    prompt: StrictStr | None = None
+    system: StrictStr | None = None
+    messages: Annotated[list[NativeMessage], Field(min_length=1)] | None = None
+    images: list[StrictStr] = []
+    format: Literal["json"] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32)] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> GenerateBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError('send either "prompt" (a string) or "messages" (a list), not both')
+        return self
+
+
+class LoadBody(Strict):
+    """``POST /api/engines``."""
+
+    model: ModelId
+    backends: Backends | None = None
+    keep_alive: Duration | None = None
+    pin: StrictBool = False
+    allow_unverified: StrictBool = False
+
+
+class PullBody(Strict):
+    """``POST /api/models/{id}/pull``; ``{}`` streams progress."""
+
+    detach: StrictBool = False
+    stream: StrictBool | None = None
+
+
+class ImportBody(Strict):
+    """``POST /api/models/import``."""
+
+    path: Annotated[StrictStr, Field(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$")]
+    id: ModelId | None = None
+
+
+# --- validation messages -------------------------------------------------------------------
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not part.startswith(("function-", "constrained-", "literal[")) and part not in (
+            "str",
+            "int",
+            "float",
+            "bool",
+            "list[str]",
+            "list",
+        ):
+            out += ("." if out else "") + part[:40]
+    return out or "body"
+
+
+_SIMPLE = {
+    "missing": "is required",
+    "int_type": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "finite_number": "must be a finite number",
+    "string_type": "must be a string",
+    "bool_type": "must be true or false",
+    "list_type": "must be a list",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+}
+_UNION_HINTS = {
+    "keep_alive": 'must be a duration such as "30s", "5m", 0 or -1',
+    "stop": "must be a string or a list of strings",
+    "image_url": 'must be {"url": "data:image/png;base64,..."}',
+}
+_BOUNDS = {
+    "greater_than_equal": ("≥", "ge"),
+    "greater_than": (">", "gt"),
+    "less_than_equal": ("≤", "le"),
+    "less_than": ("<", "lt"),
+}
+
+
+def _why(err: Any, fields: list[str]) -> str:
+    kind, ctx = err["type"], err.get("ctx") or {}
+    why = _SIMPLE.get(kind)
+    if kind == "extra_forbidden":
+        why = "unknown field; allowed: " + ", ".join(fields)
+    elif kind in _BOUNDS:
+        sign, key = _BOUNDS[kind]
+        why = f"must be {sign} {ctx.get(key)}"
+    elif kind == "literal_error":
+        why = f"must be {ctx.get('expected')}"
+    elif kind == "string_pattern_mismatch":
+        why = (
+            "must be an absolute path (no NUL)"
+            if err["loc"][:1] == ("path",)
+            else "is not a valid model id (letters, digits, . _ -; at most 128; no / or ..)"
+        )
+    elif kind == "value_error":
+        why = str(err["msg"]).removeprefix("Value error, ")
+    return why if why is not None else str(err["msg"]).lower()
+
+
+def validation_message(e: ValidationError, model: type[BaseModel]) -> str:
+    """One line per problem: ``"field": why``; a union's branches collapse into one."""
+    fields = list(model.model_fields)
+    by_field: dict[str, list[str]] = {}
+    for err in e.errors():
+        where = _where(tuple(err["loc"]))
+        if where == "body" and err["type"] == "value_error":
+            by_field.setdefault("", []).append(_why(err, fields))
+            continue
+        by_field.setdefault(where, []).append(_why(err, fields))
+    parts = []
+    for where, whys in by_field.items():
+        # A union (int or float, str or list) reports once per branch: say it once.
+        unique = list(dict.fromkeys(whys))
+        if len(unique) == 1:
+            why = unique[0]
+        elif where in _UNION_HINTS:
+            why = _UNION_HINTS[where]
+        elif set(unique) == {"must be an integer", "must be a number"}:
+            why = "must be a number"
+        else:
+            why = " or ".join(unique[:2])
+        parts.append(f'"{where}": {why}' if where else why)
+    return "; ".join(parts[:6])
+
+
+def parse(model: type[B], data: Any) -> B:
+    """``data`` validated as ``model``, or a 400 naming each bad field and why."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise BadRequest(validation_message(e, model)) from None
+
+
+async def read_json(request: web.Request, *, optional: bool = False) -> dict[str, Any]:
+    """The JSON object in the body (``{}`` when empty and ``optional``), else a clear 400."""
+    raw = await request.read()
+    if not raw.strip():
+        if optional:
+            return {}
+        raise BadRequest("the body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise BadRequest(f"the body is not JSON ({str(e)[:120]}); send a JSON object") from e
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+async def read_body(request: web.Request, model: type[B], *, optional: bool = False) -> B:
+    return parse(model, await read_json(request, optional=optional))
+
+
+# --- generation ------------------------------------------------------------------------------
+
+
+def prepare_image(data: bytes) -> bytes:
+    """Downscale to at most 640 px on the long side and re-encode as JPEG quality 88."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            rgb = img.convert("RGB")
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as e:
+        raise BadRequest(f"an image could not be decoded ({e}); send PNG or JPEG bytes") from e
+    rgb.thumbnail((IMAGE_LONG_SIDE, IMAGE_LONG_SIDE))
+    out = io.BytesIO()
+    rgb.save(out, format="JPEG", quality=JPEG_QUALITY)
+    return out.getvalue()
+
+
+def decode_base64(item: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(item, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise BadRequest(f"{where}: not valid base64") from e
+
+
+@dataclass
+class Turn:
+    """One message: its role, its text and the raw bytes of its images."""
+
+    role: str
+    text: str
+    images: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    """One generation request, whichever wire format it came in."""
+
+    model: str
+    turns: list[Turn]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    format: str | None = None
+    keep_alive: Any = None
+    allow_unverified: bool = False
+    backends: dict[str, Any] | None = None
+
+    @property
+    def image_count(self) -> int:
+        return sum(len(t.images) for t in self.turns)
+
+    def job(self, prepared: Callable[[bytes], bytes]) -> dict[str, Any]:
+        """The runner's ``generate`` fields; ``prepared`` re-encodes each image."""
+        messages: list[dict[str, Any]] = []
+        for t in self.turns:
+            if not t.images:
+                messages.append({"role": t.role, "content": t.text})
+                continue
+            content: list[dict[str, Any]] = [{"type": "text", "text": t.text}]
+            content += [
+                {"type": "image", "blob": base64.b64encode(prepared(b)).decode()} for b in t.images
+            ]
+            messages.append({"role": t.role, "content": content})
+        return {
+            "messages": messages,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "format": self.format,
+        }
+
+
+def stops(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def from_native(body: GenerateBody) -> Generation:
+    """A ``POST /api/generate`` body as a ``Generation`` (images go with the last message)."""
+    if body.prompt is not None:
+        turns = [Turn("user", body.prompt)]
+        if body.system is not None:
+            turns.insert(0, Turn("system", body.system))
+    else:
+        assert body.messages is not None
+        turns = [Turn(m.role, m.content) for m in body.messages]
+    turns[-1].images = [decode_base64(s, f'"images"[{i}]') for i, s in enumerate(body.images)]
+    return Generation(
+        model=body.model,
+        turns=turns,
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=stops(body.stop),
+        format=body.format,
+        keep_alive=body.keep_alive,
+        allow_unverified=body.allow_unverified,
+        backends=body.backends.model_dump(exclude_none=True) if body.backends else None,
+    )
+
+
+async def start(
+    services: Services, gen: Generation
+) -> tuple[str, AsyncGenerator[dict[str, Any], None]]:
+    """Resolve the engine and return ``(engine id, token records then a final record)``.
+
+    Everything that can refuse the request (unknown or uninstalled model, too many images,
+    a backend constraint, a bad keep_alive) is raised here, before a response starts.
+    """
+    from modeld.pool import validate_keep_alive
+
+    engines, pool = services.parts["engines"], services.parts["pool"]
+    if not gen.turns or gen.turns[-1].role != "user":
+        raise BadRequest("the last message must have role user")
+    limit = engines.max_images(gen.model)
+    if gen.image_count > limit:
+        raise TooLarge(f"{gen.image_count} images sent; model {gen.model} takes at most {limit}")
+    keep_alive = validate_keep_alive(gen.keep_alive)
+    if gen.image_count:
+        # Decoding and re-encoding takes tens of ms per image: keep it off the event loop.
+        job = await asyncio.to_thread(gen.job, prepare_image)
+    else:
+        job = gen.job(bytes)
+    # The plan is resolved with the vision modality before any runner starts, so a file
+    # whose vision encoder needs gpu is refused here when vision=cpu.
+    target = await engines.target(
+        gen.model,
+        modalities=["text", "image"] if gen.image_count else ["text"],
+        backends=gen.backends,
+        allow_unverified=gen.allow_unverified,
+    )
+    return target.engine_id, pool.generate(target, job, keep_alive=keep_alive)
