@@ -23,7 +23,6 @@ from typing import Any
 from modeld import logs
 from modeld.admission import Admission
 from modeld.errors import (
-    BackendConstraint,
     BadRequest,
     Busy,
     EngineCrashed,
@@ -43,6 +42,7 @@ from modeld.pool_types import (
     RunnerLike,
     State,
     Target,
+    load_error,
     validate_keep_alive,
 )
 from modeld.pool_views import Views, engine_view
@@ -110,6 +110,16 @@ class Pool(Admission, Views):
             new=new.value,
         )
         e.state = new
+
+    def _note_queue(self, model_id: str) -> None:
+        """Requests for ``model_id`` not yet running (waiting for a load or the engine lock)."""
+        if self.metrics:
+            waiting = sum(
+                max(0, x.users - (1 if x.state is State.BUSY else 0))
+                for x in self.engines.values()
+                if x.target.model_id == model_id
+            )
+            self.metrics.queue_depth.labels(model_id).set(waiting)
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -196,6 +206,7 @@ class Pool(Admission, Views):
         if keep_alive is not None:
             e.keep_alive = keep_alive
         e.users += 1
+        self._note_queue(target.model_id)
         e.idle.clear()
         e.expires_at = None
         return e
@@ -214,7 +225,7 @@ class Pool(Admission, Views):
             e.runner = runner
             reply = await runner.create(t.spec)
         except BaseException as exc:
-            err = self._load_error(t, exc)
+            err = load_error(t, exc)
             await self._finish_failed_load(e, err)
             if self.metrics:
                 self.metrics.engine_loads.labels(t.model_id, "failed").inc()
@@ -222,6 +233,8 @@ class Pool(Admission, Views):
                 raise
             return
         e.create_seconds = float(reply.get("seconds", 0.0))
+        if self.metrics:
+            self.metrics.phase_seconds.labels("engine_create").observe(e.create_seconds)
         e.load_seconds = time.monotonic() - started
         e.measured = runner.memory()[0] or int(reply.get("pss", 0))
         e.reserved = max(e.measured, t.expected)
@@ -251,27 +264,6 @@ class Pool(Admission, Views):
         self._refill_spare()
         self._wake()
 
-    def _load_error(self, t: Target, exc: BaseException) -> ModeldError:
-        if isinstance(exc, ModeldError):
-            return exc
-        if isinstance(exc, asyncio.CancelledError):
-            return EngineError(f"model {t.model_id}: the engine load was cancelled")
-        if isinstance(exc, RunnerError):
-            cls = BackendConstraint if exc.code == "backend_constraint" else EngineError
-            return cls(
-                f"model {t.model_id}: the runtime could not create its engine "
-                f"(plan {t.plan['key']}): {exc.message}",
-                model=t.model_id,
-            )
-        if isinstance(exc, RunnerDied):
-            return EngineCrashed(
-                f"model {t.model_id}: its runner {exc} while creating the engine; the daemon "
-                "is fine. Check the file with `modeld verify`",
-                model=t.model_id,
-                signal=exc.signal_name,
-            )
-        return EngineError(f"model {t.model_id}: the engine could not start: {exc}")
-
     async def _finish_failed_load(self, e: Engine, err: ModeldError) -> None:
         if e.state is State.LOADING:
             self._set_state(e, State.FAILED)
@@ -290,6 +282,7 @@ class Pool(Admission, Views):
             del self.engines[e.target.key]
         e.reserved = 0
         e.gone.set()
+        self._note_queue(e.target.model_id)
         if self.metrics:
             with contextlib.suppress(KeyError):
                 self.metrics.engine_pss.remove(e.target.engine_id)
@@ -363,6 +356,7 @@ class Pool(Admission, Views):
                     self._spawn(self._stop_engine(e, "keep_alive 0"))
                 elif e.keep_alive > 0:
                     e.expires_at = e.last_used + e.keep_alive
+        self._note_queue(e.target.model_id)
         # The reaper needs waking only for an expiry earlier than the one it sleeps until.
         due = self._reaper_due
         self._wake(reaper=e.expires_at is not None and (due is None or e.expires_at < due))
@@ -398,6 +392,7 @@ class Pool(Admission, Views):
                         raise EngineError(f"model {target.model_id}: its engine was unloaded")
                     started = True
                     self._set_state(e, State.BUSY)
+                    self._note_queue(target.model_id)
                     e.served += 1
                     async for rec in self._run(e, job, arrived, loaded_at):
                         yield rec

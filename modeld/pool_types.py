@@ -14,8 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from modeld.config import parse_duration
-from modeld.errors import BadRequest, ModeldError
-from modeld.runner_client import RunnerDied
+from modeld.errors import (
+    BackendConstraint,
+    BadRequest,
+    DiskFull,
+    EngineCrashed,
+    EngineError,
+    ModeldError,
+)
+from modeld.runner_client import RunnerDied, RunnerError
 
 
 class RunnerLike(Protocol):
@@ -138,3 +145,36 @@ def validate_keep_alive(value: Any) -> float | None:
     except (ValueError, ModeldError) as e:
         raise BadRequest(f"keep_alive {value!r}: use e.g. 30s, 5m, 0 or -1") from e
     return -1.0 if seconds < 0 else seconds
+
+
+def load_error(t: Target, exc: BaseException) -> ModeldError:
+    """The error a failed engine load reports, from what went wrong (runtime, crash, ...)."""
+    if isinstance(exc, ModeldError):
+        return exc
+    if isinstance(exc, asyncio.CancelledError):
+        return EngineError(f"model {t.model_id}: the engine load was cancelled")
+    if isinstance(exc, RunnerError):
+        cls = BackendConstraint if exc.code == "backend_constraint" else EngineError
+        return cls(
+            f"model {t.model_id}: the runtime could not create its engine "
+            f"(plan {t.plan['key']}): {exc.message}",
+            model=t.model_id,
+        )
+    if isinstance(exc, RunnerDied):
+        if exc.reason and "No space left on device" in exc.reason:
+            # The runtime writes its weight cache into cache/<digest>/ while creating
+            # the engine and aborts when the disk is full: the file is not at fault.
+            return DiskFull(
+                f"model {t.model_id}: the disk holding MODELD_HOME is full; the runtime "
+                f"could not write its engine cache and its runner was {exc.how} "
+                f"({exc.reason}). Free space (e.g. `modeld prune`) and load it again",
+                model=t.model_id,
+                signal=exc.signal_name,
+            )
+        return EngineCrashed(
+            f"model {t.model_id}: its runner {exc} while creating the engine; the daemon "
+            "is fine. Check the file with `modeld verify`",
+            model=t.model_id,
+            signal=exc.signal_name,
+        )
+    return EngineError(f"model {t.model_id}: the engine could not start: {exc}")

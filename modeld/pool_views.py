@@ -84,6 +84,8 @@ class Views:
                 value = timings[phase]
                 if value is not None:
                     self.metrics.phase_seconds.labels(phase).observe(float(value))
+            if first is not None:
+                self.metrics.phase_seconds.labels("decode").observe(now - first)
             self.metrics.generated_tokens.labels(e.target.model_id).inc(rec.get("tokens") or 0)
         fields: dict[str, Any] = {k: v for k, v in timings.items() if v is not None}
         logs.event(

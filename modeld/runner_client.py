@@ -58,17 +58,24 @@ class RunnerError(Exception):
 # glog severities E (error) and F (fatal): "F0000 00:00:1730000000.123456   12345 file.cc:12] ".
 _SEVERE = re.compile(r"^[EF]\d{4} [\d:. ]+\s+\d+ [\w./-]+:\d+\] ")
 _FATAL_WORDS = ("Check failed", "terminate called", "Fatal", "Aborted")
+# TFLite's own logger (not glog), e.g. the XNNPack weight cache failing on a full disk:
+# "ERROR: .../weight_cache.cc:151: could not write initial cache header ...".
+_TFLITE_ERROR = "ERROR: "
 
 
 def crash_reason(lines: collections.abc.Iterable[str], limit: int = 3) -> str | None:
-    """The runtime's last error or fatal lines before a crash, joined by `` | ``."""
+    """The runtime's first and last error or fatal lines before a crash, joined by `` | ``."""
     picked = [
         _SEVERE.sub("", ln).strip()
         for ln in lines
-        if _SEVERE.match(ln) or any(w in ln for w in _FATAL_WORDS)
+        if _SEVERE.match(ln) or ln.startswith(_TFLITE_ERROR) or any(w in ln for w in _FATAL_WORDS)
     ]
     picked = [ln[:400] for ln in picked if ln]
-    return " | ".join(picked[-limit:]) if picked else None
+    if len(picked) > limit:
+        # The first error is usually the cause (e.g. "No space left on device"), the last
+        # ones what the runtime died of: keep both ends.
+        picked = [picked[0], *picked[-(limit - 1) :]] if limit > 1 else picked[-1:]
+    return " | ".join(picked) if picked else None
 
 
 def _signal_name(returncode: int | None) -> str | None:
@@ -192,6 +199,12 @@ class Runner:
         for q in self._pending.values():
             q.put_nowait(self.died)
         self._exited.set()
+        # The child is gone, so is its socket: close our end here, not only in kill(), which
+        # a crash noticed by the pool's watcher never reaches (an unclosed writer warns).
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(ConnectionError):
+                await self._writer.wait_closed()
 
     @property
     def alive(self) -> bool:

@@ -270,6 +270,7 @@ def test_engine_load_on_full_disk_names_the_full_disk(short_tmp: Path) -> None:
             assert http(d.socket, "GET", "/api/health")[0] == 200
             assert status >= 400, body
             message = body["error"]["message"]
+            assert body["error"]["code"] == "disk_full", body
             assert "verify" not in message, message
             assert "No space left on device" in message or "disk full" in message, message
         finally:

@@ -107,9 +107,6 @@ async def test_pull_feeds_download_metrics(pulled: Any) -> None:
     assert value(samples, "modeld_registry_errors") == 1
 
 
-# The pool does not close a crashed runner's socket writer (runner_client.Runner.kill is not
-# called on a crash): reported to the pool's owner; not what this test checks.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_generate_feeds_pool_and_request_metrics(pulled: Any) -> None:
     """Loads, PSS, budget, phase timings, tokens, latency; then a crash and an eviction."""
     d, _, _ = pulled
@@ -148,11 +145,6 @@ async def test_generate_feeds_pool_and_request_metrics(pulled: Any) -> None:
     assert value(samples, "modeld_engine_evictions_total", reason="unloaded") >= 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="queue depth and the engine_create/decode phases are fed by the pool "
-    "(helper-11's lines, see /work/notes/pool-metrics-lines.md); remove this mark once they land",
-)
 async def test_queue_depth_and_create_decode_phases(pulled: Any) -> None:
     """Requests queued on a busy engine show in the queue gauge; create and decode are timed."""
     d, _, _ = pulled

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from modeld.runner_client import Runner, RunnerDied, RunnerError
+from modeld.runner_client import Runner, RunnerDied, RunnerError, crash_reason
 from modeld.runner_generate import classify_json
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -127,6 +127,8 @@ async def test_signal_mid_request_is_noticed(short_tmp: Path, sig: signal.Signal
         with pytest.raises(RunnerDied) as info:
             await task
         assert info.value.signal_name == sig.name
+        # Nobody called kill(): the dead child's socket is closed all the same.
+        assert runner._writer is not None and runner._writer.is_closing()
     finally:
         await runner.kill()
 
@@ -177,3 +179,25 @@ def test_classify_json(text: str, finish: str, status: str) -> None:
     """JSON diagnostics tell complete, empty, truncated and not_json apart, keeping the raw text."""
     result = classify_json(text, finish)
     assert result["status"] == status and result["raw"] == text
+
+
+def test_crash_reason_keeps_tflite_errors_and_the_first_cause() -> None:
+    """TFLite's ``ERROR: `` lines count, and the first one (the cause) survives a long tail."""
+    tail = [
+        "INFO: Created TensorFlow Lite XNNPACK delegate for CPU.",
+        "ERROR: third_party/tensorflow/lite/delegates/xnnpack/weight_cache.cc:151: could not "
+        "write initial cache header in /x/model.xnnpack_cache: No space left on device.",
+        "ERROR: third_party/tensorflow/lite/delegates/xnnpack/weight_cache.cc:172: could not "
+        "read cache file header.",
+        "ERROR: XNNPack delegate failed to start cache build step.",
+        "W0000 00:00:1796005495.406052    8811 litert_lm_loader.cc:391] Section not found",
+        "F0000 00:00:1730000000.123456   12345 weight_cache.cc:750] Inserting data failed.",
+    ]
+    reason = crash_reason(tail)
+    assert reason is not None
+    parts = reason.split(" | ")
+    assert len(parts) == 3
+    assert "No space left on device" in parts[0]
+    assert parts[1] == "ERROR: XNNPack delegate failed to start cache build step."
+    assert parts[2] == "Inserting data failed."
+    assert crash_reason(["INFO: fine", "W0000 00:00:1.0    1 a.cc:1] warn"]) is None
