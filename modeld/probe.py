@@ -33,9 +33,11 @@ _LOG_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:. ]+\s+\d+ [\w./-]+:\d+\] ")
 # "└ ERROR: [third_party/.../compiled_model.cc:1036]": a stack of locations, no words.
 _LOCATION_ONLY = re.compile(r"^(?:└\s*)?ERROR: \[[^\]]+\]\s*$|^third_party/|^=== Source Location")
 _LOCATION_PREFIX = re.compile(r"^ERROR: \[[\w./-]+:\d+\] ")
-_MEANINGFUL = re.compile(
-    r"mismatch|error|failed|invalid|INTERNAL|not found in|unsupported|abort", re.I
-)
+_MEANINGFUL = re.compile(r"mismatch|error|failed|invalid|not found in|unsupported|abort", re.I)
+# Case-sensitive: absl's stack frames name `log_internal`, which is not a status code.
+_STATUS_CODE = re.compile(r"\bINTERNAL\b")
+# A fatal check prints a stack trace (`@ 0x7f… symbol`) after its message: frames are noise.
+_STACK_FRAME = re.compile(r"^@\s+0x[0-9a-f]+|^\*\*\* Check failure stack trace")
 _MAX_REASON_LINES = 3
 _MAX_LINE = 400
 
@@ -70,11 +72,11 @@ def _rank(line: str) -> int | None:
         return 0
     if line.startswith(("WARNING", "Warning", "W0", "I0", "INFO")):
         return None
-    if _LOCATION_ONLY.match(_LOG_PREFIX.sub("", line)):
+    if _LOCATION_ONLY.match(_LOG_PREFIX.sub("", line)) or _STACK_FRAME.match(line):
         return None
     if line.startswith(("E0", "F0", "ERROR")):
         return 1
-    return 2 if _MEANINGFUL.search(line) else None
+    return 2 if _MEANINGFUL.search(line) or _STATUS_CODE.search(line) else None
 
 
 def extract_reason(stderr: str, fallback: str | None = None) -> str | None:
@@ -89,16 +91,18 @@ def extract_reason(stderr: str, fallback: str | None = None) -> str | None:
         ((r, i) for i, ln in enumerate(lines) if (r := _rank(ln)) is not None),
     )
     picked: list[str] = []
+    # The fallback (e.g. "killed by SIGABRT") always keeps its place at the end.
+    room = _MAX_REASON_LINES - (1 if fallback else 0)
     for _, i in ranked:
         text = _LOG_PREFIX.sub("", lines[i]).removeprefix("└").strip()
         text = _LOCATION_PREFIX.sub("", text)[:_MAX_LINE]
         if text not in picked:
             picked.append(text)
-        if len(picked) == _MAX_REASON_LINES:
+        if len(picked) == room:
             break
     if not picked and lines:
         picked = [lines[-1][:_MAX_LINE]]
-    if fallback and len(picked) < _MAX_REASON_LINES:
+    if fallback:
         picked.append(fallback)
     return " | ".join(picked) or None
 

@@ -71,6 +71,27 @@ def test_reason_puts_mismatch_first() -> None:
     assert reason.endswith("RuntimeError: Failed to create LiteRT-LM engine")
 
 
+# What a float32 model printed on an H200 before SIGABRT (main=gpu).
+ABORT_STDERR = "\n".join(
+    [
+        "F0000 00:00:1764470000.000000    12 embedding_lookup.cc:88] EMBEDDING_LOOKUP: "
+        "Unsupported external weights type: 1",
+        "*** Check failure stack trace: ***",
+        "    @     0x7f24bd20dae4  absl::log_internal::LogMessage::SendToLog()",
+        "    @     0x7f24bd20daa8  absl::log_internal::LogMessage::Flush()",
+        "    @     0x7f24bc712a8b  LiteRtCreateCompiledModel",
+    ]
+)
+
+
+def test_reason_of_an_abort_keeps_message_and_signal_not_stack_frames() -> None:
+    """A fatal check's stack frames are dropped and the signal text always stays."""
+    reason = extract_reason(ABORT_STDERR, "probe child killed by SIGABRT")
+    assert reason == (
+        "EMBEDDING_LOOKUP: Unsupported external weights type: 1 | probe child killed by SIGABRT"
+    )
+
+
 def test_reason_falls_back_to_last_line() -> None:
     """With nothing telling on stderr, the last non-empty line stands in; empty gives None."""
     assert extract_reason("starting\nsomething odd happened\n\n") == "something odd happened"
