@@ -18,7 +18,8 @@ from modeld.config import client_socket_path
 
 T = TypeVar("T")
 
-console = Console()
+# soft_wrap: long paths stay on one line when output goes to a pipe or a log (width 80).
+console = Console(soft_wrap=True)
 err_console = Console(stderr=True)
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
