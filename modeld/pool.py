@@ -427,6 +427,10 @@ class Pool(Admission, Views):
                     first = first or time.monotonic()
                     yield {"token": rec["token"]}
                     continue
+                ttft = (rec.get("timings") or {}).get("first_token")
+                if first is None and ttft is not None:
+                    # A non-streamed reply sends no token frames: the runner's own figure.
+                    first = began + ttft
                 yield self._final(
                     e, rec, arrived=arrived, loaded_at=loaded_at, began=began, first=first
                 )

@@ -57,6 +57,15 @@ class Views:
     def used(self) -> int:
         raise NotImplementedError
 
+    def _phase(self, phase: str) -> Any:
+        """The phase histogram's child for ``phase`` (``labels()`` locks and hashes per call)."""
+        cache: dict[str, Any] = self.__dict__.setdefault("_phase_children", {})
+        child = cache.get(phase)
+        if child is None:
+            assert self.metrics is not None
+            child = cache[phase] = self.metrics.phase_seconds.labels(phase)
+        return child
+
     def _final(
         self,
         e: Engine,
@@ -83,9 +92,9 @@ class Views:
             for phase in ("load", "queue", "prefill", "first_token", "total"):
                 value = timings[phase]
                 if value is not None:
-                    self.metrics.phase_seconds.labels(phase).observe(float(value))
+                    self._phase(phase).observe(float(value))
             if first is not None:
-                self.metrics.phase_seconds.labels("decode").observe(now - first)
+                self._phase("decode").observe(now - first)
             self.metrics.generated_tokens.labels(e.target.model_id).inc(rec.get("tokens") or 0)
         fields: dict[str, Any] = {k: v for k, v in timings.items() if v is not None}
         logs.event(

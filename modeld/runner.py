@@ -11,7 +11,8 @@ JSON object. Parent -> child ops, each with an ``id``:
 - ``create``: path, backend, vision, audio, max_tokens, max_images, cache_dir, speculative
   -> ``{"id", "ok": true, "seconds", "pss", "rss"}``
 - ``generate``: messages (role/content, last one is sent), max_tokens, sampler, stop,
-  format -> token frames... then ``{"id", "done": true, "finish", "timings"...}``
+  format, stream -> token frames... then ``{"id", "done": true, "finish", "timings"...}``;
+  with ``"stream": false`` no token frames, and the final record carries ``text``
 - ``cancel``: ``target`` (a generate id) -> no reply of its own; the generation ends
   with ``finish: "cancelled"``
 - ``stats`` -> ``{"id", "ok": true, "pss", "rss"}``

@@ -122,6 +122,30 @@ async def test_stream_chunks_finish_usage_and_done(oa: openai.AsyncOpenAI) -> No
     assert len({c.id for c in chunks}) == 1
 
 
+async def test_non_streamed_matches_streamed_text_and_keeps_timings(
+    oa: openai.AsyncOpenAI,
+) -> None:
+    """The whole-reply path gives the streamed text, usage and phase timings; stop cuts it."""
+    kw: dict[str, Any] = {
+        "model": "tiny-text",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 8,
+        "seed": 4,
+    }
+    stream = await oa.chat.completions.create(**kw, stream=True)
+    streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    whole = await oa.chat.completions.create(**kw)
+    assert whole.choices[0].message.content == streamed and len(streamed) > 4
+    assert whole.usage is not None and whole.usage.completion_tokens == 8
+    timings = (whole.model_extra or {})["modeld"]["timings"]
+    assert 0 < timings["first_token"] <= timings["total"]
+    assert timings["prefill"] is not None and timings["decode_tokens_per_second"] > 0
+    cut = await oa.chat.completions.create(**kw, stop=[streamed[2:4]])
+    text = cut.choices[0].message.content or ""
+    assert streamed.startswith(text) and streamed[2:4] not in text
+    assert cut.choices[0].finish_reason == "stop"
+
+
 async def test_raw_sse_ends_with_done(http: httpx.AsyncClient) -> None:
     """The wire format: ``data: {...}`` events and a final ``data: [DONE]``."""
     body = {

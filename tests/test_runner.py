@@ -99,6 +99,60 @@ async def test_cancel_mid_generation_then_next_request(short_tmp: Path) -> None:
         await runner.close()
 
 
+async def test_non_streamed_reply_comes_whole_in_the_final_record(short_tmp: Path) -> None:
+    """``stream: false`` sends no token frames: the final record carries the same text."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp, max_tokens=256))
+        job = ask("hello there", max_tokens=8, seed=2)
+        streamed, _ = await collect(runner, job)
+        tokens, final = await collect(runner, {**job, "stream": False})
+        assert tokens == "" and final["text"] == streamed
+        assert final["finish"] == "length" and final["tokens"] == 8
+        t = final["timings"]
+        assert t["first_token"] > 0 and t["generate"] >= t["first_token"]
+        assert t["decode_tokens_per_second"] > 0 and final["prompt_tokens"] > 0
+        # With a stop string the reply is still cut before it, and still sent whole.
+        stop = streamed[2:4]
+        tokens, final = await collect(runner, {**job, "stream": False, "stop": [stop]})
+        assert tokens == "" and streamed.startswith(final["text"]) and stop not in final["text"]
+        assert final["finish"] == "stop"
+    finally:
+        await runner.close()
+
+
+async def test_leaving_a_non_streamed_reply_cancels_it(short_tmp: Path) -> None:
+    """A caller that leaves a non-streamed reply cancels it; the engine serves the next one."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp, max_tokens=4000))
+        for delay in (0.0, 0.002, 0.005):
+            task = asyncio.ensure_future(collect(runner, ask(max_tokens=3000, stream=False)))
+            await asyncio.sleep(delay)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            text, final = await collect(runner, ask(max_tokens=3, stream=False))
+            assert final["tokens"] == 3 and final["finish"] == "length" and text == ""
+    finally:
+        await runner.close()
+
+
+async def test_non_streamed_failure_carries_the_runtime_reason(short_tmp: Path) -> None:
+    """A prompt over the engine's window fails as it does streamed: the runtime's own words."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp, max_tokens=8))
+        reasons = []
+        for stream in (True, False):
+            with pytest.raises(RunnerError) as info:
+                await collect(runner, ask("hello there", stream=stream))
+            reasons.append(info.value.message)
+        assert "too long" in reasons[1] and reasons[0] == reasons[1]
+    finally:
+        await runner.close()
+
+
 async def test_runtime_failure_carries_runtime_reason(short_tmp: Path) -> None:
     """A damaged file fails create with the runtime's own words, not a generic error."""
     bad = short_tmp / "trunc.litertlm"

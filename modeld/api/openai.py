@@ -171,6 +171,7 @@ def generation_of(body: ChatBody) -> Generation:
         seed=body.seed,
         stop=requests.stops(body.stop),
         format=fmt,
+        stream=bool(body.stream),
         keep_alive=body.keep_alive,
         allow_unverified=body.allow_unverified,
         backends=body.backends.model_dump(exclude_none=True) if body.backends else None,
@@ -202,6 +203,10 @@ def _extension(final: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _compact(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
 class _Chat:
     """One completion's identity, shared by its chunks."""
 
@@ -216,7 +221,7 @@ class _Chat:
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
         doc = self.head("chat.completion.chunk")
         doc["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-        return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+        return b"data: " + _compact(doc) + b"\n\n"
 
     def completion(self, text: str, final: dict[str, Any]) -> dict[str, Any]:
         doc = self.head("chat.completion")
@@ -238,7 +243,9 @@ async def _collect(chat: _Chat, records: AsyncGenerator[dict[str, Any], None]) -
                 parts.append(rec["token"])
             else:
                 final = rec
-    return chat.completion("".join(parts), final)
+    # A non-streamed job's final record carries the whole text (no token records).
+    text = final.pop("text", None)
+    return chat.completion("".join(parts) if text is None else text, final)
 
 
 async def _sse(
@@ -323,7 +330,8 @@ def add_routes(app: web.Application, services: Services) -> None:
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return await _sse(request, chat, records, usage)
-        return web.json_response(await _collect(chat, records))
+        doc = await _collect(chat, records)
+        return web.Response(body=_compact(doc), content_type="application/json")
 
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)

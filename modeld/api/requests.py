@@ -292,6 +292,8 @@ class Generation:
     keep_alive: Any = None
     allow_unverified: bool = False
     backends: dict[str, Any] | None = None
+    # False: the client waits for the whole reply, so the runner sends it in one record.
+    stream: bool = True
 
     @property
     def image_count(self) -> int:
@@ -318,6 +320,7 @@ class Generation:
             "seed": self.seed,
             "stop": self.stop,
             "format": self.format,
+            "stream": self.stream,
         }
 
 
