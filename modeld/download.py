@@ -37,6 +37,7 @@ from modeld.journal import BLOCK_SIZE, Block, Journal, JournalState, MemoryJourn
 from modeld.metrics import Metrics
 from modeld.mirrors import Mirror, os_error_to_modeld, probe
 from modeld.repair import repair
+from modeld.store import place_blob
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Head-room kept free beyond the file itself (SQLite, logs, the rest of the system).
@@ -77,28 +78,14 @@ class Tuning:
         )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def local_installer(blobs_dir: Path) -> Installer:
-    """An installer without the store: fsync → rename to ``blobs/sha256-<hex>`` → fsync dir."""
+    """An installer without the store's db: the store's ``place_blob`` into ``blobs_dir``."""
 
     async def install(model_id: str, src: Path, digest: str, size: int, by: str | None) -> Any:
         def place() -> Path:
             dest = blobs_dir / f"sha256-{digest}"
             blobs_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(src, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            src.replace(dest)
-            _fsync_dir(blobs_dir)
+            place_blob(src, dest, size)
             return dest
 
         dest = await asyncio.to_thread(place)

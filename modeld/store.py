@@ -174,20 +174,45 @@ def _installed_from(row: sqlite3.Row, blobs: Path) -> Installed:
     )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: Path, flags: int = 0) -> None:
+    """fsync a file (or, with ``os.O_DIRECTORY``, a dir, so a rename in it is durable)."""
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def fsync_dir(path: Path) -> None:
+    """fsync a dir, so a rename or unlink in it survives power loss."""
+    fsync_path(path, os.O_DIRECTORY)
+
+
+def place_blob(src: Path, dest: Path, size: int) -> None:
+    """Commit ``src`` as the read-only blob ``dest``: fsync it, rename it, fsync the dir.
+
+    Raises ``IntegrityError`` (nothing moved) when ``src`` is not ``size`` bytes. ``src`` on
+    another file system is copied into ``dest``'s dir first, so the rename stays atomic.
+    """
+    actual = src.stat().st_size
+    if actual != size:
+        raise IntegrityError(f"{src} has {actual} bytes, expected {size}; it was not installed")
+    fsync_path(src)
+    src.chmod(0o444)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        src.replace(dest)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        # Another file system: copy into blobs/ under a name no blob has, so the final
+        # rename stays on one file system and is atomic (a leftover is a stray for prune).
+        tmp = dest.parent / f".{dest.name}.install-{os.getpid()}"
+        shutil.copyfile(src, tmp)
+        fsync_path(tmp)
+        tmp.chmod(0o444)
+        tmp.replace(dest)
+        src.unlink()
+    fsync_dir(dest.parent)
 
 
 class Store:
@@ -341,7 +366,7 @@ class Store:
         if not _MODEL_ID_RE.fullmatch(model_id):
             raise BadRequest(f"{model_id!r} is not a valid model id")
         dest = self.blob_path(digest)
-        await asyncio.to_thread(self._place_blob, Path(src), dest, size)
+        await asyncio.to_thread(place_blob, Path(src), dest, size)
         now = time.time()
 
         def tx(conn: sqlite3.Connection) -> str | None:
@@ -361,27 +386,6 @@ class Store:
             "installed", model=model_id, digest=digest, size=size, verified_by=verified_by
         )
         return Installed(model_id, digest, size, verified_by, now, None, dest)
-
-    def _place_blob(self, src: Path, dest: Path, size: int) -> None:
-        actual = src.stat().st_size
-        if actual != size:
-            raise IntegrityError(f"{src} has {actual} bytes, expected {size}; it was not installed")
-        _fsync_file(src)
-        src.chmod(0o444)
-        try:
-            src.replace(dest)
-        except OSError as e:
-            if e.errno != errno.EXDEV:
-                raise
-            # Another file system: copy into blobs/ under a name no blob has, so the final
-            # rename stays on one file system and is atomic (a leftover is a stray for prune).
-            tmp = self.blobs_dir / f".{dest.name}.install-{os.getpid()}"
-            shutil.copyfile(src, tmp)
-            _fsync_file(tmp)
-            tmp.chmod(0o444)
-            tmp.replace(dest)
-            src.unlink()
-        _fsync_dir(self.blobs_dir)
 
     async def installed(self, model_id: str) -> Installed | None:
         """The model's install, or None (also when start-up found its blob missing)."""
@@ -526,7 +530,7 @@ class Store:
             if dest.exists():
                 dest = src.with_name(f"{src.name}{_FAILED}.{int(time.time())}")
             src.replace(dest)
-            _fsync_dir(self.blobs_dir)
+            fsync_dir(self.blobs_dir)
             shutil.rmtree(self.cache_dir_for(digest), ignore_errors=True)
             return dest
 

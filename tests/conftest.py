@@ -7,11 +7,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 
 from modeld.client import Client
 from modeld.config import Settings, load_settings
+from modeld.store import Store, sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = REPO / "tests" / "models"
@@ -81,38 +83,51 @@ class DaemonProcess:
     def socket(self) -> Path:
         return Path(self.env["MODELD_SOCKET"])
 
+    def spawn(self) -> None:
+        """Start ``modeld serve`` without waiting for it."""
+        self.proc = spawn_daemon(self.env, self.log_path)
+
     def start(self, timeout: float = 20.0) -> None:
-        self.home.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "modeld", "serve"],
-                env=self.env,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-            )
+        """Start it and wait until ``modeld status --json`` succeeds."""
+        self._start(
+            lambda: self.socket.exists() and self.cli("status", "--json").returncode == 0,
+            timeout,
+            pause=0.05,
+        )
+
+    def start_quick(self, timeout: float = 30.0) -> None:
+        """Start it and wait for ``/api/health`` (no CLI subprocess per poll, unlike ``start``)."""
+
+        def healthy() -> bool:
+            try:
+                return unix_request(self.socket, "GET", "/api/health", timeout=2.0)[0] == 200
+            except OSError:
+                return False
+
+        self._start(healthy, timeout, pause=0.02)
+
+    def _start(self, ready: Callable[[], bool], timeout: float, pause: float) -> None:
+        self.spawn()
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
-            if self.socket.exists() and self.cli("status", "--json").returncode == 0:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log()[-4000:]}")
+            if ready():
                 return
-            time.sleep(0.05)
-        raise RuntimeError(f"daemon did not start in {timeout}s:\n{self.log()}")
+            time.sleep(pause)
+        raise RuntimeError(f"daemon did not start in {timeout}s:\n{self.log()[-4000:]}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, sig, timeout)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_log(self, needle: str, count: int = 1, timeout: float = 30.0) -> str:
+        """Wait until ``needle`` occurs ``count`` times in the daemon's log; return the log."""
+        return wait_log(self.log_path, needle, count=count, timeout=timeout)
 
     def cli(
         self, *args: str, timeout: float = 60.0, **extra_env: str
@@ -223,8 +238,6 @@ def install_fixture(
     """
     import threading
 
-    from modeld.store import Store, sha256_file
-
     digest, size = sha256_file(path)
     if registry is not None:
         write_entry(registry, model_id, size=size, sha256=digest)
@@ -234,12 +247,8 @@ def install_fixture(
     result: list[Any] = []
 
     async def go() -> None:
-        store = Store(home)
-        await store.open()
-        try:
+        async with open_store(home) as store:
             result.append(await store.install(model_id, staged, digest, size, verified_by))
-        finally:
-            await store.close()
 
     def run_it() -> None:
         try:
@@ -274,19 +283,133 @@ async def running_daemon(settings: Settings) -> AsyncIterator[InProcessDaemon]:
         await asyncio.wait_for(task, 30)
 
 
-def unix_http(
-    path: Path | str, target: str = "/api/health", timeout: float = 10.0
-) -> tuple[int, Any]:
-    """One ``GET`` over a Unix socket with the stdlib only: ``(status, decoded JSON body)``."""
-    import socket as socket_mod
+# --- talking to the daemon with the stdlib only (no event loop, no subprocess) ---------------
 
-    with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM) as s:
+
+def _request_bytes(method: str, target: str, body: Any = None) -> bytes:
+    payload = b"" if body is None else json.dumps(body).encode()
+    head = f"{method} {target} HTTP/1.0\r\nHost: modeld\r\nContent-Length: {len(payload)}\r\n"
+    if body is not None:
+        head += "Content-Type: application/json\r\n"
+    return (head + "\r\n").encode() + payload
+
+
+def unix_request(
+    path: Path | str, method: str, target: str, body: Any = None, timeout: float = 30.0
+) -> tuple[int, Any]:
+    """One request over a Unix socket: ``(status, decoded JSON body)``; NDJSON is a list."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(str(path))
-        s.sendall(f"GET {target} HTTP/1.0\r\nHost: modeld\r\n\r\n".encode())
+        s.sendall(_request_bytes(method, target, body))
         data = b""
         while chunk := s.recv(65536):
             data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
+    head, _, raw = data.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
-    return status, json.loads(body) if body else None
+    if b"application/x-ndjson" in head:
+        return status, [json.loads(line) for line in raw.splitlines() if line.strip()]
+    return status, json.loads(raw) if raw else None
+
+
+def unix_http(
+    path: Path | str, target: str = "/api/health", timeout: float = 10.0
+) -> tuple[int, Any]:
+    """One ``GET`` over a Unix socket: ``(status, decoded JSON body)``."""
+    return unix_request(path, "GET", target, timeout=timeout)
+
+
+def unix_fire(path: Path | str, method: str, target: str, body: Any = None) -> socket.socket:
+    """Send a request and do not wait for its answer (the caller closes the socket)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5.0)
+    s.connect(str(path))
+    s.sendall(_request_bytes(method, target, body))
+    return s
+
+
+# --- daemon subprocesses without DaemonProcess (activation, notify) -------------------------
+
+
+def spawn_daemon(
+    env: dict[str, str],
+    log_path: Path,
+    argv: Sequence[str] | None = None,
+    pass_fds: Sequence[int] = (),
+) -> subprocess.Popen[bytes]:
+    """Start ``modeld serve`` (or ``argv``) in its own session, output appended to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            list(argv or [sys.executable, "-m", "modeld", "serve"]),
+            env=env,
+            stdout=log,
+            stderr=log,
+            pass_fds=pass_fds,
+            start_new_session=True,
+        )
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30.0
+) -> int:
+    """Send ``sig`` (SIGKILL after ``timeout``) and return the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def wait_log(
+    log_path: Path,
+    needle: str,
+    *,
+    count: int = 1,
+    proc: subprocess.Popen[bytes] | None = None,
+    timeout: float = 30.0,
+) -> str:
+    """Wait until ``needle`` occurs ``count`` times in the log (or ``proc`` exits); the log."""
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        if text.count(needle) >= count:
+            return text
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    raise AssertionError(f"{needle!r} x{count} not in the log:\n{text}")
+
+
+# --- in-process helpers for API tests -------------------------------------------------------
+
+
+def registry_settings(home: Path, registry: Path, **extra: Any) -> Settings:
+    """Settings for a daemon on ``home`` with the ``registry`` dir, on the CPU backend."""
+    values: dict[str, Any] = {"main_backend": "cpu", **extra}
+    return load_settings(home=home, socket=home / "modeld.sock", registry=[registry], **values)
+
+
+async def until(cond: Callable[[], Awaitable[Any]], limit: float = 10.0) -> None:
+    """Poll the async ``cond`` until it is true; fail after ``limit`` seconds."""
+    started = time.monotonic()
+    while not await cond():
+        if time.monotonic() - started > limit:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+@_contextlib.asynccontextmanager
+async def open_store(home: Path) -> AsyncIterator[Store]:
+    """The real ``Store`` of ``home``, opened, and closed afterwards (no daemon running)."""
+    store = Store(home)
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close()

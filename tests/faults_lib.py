@@ -7,25 +7,28 @@ Everything is real: a ``modeld serve`` subprocess, the loopback test mirror, the
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import json
 import os
 import random
 import re
 import signal
 import socket
 import sqlite3
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import MODELS, DaemonProcess, daemon_env, install_fixture, write_entry
-from tests.mirror import Faults, Mirror
+from tests.conftest import (
+    MODELS,
+    DaemonProcess,
+    daemon_env,
+    install_fixture,
+    unix_fire,
+    unix_request,
+    write_entry,
+)
+from tests.mirror import Faults, ThreadMirror
 
 _BLOB_RE = re.compile(r"^sha256-([0-9a-f]{64})$")
 PULL_SIZE = 3 * 1024 * 1024 + 4321  # not a multiple of a block: a short last block
@@ -33,82 +36,15 @@ PULL_DATA = random.Random(23).randbytes(PULL_SIZE)
 PULL_SHA = hashlib.sha256(PULL_DATA).hexdigest()
 
 
-class ThreadMirror:
-    """A test mirror on its own event loop in a thread, for tests that drive subprocesses."""
-
-    def __init__(self, data: bytes, faults: Faults) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.mirror = asyncio.run_coroutine_threadsafe(
-            Mirror(data, faults).start(), self.loop
-        ).result(10)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.mirror.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
-# --- talking to the daemon with the stdlib (cheap: no subprocess, no event loop) -----------
-
-
-def _request_bytes(method: str, target: str, body: Any = None) -> bytes:
-    payload = b"" if body is None else json.dumps(body).encode()
-    head = f"{method} {target} HTTP/1.0\r\nHost: modeld\r\nContent-Length: {len(payload)}\r\n"
-    if body is not None:
-        head += "Content-Type: application/json\r\n"
-    return (head + "\r\n").encode() + payload
-
-
-def http(sock_path: Path, method: str, target: str, body: Any = None, timeout: float = 30.0) -> Any:
-    """One request over the Unix socket: ``(status, body)``; an NDJSON body is a list."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(sock_path))
-        s.sendall(_request_bytes(method, target, body))
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    head, _, raw = data.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    if b"application/x-ndjson" in head:
-        return status, [json.loads(line) for line in raw.splitlines() if line.strip()]
-    return status, json.loads(raw) if raw else None
-
-
-def fire(sock_path: Path, method: str, target: str, body: Any = None) -> socket.socket:
-    """Send a request and do not wait for its answer (the caller closes the socket)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5.0)
-    s.connect(str(sock_path))
-    s.sendall(_request_bytes(method, target, body))
-    return s
-
-
-def start_quick(d: DaemonProcess, timeout: float = 30.0) -> None:
-    """Start ``d`` and wait for ``/api/health`` (no CLI subprocess per poll, unlike ``start``)."""
-    d.home.mkdir(parents=True, exist_ok=True)
-    with d.log_path.open("ab") as log:
-        d.proc = subprocess.Popen(
-            [sys.executable, "-m", "modeld", "serve"],
-            env=d.env,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
+def wait_pull_progress(sock_path: Path, at_least: int, timeout: float = 20.0) -> bool:
+    """Wait until the first active download has ``at_least`` bytes; False when it never did."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if d.proc.poll() is not None:
-            raise RuntimeError(f"daemon exited {d.proc.returncode}:\n{d.log()[-4000:]}")
-        try:
-            if http(d.socket, "GET", "/api/health", timeout=2.0)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.02)
-    raise RuntimeError(f"daemon did not start in {timeout}s:\n{d.log()[-4000:]}")
+        active = unix_request(sock_path, "GET", "/api/downloads")[1]["downloads"]
+        if active and active[0]["completed"] >= at_least:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def kill9(d: DaemonProcess) -> None:
@@ -279,8 +215,8 @@ class CycleStats:
 def _phase(d: DaemonProcess) -> str:
     """A label for what the daemon is doing right now (downloading, loading, …)."""
     try:
-        downloads = http(d.socket, "GET", "/api/downloads", timeout=1.0)[1]["downloads"]
-        engines = http(d.socket, "GET", "/api/engines", timeout=1.0)[1]["engines"]
+        downloads = unix_request(d.socket, "GET", "/api/downloads", timeout=1.0)[1]["downloads"]
+        engines = unix_request(d.socket, "GET", "/api/engines", timeout=1.0)[1]["engines"]
     except (OSError, ValueError, KeyError, TypeError):
         return "busy"
     parts = [f"pull:{x['state']}" for x in downloads]
@@ -293,19 +229,21 @@ def kill_cycle(rig: Rig, rng: random.Random, stats: CycleStats) -> None:
     began = time.monotonic()
     d = rig.daemon
     rig.throttle(rng.choice([None, 3_000_000, 1_000_000, 400_000]))
-    start_quick(d)
+    d.start_quick()
     opened: list[socket.socket] = []
     try:
         if rng.random() < 0.35:
             # Remove the model so the pull has work again (and rm itself can be cut short).
-            opened.append(fire(d.socket, "DELETE", "/api/models/m1?force=1"))
+            opened.append(unix_fire(d.socket, "DELETE", "/api/models/m1?force=1"))
             time.sleep(rng.uniform(0.0, 0.05))
-        opened.append(fire(d.socket, "POST", "/api/models/m1/pull", {"detach": True}))
+        opened.append(unix_fire(d.socket, "POST", "/api/models/m1/pull", {"detach": True}))
         model = rng.choice(["tiny-text", "tiny-text-b"])
         if rng.random() < 0.5:
-            opened.append(fire(d.socket, "POST", "/api/engines", {"model": model}))
+            opened.append(unix_fire(d.socket, "POST", "/api/engines", {"model": model}))
         else:
-            opened.append(fire(d.socket, "POST", "/api/generate", {"model": model, "prompt": "hi"}))
+            opened.append(
+                unix_fire(d.socket, "POST", "/api/generate", {"model": model, "prompt": "hi"})
+            )
         time.sleep(rng.uniform(0.0, 1.0))
         phase = _phase(d) if rng.random() < 0.5 else "unobserved"
         kill9(d)
@@ -324,12 +262,12 @@ def finish_and_check(rig: Rig) -> list[dict[str, Any]]:
     """After the kills: a clean start, the pull completes correctly, a generation works."""
     d = rig.daemon
     rig.throttle(None)
-    start_quick(d)
-    status, records = http(d.socket, "POST", "/api/models/m1/pull", {}, timeout=60)
+    d.start_quick()
+    status, records = unix_request(d.socket, "POST", "/api/models/m1/pull", {}, timeout=60)
     assert status == 200, records
     assert records[-1]["state"] == "installed", records[-1]
     assert (rig.home / "blobs" / f"sha256-{PULL_SHA}").read_bytes() == PULL_DATA
-    status, out = http(
+    status, out = unix_request(
         d.socket, "POST", "/api/generate", {"model": "tiny-text", "prompt": "x", "max_tokens": 4}
     )
     assert status == 200 and out[-1].get("done"), out[-1]

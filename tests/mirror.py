@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ssl
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,10 +55,12 @@ class Mirror:
     runner: web.AppRunner | None = None
     port: int = 0
     host: str = "127.0.0.1"
+    tls: ssl.SSLContext | None = None  # serve https with this server context
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/f"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{self.host}:{self.port}/f"
 
     @property
     def sha256(self) -> str:
@@ -71,7 +75,7 @@ class Mirror:
             app, access_log=None, handle_signals=False, shutdown_timeout=0.2
         )
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", 0, ssl_context=self.tls)
         await site.start()
         server = site._server
         assert server is not None
@@ -172,3 +176,21 @@ class Mirror:
 async def start_mirrors(data: bytes, *faults: Faults) -> list[Mirror]:
     """Start one mirror per ``Faults`` (at least one), all serving ``data``."""
     return [await Mirror(data, f).start() for f in (faults or (Faults(),))]
+
+
+class ThreadMirror:
+    """A test mirror on its own event loop in a thread, for tests that drive subprocesses."""
+
+    def __init__(self, data: bytes, faults: Faults) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.mirror = asyncio.run_coroutine_threadsafe(
+            Mirror(data, faults).start(), self.loop
+        ).result(10)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.mirror.stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()

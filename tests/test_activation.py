@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from modeld.activation import inherited_sockets
-from tests.conftest import daemon_env, unix_http
+from tests.conftest import daemon_env, spawn_daemon, stop_process, unix_http, wait_log
 
 # What systemd does between fork and exec: put the socket on fd 3 and name this very process
 # in LISTEN_PID (only known after the fork, hence a wrapper that execs the daemon).
@@ -45,40 +43,12 @@ def listening(short_tmp: Path) -> Iterator[tuple[socket.socket, Path]]:
 
 
 def spawn(home: Path, sock: socket.socket, listen_pid: str) -> subprocess.Popen[bytes]:
-    home.mkdir(parents=True, exist_ok=True)
-    env = daemon_env(home, LISTEN_FDS="1", LISTEN_FDNAMES="modeld")
-    with (home / "daemon.log").open("ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-c", WRAPPER, str(sock.fileno()), listen_pid],
-            env=env,
-            stdout=log,
-            stderr=log,
-            pass_fds=(sock.fileno(),),
-            start_new_session=True,
-        )
-
-
-def wait_log(home: Path, needle: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = (home / "daemon.log").read_text(errors="replace")
-        if needle in text:
-            return text
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    raise AssertionError(f"{needle!r} not in the log:\n{(home / 'daemon.log').read_text()}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
+    return spawn_daemon(
+        daemon_env(home, LISTEN_FDS="1", LISTEN_FDNAMES="modeld"),
+        home / "daemon.log",
+        [sys.executable, "-c", WRAPPER, str(sock.fileno()), listen_pid],
+        pass_fds=(sock.fileno(),),
+    )
 
 
 def test_inherited_socket_is_served_and_left_in_place(
@@ -98,17 +68,17 @@ def test_inherited_socket_is_served_and_left_in_place(
         while chunk := early.recv(65536):
             reply += chunk
         assert reply.split(b" ", 2)[1] == b"200", reply
-        log = wait_log(home, "socket_inherited", proc)
+        log = wait_log(home / "daemon.log", "socket_inherited", proc=proc)
         assert "fd_name=modeld" in log and "fd=3" in log
         # Its own MODELD_SOCKET was never bound: the inherited socket replaces it.
         assert not (home / "modeld.sock").exists()
         assert unix_http(path)[0] == 200
-        assert stop(proc) == 0
+        assert stop_process(proc) == 0
         # The path belongs to the .socket unit; removing it would break the next activation.
         assert path.exists()
     finally:
         early.close()
-        stop(proc)
+        stop_process(proc)
 
 
 def test_listen_pid_of_another_process_binds_its_own(
@@ -119,14 +89,14 @@ def test_listen_pid_of_another_process_binds_its_own(
     home = short_tmp / "home"
     proc = spawn(home, sock, str(os.getpid()))
     try:
-        log = wait_log(home, " ready ", proc)
+        log = wait_log(home / "daemon.log", " ready ", proc=proc)
         assert "activation_ignored" in log and "LISTEN_PID is another process" in log
         assert "inherited=False" in log
         assert unix_http(home / "modeld.sock")[0] == 200
-        assert stop(proc) == 0
+        assert stop_process(proc) == 0
         assert not (home / "modeld.sock").exists()
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 def test_activation_variables_are_unset_whatever_the_outcome() -> None:

@@ -8,7 +8,6 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +16,19 @@ import pytest
 from modeld import prune
 from modeld.config import load_settings
 from modeld.errors import BadRequest, ModelInUse, ModelNotInstalled
-from modeld.store import Store
-from tests.conftest import MODELS, daemon_env, install_fixture, running_daemon, write_entry
+from tests.conftest import (
+    MODELS,
+    daemon_env,
+    install_fixture,
+    open_store,
+    registry_settings,
+    running_daemon,
+    until,
+    write_entry,
+)
 from tests.mirror import Faults, Mirror
 
 TINY = MODELS / "tiny-text.litertlm"
-
-
-def _settings(home: Path, registry: Path, **extra: Any) -> Any:
-    values: dict[str, Any] = {"main_backend": "cpu", **extra}
-    return load_settings(home=home, socket=home / "modeld.sock", registry=[registry], **values)
 
 
 async def _cli(home: Path, *args: str, **env: str) -> tuple[int, str, str]:
@@ -45,14 +47,6 @@ async def _cli_json(home: Path, *args: str) -> Any:
     rc, out, err = await _cli(home, *args, "--json")
     assert rc == 0, err
     return json.loads(out)
-
-
-async def _until(cond: Callable[[], Awaitable[bool]], limit: float = 20.0) -> None:
-    started = time.monotonic()
-    while not await cond():
-        if time.monotonic() - started > limit:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 def _leftovers(home: Path) -> tuple[Path, Path, Path]:
@@ -75,7 +69,7 @@ async def test_rm_removes_row_blob_and_cache(clean_env: Path) -> None:
     inst = install_fixture(home, "tiny", TINY, registry=reg)
     (home / "cache" / inst.digest).mkdir(parents=True)
     (home / "cache" / inst.digest / "k").write_bytes(b"k" * 7)
-    async with running_daemon(_settings(home, reg)) as d:
+    async with running_daemon(registry_settings(home, reg)) as d:
         doc = await _cli_json(home, "rm", "tiny")
         assert doc["id"] == "tiny"
         assert doc["freed"] == inst.size + 7
@@ -100,7 +94,7 @@ async def test_rm_bad_ids_and_bodies_are_400(clean_env: Path) -> None:
     """Bad ids, bad ``force`` values and unknown fields are 400s that say what to send."""
     home, reg = clean_env / "home", clean_env / "reg"
     install_fixture(home, "tiny", TINY, registry=reg)
-    async with running_daemon(_settings(home, reg)) as d, d.client() as c:
+    async with running_daemon(registry_settings(home, reg)) as d, d.client() as c:
         for bad in ("..x", "-rf", "a" * 200, ".hidden", "a b"):
             with pytest.raises(BadRequest, match="not a valid model id"):
                 await c.remove(bad)
@@ -146,7 +140,7 @@ async def test_prune_dry_run_then_prune(clean_env: Path, monkeypatch: pytest.Mon
     partial, failed, cache = _leftovers(home)
     orphan = home / "blobs" / f"sha256-{'c' * 64}"
     orphan.write_bytes(b"o" * 50)
-    async with running_daemon(_settings(home, reg)):
+    async with running_daemon(registry_settings(home, reg)):
         dry = await _cli_json(home, "prune", "--dry-run")
         assert dry["dry_run"] is True and dry["freed"] == 0
         assert dry["selection"]["partials"] and dry["selection"]["orphans"]
@@ -179,12 +173,10 @@ async def test_prune_partials_age_and_unused_for(clean_env: Path) -> None:
     home, reg = clean_env / "home", clean_env / "reg"
     install_fixture(home, "tiny", TINY, registry=reg)
     install_fixture(home, "tiny-b", MODELS / "tiny-text-b.litertlm", registry=reg)
-    store = Store(home)
-    await store.open()
     old = time.time() - 40 * 86400
-    await store.write(lambda c: c.execute("UPDATE installed SET installed_at = ?", (old,)))
-    await store.touch("tiny-b")
-    await store.close()
+    async with open_store(home) as store:
+        await store.write(lambda c: c.execute("UPDATE installed SET installed_at = ?", (old,)))
+        await store.touch("tiny-b")
     new_partial = home / "partial" / "fresh.partial"
     new_partial.write_bytes(b"n")
     old_partial = home / "partial" / "stale.partial"
@@ -192,7 +184,7 @@ async def test_prune_partials_age_and_unused_for(clean_env: Path) -> None:
     import os
 
     os.utime(old_partial, (old, old))
-    async with running_daemon(_settings(home, reg)):
+    async with running_daemon(registry_settings(home, reg)):
         doc = await _cli_json(home, "prune", "--partials", "7d")
         assert [i["id"] for i in doc["items"]] == ["stale"]
         assert new_partial.exists() and not old_partial.exists()
@@ -212,15 +204,13 @@ async def test_prune_to_budget(clean_env: Path) -> None:
     home, reg = clean_env / "home", clean_env / "reg"
     a = install_fixture(home, "tiny", TINY, registry=reg)
     b = install_fixture(home, "tiny-b", MODELS / "tiny-text-b.litertlm", registry=reg)
-    async with running_daemon(_settings(home, reg)):
+    async with running_daemon(registry_settings(home, reg)):
         rc, _, err = await _cli(home, "prune", "--to-budget")
         assert rc == 1 and "MODELD_DISK_BUDGET" in err
-    store = Store(home)
-    await store.open()
-    await store.touch("tiny")  # tiny-b is now the least recently used
-    await store.close()
+    async with open_store(home) as store:
+        await store.touch("tiny")  # tiny-b is now the least recently used
     budget = str(max(a.size, b.size) + 1)
-    async with running_daemon(_settings(home, reg, disk_budget=budget)):
+    async with running_daemon(registry_settings(home, reg, disk_budget=budget)):
         doc = await _cli_json(home, "prune", "--to-budget")
         assert [i["id"] for i in doc["items"]] == ["tiny-b"]
         assert doc["installed_bytes"] == a.size + b.size
@@ -237,14 +227,14 @@ async def test_downloading_model_is_kept_and_rm_force_cancels(clean_env: Path) -
     mirror = await Mirror(data, Faults(throttle=20_000)).start()
     try:
         write_entry(reg, "slow", size=len(data), sha256=mirror.sha256, urls=[mirror.url])
-        async with running_daemon(_settings(home, reg)) as d, d.client() as c:
+        async with running_daemon(registry_settings(home, reg)) as d, d.client() as c:
             await c.request("POST", "/api/models/slow/pull", {"detach": True})
             partial = home / "partial" / "slow.partial"
 
             async def started() -> bool:
                 return partial.exists() and mirror.sent > 0
 
-            await _until(started)
+            await until(started, 20.0)
             doc = await _cli_json(home, "prune", "--partials")
             assert doc["items"] == []
             assert [(k["id"], k["reason"]) for k in doc["kept"]] == [("slow", "downloading")]
@@ -268,21 +258,17 @@ async def test_downloading_model_is_kept_and_rm_force_cancels(clean_env: Path) -
 
 
 async def _journal_keys(home: Path) -> set[str]:
-    store = Store(home)
-    await store.open()
-    try:
-        from modeld.remover import _journal_keys as keys
+    from modeld.remover import _journal_keys as keys
 
+    async with open_store(home) as store:
         return await store.read(keys)
-    finally:
-        await store.close()
 
 
 async def test_loaded_model_is_kept_and_rm_force_unloads(clean_env: Path) -> None:
     """A loaded, pinned model: prune keeps it, ``rm`` is 409, ``rm --force`` unloads, removes."""
     home, reg = clean_env / "home", clean_env / "reg"
     inst = install_fixture(home, "tiny", TINY, registry=reg)
-    async with running_daemon(_settings(home, reg)) as d, d.client() as c:
+    async with running_daemon(registry_settings(home, reg)) as d, d.client() as c:
         await c.request("POST", "/api/engines", {"model": "tiny", "pin": True})
         doc = await _cli_json(home, "prune", "--unused-for", "0")
         assert doc["items"] == []
@@ -300,7 +286,7 @@ async def test_ctrl_c_exits_130_and_the_daemon_finishes(clean_env: Path) -> None
     """SIGINT while the CLI waits exits 130; the removal it asked for still completes whole."""
     home, reg = clean_env / "home", clean_env / "reg"
     inst = install_fixture(home, "tiny", TINY, registry=reg)
-    async with running_daemon(_settings(home, reg)) as d:
+    async with running_daemon(registry_settings(home, reg)) as d:
         import sqlite3
 
         # A second connection holds the database's write lock (the daemon waits up to 10 s).
@@ -327,9 +313,9 @@ async def test_ctrl_c_exits_130_and_the_daemon_finishes(clean_env: Path) -> None
             async def gone() -> bool:
                 return (await c.model("tiny"))["state"] == "not_installed"
 
-            await _until(gone)
+            await until(gone, 20.0)
 
             async def file_gone() -> bool:
                 return not inst.path.exists()
 
-            await _until(file_gone)
+            await until(file_gone, 20.0)

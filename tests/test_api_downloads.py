@@ -8,7 +8,6 @@ import json
 import random
 import shutil
 import signal
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from modeld.errors import (
     ModelNotFound,
 )
 from tests.conftest import MODELS, DaemonProcess, daemon_env
-from tests.mirror import Faults, Mirror
+from tests.mirror import Faults, Mirror, ThreadMirror
 
 SIZE = 2 * 1024 * 1024 + 999
 DATA = random.Random(11).randbytes(SIZE)
@@ -193,24 +192,6 @@ async def test_import_refuses_wrong_bytes_and_unknown_ids(env: Env, clean_env: P
 
 
 # --- the real CLI against a real daemon process --------------------------------------
-
-
-class ThreadMirror:
-    """A test mirror on its own event loop in a thread, for tests that drive subprocesses."""
-
-    def __init__(self, data: bytes, faults: Faults) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.mirror = asyncio.run_coroutine_threadsafe(
-            Mirror(data, faults).start(), self.loop
-        ).result(10)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.mirror.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @pytest.fixture

@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from modeld.config import load_settings
 from modeld.errors import ModelNotFound
-from modeld.store import Store, sha256_file
+from modeld.store import sha256_file
 from tests.conftest import (
     MODELS,
     DaemonProcess,
     daemon_env,
     install_fixture,
+    open_store,
+    registry_settings,
     running_daemon,
+    until,
     write_entry,
 )
 
@@ -27,33 +26,16 @@ TINY = MODELS / "tiny-text.litertlm"
 GEMMA3N_LIKE = MODELS / "gemma3n-like.litertlm"
 
 
-def _settings(home: Path, registry: Path, **extra: Any) -> Any:
-    values: dict[str, Any] = {"main_backend": "cpu", **extra}
-    return load_settings(home=home, socket=home / "modeld.sock", registry=[registry], **values)
-
-
-async def _until(cond: Callable[[], Any], limit: float = 10.0) -> None:
-    started = time.monotonic()
-    while not await cond():
-        if time.monotonic() - started > limit:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
-
-
 async def _record_probe(home: Path, path: Path, backend: str, ok: bool, reason: str) -> None:
-    store = Store(home)
-    await store.open()
-    try:
+    async with open_store(home) as store:
         await store.record_probe(sha256_file(path)[0], backend, ok, reason)
-    finally:
-        await store.close()
 
 
 async def test_list_shows_catalog_and_install_state(clean_env: Path) -> None:
     """The list holds bundled and local entries; the installed fixture is marked verified."""
     home, reg = clean_env / "home", clean_env / "reg"
     inst = install_fixture(home, "tiny", TINY, registry=reg)
-    async with running_daemon(_settings(home, reg)) as d, d.client() as c:
+    async with running_daemon(registry_settings(home, reg)) as d, d.client() as c:
         doc = await c.models()
         by_id = {m["id"]: m for m in doc["models"]}
         assert by_id["gemma-4-E2B-it"]["state"] == "not_installed"
@@ -71,7 +53,7 @@ async def test_show_text_model_has_sections_and_plans(clean_env: Path) -> None:
     """``show`` reads the installed file's header: sections, a text plan, no vision plan."""
     home, reg = clean_env / "home", clean_env / "reg"
     install_fixture(home, "tiny", TINY, registry=reg)
-    async with running_daemon(_settings(home, reg)) as d, d.client() as c:
+    async with running_daemon(registry_settings(home, reg)) as d, d.client() as c:
         doc = await c.model("tiny")
         assert doc["entry"]["id"] == "tiny"
         kinds = [s["model_type"] for s in doc["header"]["sections"]]
@@ -86,7 +68,7 @@ async def test_show_gemma3n_like_refuses_vision_on_cpu(clean_env: Path) -> None:
     """A vision encoder that requires gpu: text plans on cpu, vision=cpu is refused."""
     home, reg = clean_env / "home", clean_env / "reg"
     install_fixture(home, "g3n", GEMMA3N_LIKE, registry=reg)
-    async with running_daemon(_settings(home, reg)) as d, d.client() as c:
+    async with running_daemon(registry_settings(home, reg)) as d, d.client() as c:
         doc = await c.model("g3n")
         vision = [
             s for s in doc["header"]["sections"] if s["model_type"] == "tf_lite_vision_encoder"
@@ -104,7 +86,10 @@ async def test_show_uses_stored_probe_results(clean_env: Path) -> None:
     home, reg = clean_env / "home", clean_env / "reg"
     install_fixture(home, "tiny", TINY, registry=reg)
     await _record_probe(home, TINY, "gpu", False, "no GPU device")
-    async with running_daemon(_settings(home, reg, main_backend="gpu")) as d, d.client() as c:
+    async with (
+        running_daemon(registry_settings(home, reg, main_backend="gpu")) as d,
+        d.client() as c,
+    ):
         doc = await c.model("tiny")
         assert doc["probes"]["gpu"]["ok"] is False
         assert doc["probes"]["gpu"]["reason"] == "no GPU device"
@@ -116,7 +101,7 @@ async def test_show_not_installed_and_unknown(clean_env: Path) -> None:
     """A catalog entry not installed has no plan and says to pull; unknown ids are 404."""
     home, reg = clean_env / "home", clean_env / "reg"
     reg.mkdir()
-    async with running_daemon(_settings(home, reg)) as d, d.client() as c:
+    async with running_daemon(registry_settings(home, reg)) as d, d.client() as c:
         doc = await c.model("gemma-3n-E2B-it")
         assert doc["state"] == "not_installed"
         assert doc["header"] is None
@@ -135,7 +120,7 @@ async def test_show_corrupt_file_reports_header_error(clean_env: Path, tmp_path:
     junk = tmp_path / "junk.litertlm"
     junk.write_bytes(b"NOTLITERT" * 100)
     install_fixture(home, "junk", junk, registry=reg)
-    async with running_daemon(_settings(home, reg)) as d, d.client() as c:
+    async with running_daemon(registry_settings(home, reg)) as d, d.client() as c:
         doc = await c.model("junk")
         assert doc["header_error"]["code"] == "corrupt_model"
         assert doc["plans"]["text"]["error"]["code"] == "corrupt_model"
@@ -145,7 +130,7 @@ async def test_verify_upgrades_unverified_when_the_entry_vouches(clean_env: Path
     """An unverified install whose bytes match the entry's sha256 becomes verified."""
     home, reg = clean_env / "home", clean_env / "reg"
     install_fixture(home, "tiny", TINY, registry=reg, verified_by=None)
-    async with running_daemon(_settings(home, reg)) as d, d.client() as c:
+    async with running_daemon(registry_settings(home, reg)) as d, d.client() as c:
         before = await c.model("tiny")
         assert before["installed"]["verified"] is False
         report = await c.verify("tiny")
@@ -159,7 +144,7 @@ async def test_outdated_after_live_registry_change_and_status(clean_env: Path) -
     """Editing the entry's sha256 marks the install outdated; bad files show in status."""
     home, reg = clean_env / "home", clean_env / "reg"
     inst = install_fixture(home, "tiny", TINY, registry=reg)
-    async with running_daemon(_settings(home, reg)) as d, d.client() as c:
+    async with running_daemon(registry_settings(home, reg)) as d, d.client() as c:
         write_entry(reg, "tiny", size=inst.size, sha256="0" * 64)
         (reg / "typo.toml").write_text('id = "typo"\nsizee = 3\n')
 
@@ -167,7 +152,7 @@ async def test_outdated_after_live_registry_change_and_status(clean_env: Path) -
             m = await c.model("tiny")
             return bool(m["state"] == "outdated" and m["installed"]["outdated"])
 
-        await _until(outdated)
+        await until(outdated)
         status = await c.status()
         assert "typo.toml" in " ".join(status["catalog"]["problems"])
         keys = {p["key"] for p in status["catalog"]["problem_details"]}

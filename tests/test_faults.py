@@ -16,7 +16,6 @@ import random
 import signal
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ import pytest
 
 from modeld.client import Client
 from modeld.errors import EngineCrashed
-from tests.conftest import DaemonProcess, daemon_env, unix_http
+from tests.conftest import DaemonProcess, daemon_env, spawn_daemon, unix_http, unix_request
 from tests.faults_lib import (
     PULL_DATA,
     PULL_SHA,
@@ -36,12 +35,11 @@ from tests.faults_lib import (
     Rig,
     check_state,
     finish_and_check,
-    http,
     kill9,
     kill_cycle,
     runner_pids,
-    start_quick,
     wait_no_runners,
+    wait_pull_progress,
 )
 
 
@@ -52,14 +50,7 @@ def test_kill9_at_random_points_of_startup_recovers(short_tmp: Path) -> None:
     env = daemon_env(home)
     rng = random.Random(7)  # fixed seed: a failure can be replayed
     for _ in range(4):
-        with (home / "daemon.log").open("ab") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "modeld", "serve"],
-                env=env,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-            )
+        proc = spawn_daemon(env, home / "daemon.log")
         time.sleep(rng.uniform(0.0, 1.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -100,22 +91,15 @@ def test_startup_after_kill9_recovers_partial_and_leaves_no_runner(rig: Rig) -> 
     """kill -9 mid-pull with a loaded engine: no runner survives, the next start resumes."""
     d = rig.daemon
     rig.throttle(400_000)
-    start_quick(d)
-    status, view = http(d.socket, "POST", "/api/engines", {"model": "tiny-text"})
+    d.start_quick()
+    status, view = unix_request(d.socket, "POST", "/api/engines", {"model": "tiny-text"})
     assert status == 200, view
-    engines = http(d.socket, "GET", "/api/engines")[1]
+    engines = unix_request(d.socket, "GET", "/api/engines")[1]
     old = {view["pid"], engines["spare"]["pid"]} - {None}
     assert old <= set(runner_pids(rig.home))
     assert all(ppid == d.proc.pid for ppid in runner_pids(rig.home).values())  # type: ignore[union-attr]
-    assert http(d.socket, "POST", "/api/models/m1/pull", {"detach": True})[0] == 200
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        active = http(d.socket, "GET", "/api/downloads")[1]["downloads"]
-        if active and active[0]["completed"] >= 1024 * 1024:
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError("the pull made no progress")
+    assert unix_request(d.socket, "POST", "/api/models/m1/pull", {"detach": True})[0] == 200
+    assert wait_pull_progress(d.socket, 1024 * 1024), "the pull made no progress"
     time.sleep(0.3)  # the journal is flushed every 0.1 s
     kill9(d)
     assert not wait_no_runners(rig.home), "a runner of the killed daemon is still alive"
@@ -123,16 +107,16 @@ def test_startup_after_kill9_recovers_partial_and_leaves_no_runner(rig: Rig) -> 
     assert state.journals.get("m1", 0) >= 8  # 64 KiB blocks: at least 512 KiB journaled
     assert (rig.home / "partial" / "m1.partial").stat().st_size == PULL_SIZE
 
-    start_quick(d)
-    store = http(d.socket, "GET", "/api/status")[1]["store"]
+    d.start_quick()
+    store = unix_request(d.socket, "GET", "/api/status")[1]["store"]
     assert [p for p in store["scan"]["partials"] if "m1" in json.dumps(p)], store["scan"]
     assert not set(runner_pids(rig.home)) & old
     rig.throttle(None)
-    records = http(d.socket, "POST", "/api/models/m1/pull", {}, timeout=60)[1]
+    records = unix_request(d.socket, "POST", "/api/models/m1/pull", {}, timeout=60)[1]
     assert records[-1]["state"] == "installed", records[-1]
     assert records[-1]["resumed"] >= 512 * 1024
     assert (rig.home / "blobs" / f"sha256-{PULL_SHA}").read_bytes() == PULL_DATA
-    out = http(d.socket, "POST", "/api/generate", {"model": "tiny-text", "prompt": "x"})[1]
+    out = unix_request(d.socket, "POST", "/api/generate", {"model": "tiny-text", "prompt": "x"})[1]
     assert out[-1].get("done"), out[-1]
     assert d.stop() == 0
     assert check_state(rig.home).journals == {}
@@ -160,6 +144,18 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+@contextlib.contextmanager
+def tmpfs_rig(root: Path, size: str) -> Iterator[Rig]:
+    """A ``Rig`` whose state dir is a tmpfs of ``size``, closed afterwards."""
+    with tmpfs(root / "home", size):
+        rig = Rig.create(root)
+        rig.daemon.log_path = root / "daemon.log"  # the log must not share the full disk
+        try:
+            yield rig
+        finally:
+            rig.close()
+
+
 def fill_disk(path: Path) -> int:
     """Write ``path`` until the file system is full; return the bytes written."""
     chunk = b"\0" * (256 * 1024)
@@ -175,81 +171,66 @@ def fill_disk(path: Path) -> int:
 
 def test_enospc_mid_pull_is_one_disk_full_error_and_daemon_serves_on(short_tmp: Path) -> None:
     """The disk fills mid-pull: one disk_full record, partial kept, daemon serves, pull resumes."""
-    with tmpfs(short_tmp / "home", "80m"):
-        rig = Rig.create(short_tmp)
+    with tmpfs_rig(short_tmp, "80m") as rig:
         d = rig.daemon
-        d.log_path = short_tmp / "daemon.log"  # the log must not share the full disk
-        try:
-            rig.throttle(600_000)
-            start_quick(d)
-            # An engine loaded before the disk fills (its runtime cache is written by then).
-            assert http(d.socket, "POST", "/api/engines", {"model": "tiny-text"})[0] == 200
-            result: list[Any] = []
-            puller = threading.Thread(
-                target=lambda: result.append(
-                    http(d.socket, "POST", "/api/models/m1/pull", {}, timeout=60)
-                )
+        rig.throttle(600_000)
+        d.start_quick()
+        # An engine loaded before the disk fills (its runtime cache is written by then).
+        assert unix_request(d.socket, "POST", "/api/engines", {"model": "tiny-text"})[0] == 200
+        result: list[Any] = []
+        puller = threading.Thread(
+            target=lambda: result.append(
+                unix_request(d.socket, "POST", "/api/models/m1/pull", {}, timeout=60)
             )
-            puller.start()
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                active = http(d.socket, "GET", "/api/downloads")[1]["downloads"]
-                if active and active[0]["completed"] >= 512 * 1024:
-                    break
-                time.sleep(0.05)
-            time.sleep(0.3)  # let the journal record what arrived
-            fill_disk(d.home / "filler")
-            puller.join(60)
-            status, records = result[0]
-            assert status == 200
-            errors = [r for r in records if "error" in r]
-            assert errors == [records[-1]], records[-3:]
-            assert errors[0]["error"]["code"] == "disk_full", errors
-            assert "pull again" in errors[0]["error"]["message"]
-            # Healthy while the disk is still full: liveness, reads, generation on a warm engine.
-            assert http(d.socket, "GET", "/api/health")[0] == 200
-            assert http(d.socket, "GET", "/api/models")[0] == 200
-            assert http(d.socket, "GET", "/api/downloads")[1]["downloads"] == []
-            status_doc = http(d.socket, "GET", "/api/status")[1]
-            assert any("disk full" in p for p in status_doc["downloads"]["problems"]), status_doc
-            out = http(d.socket, "POST", "/api/generate", {"model": "tiny-text", "prompt": "x"})
-            assert out[0] == 200 and out[1][-1].get("done"), out
-            assert (d.home / "partial" / "m1.partial").is_file()
-            # Space again: the pull resumes from the kept partial and installs the right bytes.
-            (d.home / "filler").unlink()
-            rig.throttle(None)
-            records = http(d.socket, "POST", "/api/models/m1/pull", {}, timeout=60)[1]
-            assert records[-1]["state"] == "installed", records[-1]
-            assert records[-1]["resumed"] > 0
-            assert (d.home / "blobs" / f"sha256-{PULL_SHA}").read_bytes() == PULL_DATA
-            assert d.stop() == 0
-            check_state(d.home)
-        finally:
-            rig.close()
+        )
+        puller.start()
+        wait_pull_progress(d.socket, 512 * 1024)
+        time.sleep(0.3)  # let the journal record what arrived
+        fill_disk(d.home / "filler")
+        puller.join(60)
+        status, records = result[0]
+        assert status == 200
+        errors = [r for r in records if "error" in r]
+        assert errors == [records[-1]], records[-3:]
+        assert errors[0]["error"]["code"] == "disk_full", errors
+        assert "pull again" in errors[0]["error"]["message"]
+        # Healthy while the disk is still full: liveness, reads, generation on a warm engine.
+        assert unix_request(d.socket, "GET", "/api/health")[0] == 200
+        assert unix_request(d.socket, "GET", "/api/models")[0] == 200
+        assert unix_request(d.socket, "GET", "/api/downloads")[1]["downloads"] == []
+        status_doc = unix_request(d.socket, "GET", "/api/status")[1]
+        assert any("disk full" in p for p in status_doc["downloads"]["problems"]), status_doc
+        out = unix_request(d.socket, "POST", "/api/generate", {"model": "tiny-text", "prompt": "x"})
+        assert out[0] == 200 and out[1][-1].get("done"), out
+        assert (d.home / "partial" / "m1.partial").is_file()
+        # Space again: the pull resumes from the kept partial and installs the right bytes.
+        (d.home / "filler").unlink()
+        rig.throttle(None)
+        records = unix_request(d.socket, "POST", "/api/models/m1/pull", {}, timeout=60)[1]
+        assert records[-1]["state"] == "installed", records[-1]
+        assert records[-1]["resumed"] > 0
+        assert (d.home / "blobs" / f"sha256-{PULL_SHA}").read_bytes() == PULL_DATA
+        assert d.stop() == 0
+        check_state(d.home)
 
 
 def test_pull_larger_than_free_space_is_refused_before_writing(short_tmp: Path) -> None:
     """On an 8 MiB disk a pull is refused at once with disk_full saying what to do; no write."""
-    with tmpfs(short_tmp / "home", "8m"):
-        rig = Rig.create(short_tmp)
+    with tmpfs_rig(short_tmp, "8m") as rig:
         d = rig.daemon
-        d.log_path = short_tmp / "daemon.log"
-        try:
-            start_quick(d)
-            status, body = http(d.socket, "POST", "/api/models/m1/pull", {})
-            # The check runs in the job: a plain 507, or a stream that ends with one error.
-            if status == 200:
-                assert [r for r in body if "error" in r] == [body[-1]], body
-                body = body[-1]
-            else:
-                assert status == 507, body
-            assert body["error"]["code"] == "disk_full"
-            assert "free space" in body["error"]["message"], body
-            assert not (d.home / "partial" / "m1.partial").exists()
-            assert http(d.socket, "GET", "/api/health")[0] == 200
-            assert d.stop() == 0
-        finally:
-            rig.close()
+        d.start_quick()
+        status, body = unix_request(d.socket, "POST", "/api/models/m1/pull", {})
+        # The check runs in the job: a plain 507, or a stream that ends with one error.
+        if status == 200:
+            assert [r for r in body if "error" in r] == [body[-1]], body
+            body = body[-1]
+        else:
+            assert status == 507, body
+        assert body["error"]["code"] == "disk_full"
+        assert "free space" in body["error"]["message"], body
+        assert not (d.home / "partial" / "m1.partial").exists()
+        assert unix_request(d.socket, "GET", "/api/health")[0] == 200
+        assert d.stop() == 0
 
 
 def test_engine_load_on_full_disk_names_the_full_disk(short_tmp: Path) -> None:
@@ -259,22 +240,17 @@ def test_engine_load_on_full_disk_names_the_full_disk(short_tmp: Path) -> None:
     engine; on ENOSPC it aborts (SIGABRT) after printing ``ERROR: ...: No space left on
     device``. The daemon must survive (it does) and say what to do: free space.
     """
-    with tmpfs(short_tmp / "home", "8m"):
-        rig = Rig.create(short_tmp)
+    with tmpfs_rig(short_tmp, "8m") as rig:
         d = rig.daemon
-        d.log_path = short_tmp / "daemon.log"
-        try:
-            start_quick(d)
-            fill_disk(d.home / "filler")
-            status, body = http(d.socket, "POST", "/api/engines", {"model": "tiny-text"})
-            assert http(d.socket, "GET", "/api/health")[0] == 200
-            assert status >= 400, body
-            message = body["error"]["message"]
-            assert body["error"]["code"] == "disk_full", body
-            assert "verify" not in message, message
-            assert "No space left on device" in message or "disk full" in message, message
-        finally:
-            rig.close()
+        d.start_quick()
+        fill_disk(d.home / "filler")
+        status, body = unix_request(d.socket, "POST", "/api/engines", {"model": "tiny-text"})
+        assert unix_request(d.socket, "GET", "/api/health")[0] == 200
+        assert status >= 400, body
+        message = body["error"]["message"]
+        assert body["error"]["code"] == "disk_full", body
+        assert "verify" not in message, message
+        assert "No space left on device" in message or "disk full" in message, message
 
 
 # --- a runner's SIGSEGV mid-generation ------------------------------------------------------
@@ -333,7 +309,7 @@ async def test_runner_sigsegv_mid_generation(short_tmp: Path) -> None:
     rig = Rig.create(short_tmp)
     d = rig.daemon
     try:
-        start_quick(d)
+        d.start_quick()
         async with Client(d.socket) as c:
             view = await c.request("POST", "/api/engines", {"model": "tiny-text"})
             pid = view["pid"]
@@ -377,8 +353,8 @@ def test_pull_installs_when_partial_dir_is_another_file_system(short_tmp: Path) 
     try:
         with tmpfs(d.home / "partial", "80m"):
             rig.throttle(None)
-            start_quick(d)
-            status, records = http(d.socket, "POST", "/api/models/m1/pull", {}, timeout=60)
+            d.start_quick()
+            status, records = unix_request(d.socket, "POST", "/api/models/m1/pull", {}, timeout=60)
             assert status == 200 and records[-1].get("state") == "installed", records[-1]
             assert (d.home / "blobs" / f"sha256-{PULL_SHA}").read_bytes() == PULL_DATA
             assert not list((d.home / "partial").iterdir())

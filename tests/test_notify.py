@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from modeld.notify import Notifier
-from tests.conftest import daemon_env, unix_http
+from tests.conftest import daemon_env, spawn_daemon, stop_process, unix_http
 
 
 @dataclass
@@ -71,26 +71,7 @@ def listener(short_tmp: Path) -> Iterator[NotifyListener]:
 
 
 def start_daemon(home: Path, **env: str) -> subprocess.Popen[bytes]:
-    home.mkdir(parents=True, exist_ok=True)
-    with (home / "daemon.log").open("ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "modeld", "serve"],
-            env=daemon_env(home, **env),
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-
-
-def finish(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
+    return spawn_daemon(daemon_env(home, **env), home / "daemon.log")
 
 
 def test_ready_only_when_serving_then_stopping(short_tmp: Path, listener: NotifyListener) -> None:
@@ -112,7 +93,7 @@ def test_ready_only_when_serving_then_stopping(short_tmp: Path, listener: Notify
         assert stopping["STOPPING"] == "1" and "stopping" in stopping["STATUS"]
         assert proc.wait(30) == 0
     finally:
-        finish(proc)
+        stop_process(proc)
 
 
 def test_watchdog_cadence_is_half_the_timeout(short_tmp: Path, listener: NotifyListener) -> None:
@@ -143,7 +124,7 @@ def test_watchdog_cadence_is_half_the_timeout(short_tmp: Path, listener: NotifyL
         assert max(gaps) < 2.0, gaps
         assert statistics.median(gaps) > 0.5, gaps
     finally:
-        finish(proc)
+        stop_process(proc)
 
 
 def test_watchdog_for_another_pid_is_ignored(short_tmp: Path, listener: NotifyListener) -> None:
@@ -160,7 +141,7 @@ def test_watchdog_for_another_pid_is_ignored(short_tmp: Path, listener: NotifyLi
         listener.drain(1.0)
         assert listener.times_of("WATCHDOG") == []
     finally:
-        finish(proc)
+        stop_process(proc)
 
 
 def test_abstract_socket_and_reload_messages(short_tmp: Path) -> None:
@@ -180,7 +161,7 @@ def test_abstract_socket_and_reload_messages(short_tmp: Path) -> None:
         assert again["STATUS"].startswith("serving on ")
         assert proc.poll() is None
     finally:
-        finish(proc)
+        stop_process(proc)
         sock.close()
 
 

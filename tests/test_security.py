@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import stat
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,17 +16,6 @@ from modeld import daemon as daemon_mod
 from modeld.config import load_settings
 from modeld.peers import Peer, is_allowed
 from tests.conftest import DaemonProcess, daemon_env, unix_http
-
-
-def wait_log(d: DaemonProcess, needle: str, count: int = 1, timeout: float = 30) -> str:
-    """Wait until ``needle`` occurs ``count`` times in the daemon's log."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = d.log()
-        if text.count(needle) >= count:
-            return text
-        time.sleep(0.05)
-    raise AssertionError(f"{needle!r} x{count} not in the log:\n{d.log()}")
 
 
 def request_as(path: Path, uid: int, gid: int, groups: list[int]) -> int:
@@ -66,20 +54,9 @@ def test_peer_outside_allow_list_gets_403(short_tmp: Path) -> None:
     home = short_tmp / "home"
     d = DaemonProcess(home=home, env=daemon_env(home, MODELD_ALLOW_UIDS="12345"))
     # start() waits on `modeld status`, which is refused here; wait on the log instead.
-    d.home.mkdir(parents=True)
-    with d.log_path.open("ab") as log:
-        import subprocess
-        import sys
-
-        d.proc = subprocess.Popen(
-            [sys.executable, "-m", "modeld", "serve"],
-            env=d.env,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
+    d.spawn()
     try:
-        wait_log(d, " ready ")
+        d.wait_log(" ready ")
         status, body = unix_http(d.socket, "/api/status")
         assert status == 403
         assert body["error"]["code"] == "forbidden"
@@ -88,7 +65,7 @@ def test_peer_outside_allow_list_gets_403(short_tmp: Path) -> None:
         result = d.cli("status")
         assert result.returncode == 1
         assert "not allowed on this socket" in result.stderr
-        log = wait_log(d, "status=403")
+        log = d.wait_log("status=403")
         assert f"peer=0:0:{os.getpid()}" in log
     finally:
         d.stop()
@@ -224,12 +201,12 @@ def check_reload(d: DaemonProcess, config: Path, conn: KeepAlive) -> None:
     budget = d.cli_json("status")["settings"]["memory_budget"]
     config.write_text('log_level = "debug"\nkeep_alive = "30s"\nmemory_budget = "1GiB"\n')
     d.proc.send_signal(signal.SIGHUP)
-    log = wait_log(d, " reloaded ")
+    log = d.wait_log(" reloaded ")
     assert "changed=log_level,keep_alive" in log and "restart_needed=memory_budget" in log
     # Same connection, same process: nothing was dropped.
     assert conn.get("/api/health") == 200
     assert d.proc.poll() is None
-    wait_log(d, "path=/api/health")
+    d.wait_log("path=/api/health")
     settings = d.cli_json("status")["settings"]
     assert settings["log_level"] == "debug" and settings["keep_alive"] == 30
     assert settings["memory_budget"] == budget
@@ -243,11 +220,11 @@ def test_bad_config_on_sighup_keeps_old_settings(
     assert d.proc is not None
     config.write_text('keep_alive = "soon"\n')
     d.proc.send_signal(signal.SIGHUP)
-    log = wait_log(d, "reload_failed")
+    log = d.wait_log("reload_failed")
     assert "keep_alive" in log
     config.write_text("log_level = [unclosed\n")
     d.proc.send_signal(signal.SIGHUP)
-    wait_log(d, "reload_failed", count=2)
+    d.wait_log("reload_failed", count=2)
     assert d.proc.poll() is None
     status, body = unix_http(d.socket, "/api/status")
     assert status == 200
@@ -260,11 +237,11 @@ def test_sighup_applies_allow_lists_live(configured: tuple[DaemonProcess, Path])
     assert d.proc is not None
     config.write_text("allow_uids = [12345]\n")
     d.proc.send_signal(signal.SIGHUP)
-    wait_log(d, " reloaded ")
+    d.wait_log(" reloaded ")
     assert unix_http(d.socket)[0] == 403
     config.write_text("allow_uids = [12345, 0]\n")
     d.proc.send_signal(signal.SIGHUP)
-    wait_log(d, " reloaded ", count=2)
+    d.wait_log(" reloaded ", count=2)
     status, body = unix_http(d.socket, "/api/status")
     assert status == 200 and body["settings"]["allow_uids"] == [12345, 0]
 
@@ -320,12 +297,12 @@ def test_sighup_points_the_catalog_at_new_registry_dirs(
     (new_dir / "svc-b.toml").write_text(_entry("svc-b"))
     config.write_text(f'log_level = "info"\nregistry = ["{old_dir}"]\n')
     d.proc.send_signal(signal.SIGHUP)
-    wait_log(d, " reloaded ")
+    d.wait_log(" reloaded ")
     ids = {m["id"] for m in unix_http(d.socket, "/api/models")[1]["models"]}
     assert "svc-a" in ids and "svc-b" not in ids
     config.write_text(f'log_level = "info"\nregistry = ["{new_dir}"]\n')
     d.proc.send_signal(signal.SIGHUP)
-    wait_log(d, " reloaded ", count=2)
+    d.wait_log(" reloaded ", count=2)
     ids = {m["id"] for m in unix_http(d.socket, "/api/models")[1]["models"]}
     assert "svc-b" in ids and "svc-a" not in ids
     assert d.proc.poll() is None
