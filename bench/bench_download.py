@@ -28,6 +28,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from modeld import fetch  # noqa: E402
 from modeld.config import format_size, parse_size  # noqa: E402
 from modeld.download import DownloadJob, Target, Tuning  # noqa: E402
 from modeld.journal import SqliteJournal  # noqa: E402
@@ -111,7 +112,7 @@ async def modeld_pull(
             installer=store.install,
             tuning=tuning,
         )
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), os.times()
         job.start()
         if kill_at is not None:
             # Polling progress is the point here (a kill at a byte count, not an event).
@@ -120,11 +121,24 @@ async def modeld_pull(
             print(json.dumps({"killing_at": job.fetcher.done_bytes}), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         await job.wait()
+        f = job.fetcher
+        assert f is not None
+        by_mirror: dict[str, int] = {}
+        for label in f.sources.values():
+            by_mirror[label] = by_mirror.get(label, 0) + 1
         return {
             "seconds": time.perf_counter() - t,
+            # CPU seconds of the whole process (loop + hashing thread): steadier than the
+            # wall time on a shared box, and what a busy machine pays.
+            "cpu": round(sum(os.times()[:2]) - sum(cpu[:2]), 3),
             "install_latency": job.install_latency,
             "resumed": job.resumed,
             "timings": job.timings,
+            "raw_pieces": f.raw_pieces,
+            "connects": f.rangeio.connects,
+            "blocks": by_mirror,
+            "splits": f.splits,
+            "takeovers": f.takeovers,
         }
     finally:
         await store.close()
@@ -132,6 +146,7 @@ async def modeld_pull(
 
 def child(args: argparse.Namespace) -> None:
     """Run one pull in this process (so the parent can kill it with -9)."""
+    fetch.RAW_RANGES = not args.aiohttp
     tuning = Tuning(args.connections, parse_size(args.piece_size), 20.0)
     result = asyncio.run(
         modeld_pull(Path(args.home), args.urls, args.bytes, args.sha, tuning, args.kill_at)
@@ -146,6 +161,8 @@ def run_child(
     sha: str,
     a: argparse.Namespace,
     kill_at: float | None = None,
+    *,
+    aiohttp: bool = False,
 ) -> dict[str, Any]:
     cmd = [
         sys.executable,
@@ -164,6 +181,8 @@ def run_child(
         "--urls",
         *urls,
     ]
+    if aiohttp:
+        cmd.append("--aiohttp")
     if kill_at is not None:
         cmd += ["--kill-at", str(kill_at)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -186,6 +205,12 @@ def main() -> None:
     p.add_argument("--sha")
     p.add_argument("--urls", nargs="*")
     p.add_argument("--kill-at", type=float)
+    p.add_argument("--aiohttp", action="store_true", help="child: piece bodies through aiohttp")
+    p.add_argument(
+        "--compare-aiohttp",
+        action="store_true",
+        help="also run modeld with aiohttp's parser for the piece bodies (the old path)",
+    )
     p.add_argument("--no-aria", action="store_true", help="skip the aria2c runs (quicker)")
     p.add_argument("--no-slow", action="store_true", help="skip the fast+slow runs")
     p.add_argument("--no-kill", action="store_true", help="skip the kill -9 / resume run")
@@ -234,6 +259,13 @@ def main() -> None:
         ("curl", lambda: timed(["curl", "-s", "-o", str(out / "c.bin"), fast_url])),
         ("modeld", lambda: run_child(out / "home1", [fast_url], size, sha, a)),
     ]
+    if a.compare_aiohttp:
+        cases.append(
+            (
+                "modeld aiohttp",
+                lambda: run_child(out / "home4", [fast_url], size, sha, a, aiohttp=True),
+            )
+        )
     if not a.no_aria:
         cases += [
             ("aria2c", lambda: timed([*aria, "-o", "a.bin", fast_url])),
@@ -249,6 +281,15 @@ def main() -> None:
                 lambda: run_child(out / "home2", [fast_url, slow_url], size, sha, a),
             )
         )
+        if a.compare_aiohttp:
+            cases.append(
+                (
+                    "modeld aiohttp f+s",
+                    lambda: run_child(
+                        out / "home5", [fast_url, slow_url], size, sha, a, aiohttp=True
+                    ),
+                )
+            )
         if not a.no_aria:
             cases.append(
                 ("aria2c fast+slow", lambda: timed([*aria, "-o", "a.bin", fast_url, slow_url]))
@@ -291,6 +332,8 @@ def main() -> None:
         print(f"  {k:<20} {v:7.2f} s  ({size / v / 1e6:7.0f} MB/s)  [{runs}]")
     print("goals:")
     print(f"  (1) modeld / curl            {med['modeld'] / med['curl']:.2f}  (goal <= 1.0)")
+    if "modeld aiohttp" in med:
+        print(f"      modeld aiohttp / curl    {med['modeld aiohttp'] / med['curl']:.2f}")
     if "aria2c --checksum" in med:
         print(
             f"      modeld / aria2c checksum {med['modeld'] / med['aria2c --checksum']:.2f}"
@@ -305,6 +348,11 @@ def main() -> None:
         print(
             f"  (2) modeld fast+slow / modeld {med['modeld fast+slow'] / med['modeld']:.2f}"
             f"  (goal <= 1.1{peer})"
+        )
+    if "modeld aiohttp f+s" in med:
+        print(
+            "      modeld aiohttp f+s / modeld aiohttp "
+            f"{med['modeld aiohttp f+s'] / med['modeld aiohttp']:.2f}"
         )
     if resume_ratios:
         print(

@@ -5,7 +5,11 @@ shared queue; each connection takes the next piece and the mirror that would fin
 soonest (per-connection rate), so fast mirrors take more pieces and a mirror far slower than
 the best stops getting any. When the queue is empty, idle connections look at the pieces in
 flight (endgame): a slow piece is split at a block boundary so both halves finish together,
-or, inside its last block, handed over to a faster mirror. Bytes are written with
+or, inside its last block, handed over to a faster mirror. A slower mirror's pieces are
+placed ahead of the queue's front, where the others will not arrive before it is done, so
+it never holds the prefix or the end. Piece bodies are read by ``rangeio`` (a lean range
+reader into preallocated buffers) unless a mirror needs aiohttp (proxy, redirect, expired
+signed URL, chunked body). Bytes are written with
 ``os.pwrite`` at their offset straight from the event loop (aiofiles' seek+write races when
 tasks share a file; a thread per write is slower); each block's CRC-32 is computed as it is
 written and reported to ``on_block`` (the journal). The hashing thread (``PrefixHasher``)
@@ -22,6 +26,7 @@ import ctypes.util
 import os
 import threading
 import time
+import urllib.request
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -29,12 +34,14 @@ from dataclasses import dataclass
 from hashlib import sha256
 
 import aiohttp
+from yarl import URL
 
 from modeld.errors import DownloadError
 from modeld.journal import Block
 from modeld.mirrors import (
     Mirror,
     MirrorFailure,
+    _headers,
     classify_exception,
     classify_status,
     open_range,
@@ -42,11 +49,15 @@ from modeld.mirrors import (
     parse_content_range,
     request,
 )
+from modeld.rangeio import RangeClient, RangeConn, RangeFallback
 
 CHUNK = 1024 * 1024
 # The hashing thread reads the prefix in slices of this size (into one reused buffer).
 HASH_READ = 8 * CHUNK
 Writer = Callable[[int, memoryview, int], int]
+# Piece bodies through the lean range reader (``rangeio``) instead of aiohttp's parser; the
+# benchmark turns it off to compare the two in one run.
+RAW_RANGES = True
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _SYNC_FILE_RANGE_WRITE = 2
@@ -73,7 +84,10 @@ class Piece:
     abandoned: bool = False
     stream: bool = False  # a plain GET from byte 0 (a mirror without ranges)
     resp: aiohttp.ClientResponse | None = None  # the open answer, closed on a takeover
+    raw: RangeConn | None = None  # or the raw reader's connection, closed on a takeover
     crc: int = 0  # CRC-32 of [start of pos's block, pos): a piece may resume mid-block
+    window: int = 0  # bytes not yet counted into the mirror's rate, since window_start
+    window_start: float = 0.0
 
     def rate(self) -> float:
         elapsed = time.monotonic() - self.began
@@ -196,6 +210,15 @@ class Fetcher:
         self.received = 0
         self.splits = 0  # endgame: in-flight pieces split with a faster mirror
         self.takeovers = 0  # endgame: in-flight blocks taken over by a faster mirror
+        self.raw_pieces = 0  # pieces (attempts) read by the raw range reader
+        self.fallbacks = 0  # raw attempts handed to aiohttp (redirect, expired URL, chunked)
+        timeout = session.timeout
+        self.rangeio = RangeClient(
+            connect_timeout=timeout.sock_connect or 15.0,
+            stall_timeout=timeout.sock_read or 20.0,
+        )
+        self._no_raw: set[int] = set()  # id() of mirrors the raw reader does not serve
+        self._proxies = urllib.request.getproxies()
         self.prefix_blocks = 0
         self.hasher: PrefixHasher | None = None
         self.queue: deque[Piece] = deque()
@@ -333,10 +356,42 @@ class Fetcher:
         left = self._time_left(slower)
         if left == float("inf"):  # the others' speed is not known yet: no bet on the slower
             return best, self._take(front=True)
-        blocks = int(min(0.8 * left * rate, self.piece_blocks * self.block_size) // self.block_size)
+        # At most half the time the others need for everything left, so it ends well before.
+        blocks = int(min(0.5 * left * rate, self.piece_blocks * self.block_size) // self.block_size)
         if blocks < 1:
             return best, self._take(front=True)
-        return slower, self._take(front=True, blocks=blocks)
+        # Not at the front: far enough ahead that the others do not reach it before the
+        # slower mirror is done with it, so it never holds the prefix hasher (or the end).
+        rest = sum(m.current_speed() for m in self.mirrors if m is not slower and m.usable)
+        piece = self._take_ahead(int(1.5 * rest * blocks * self.block_size / rate), blocks)
+        if piece is None:
+            return best, self._take(front=True)
+        return slower, piece
+
+    def _take_ahead(self, skip: int, blocks: int) -> Piece | None:
+        """``blocks`` blocks cut from the queue at least ``skip`` queued bytes past its front
+        (None when the queue holds less than that)."""
+        bs = self.block_size
+        seen = 0
+        for i, piece in enumerate(self.queue):
+            if seen + piece.end - piece.pos <= skip:
+                seen += piece.end - piece.pos
+                continue
+            first = max(piece.pos // bs, -(-(piece.pos + skip - seen) // bs))
+            start = max(piece.pos, first * bs)
+            end = min(piece.end, (first + blocks) * bs)
+            if end - start < min(bs, piece.end - piece.pos) or start >= piece.end:
+                return None
+            rest = (
+                [Piece(piece.start, start, piece.pos, crc=piece.crc)] if start > piece.pos else []
+            )
+            if end < piece.end:
+                rest.append(Piece(end, piece.end, end))
+            del self.queue[i]
+            for j, part in enumerate(rest):
+                self.queue.insert(i + j, part)
+            return Piece(start, end, start)
+        return None
 
     def _steal(self) -> tuple[Mirror, Piece] | None:
         """Endgame: split or take over an in-flight piece that would finish late.
@@ -388,6 +443,8 @@ class Fetcher:
         self.inflight.discard(p)
         if p.resp is not None:
             p.resp.close()  # its reader wakes with an error that is not held against the mirror
+        if p.raw is not None:
+            p.raw.abort()
 
     # --- the connections -------------------------------------------------------------
 
@@ -402,6 +459,8 @@ class Fetcher:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             raise
+        finally:
+            self.rangeio.close()
         if self._fatal is not None:
             raise self._fatal
 
@@ -465,22 +524,12 @@ class Fetcher:
 
     async def _run_piece(self, piece: Piece, mirror: Mirror) -> None:
         piece.mirror, piece.began, piece.got, piece.abandoned = mirror, time.monotonic(), 0, False
+        piece.window, piece.window_start = 0, piece.began
         self.inflight.add(piece)
         mirror.active += 1
-        resp: aiohttp.ClientResponse | None = None
         try:
-            if piece.stream:
-                resp = await request(self.session, mirror, {}, self.token)
-                if resp.status != 200:
-                    raise classify_status(resp.status, resp)
-            else:
-                resp = await open_range(
-                    self.session, mirror, piece.pos, piece.end, self.size, self.token
-                )
-            piece.resp = resp
-            if piece.abandoned:
-                return
-            await self._read_into(piece, mirror, resp)
+            if not (self._raw_ok(piece, mirror) and await self._read_raw(piece, mirror)):
+                await self._read_aiohttp(piece, mirror)
             mirror.succeed()
             if piece.pos < piece.end and not piece.abandoned and not piece.stream:
                 # A short 206 (RFC 9110 §15.3.7) is allowed: queue the rest, no strike.
@@ -499,12 +548,80 @@ class Fetcher:
                 return
             self._requeue(piece, mirror, classify_exception(e) or MirrorFailure("gone", str(e)))
         finally:
+            if piece.window:
+                mirror.count(piece.window, time.monotonic() - piece.window_start)
+                piece.window = 0
             mirror.active -= 1
             self.inflight.discard(piece)
-            piece.resp = None
-            if resp is not None:
-                resp.close()
+            if piece.resp is not None:
+                piece.resp.close()
+                piece.resp = None
             self._wake()
+
+    async def _read_aiohttp(self, piece: Piece, mirror: Mirror) -> None:
+        """Fetch the piece through aiohttp (redirects, proxies, streams; ``piece.resp``)."""
+        if piece.stream:
+            piece.resp = await request(self.session, mirror, {}, self.token)
+            if piece.resp.status != 200:
+                raise classify_status(piece.resp.status, piece.resp)
+            await self._read_stream(piece, mirror, piece.resp)
+            return
+        piece.resp = await open_range(
+            self.session, mirror, piece.pos, piece.end, self.size, self.token
+        )
+        if not piece.abandoned:
+            await self._read_into(piece, mirror, piece.resp)
+
+    # --- the raw range reader ----------------------------------------------------------
+
+    def _raw_ok(self, piece: Piece, mirror: Mirror) -> bool:
+        """Whether the raw reader may fetch this piece: a range, from a URL without a proxy,
+        credentials, or a mirror whose answers it did not take before."""
+        if not RAW_RANGES or piece.stream or id(mirror) in self._no_raw:
+            return False
+        url = mirror.resolved or mirror.url
+        if url.scheme not in ("http", "https") or url.user is not None or not url.host:
+            return False
+        # A proxy that applies to this host: aiohttp (trust_env) talks to it.
+        return url.scheme not in self._proxies or bool(urllib.request.proxy_bypass(url.host))
+
+    async def _read_raw(self, piece: Piece, mirror: Mirror) -> bool:
+        """Fetch the piece with the raw reader; False when aiohttp must take it instead."""
+        url: URL = mirror.resolved or mirror.url
+        extra = {"Connection": "keep-alive"}
+        if mirror.etag:
+            extra["If-Range"] = mirror.etag
+        bs = self.block_size
+
+        def sink(data: memoryview) -> bool:
+            if piece.abandoned:
+                return False
+            self._consume(piece, mirror, data, bs)
+            return piece.pos < piece.end and not piece.abandoned
+
+        def on_conn(conn: RangeConn | None) -> None:
+            piece.raw = conn
+
+        self.raw_pieces += 1
+        try:
+            await self.rangeio.fetch(
+                url,
+                _headers(url, self.token, extra),
+                piece.pos,
+                piece.end,
+                self.size,
+                sink,
+                from_cache=mirror.resolved is not None,
+                on_conn=on_conn,
+            )
+        except RangeFallback as e:
+            self.fallbacks += 1
+            if e.expired:
+                mirror.resolved = None  # signed URL expired: aiohttp asks the origin again
+            if e.disable:
+                self._no_raw.add(id(mirror))
+            return False
+        return True
 
     def _requeue(self, piece: Piece, mirror: Mirror, failure: MirrorFailure) -> None:
         mirror.fail(failure)
@@ -514,62 +631,60 @@ class Fetcher:
             self.queue.appendleft(Piece(piece.pos, piece.end, piece.pos, crc=piece.crc))
 
     async def _read_into(self, piece: Piece, mirror: Mirror, resp: aiohttp.ClientResponse) -> None:
-        """Write the body at the piece's offsets as it comes; report each finished block.
+        """Write the body at the piece's offsets as it comes (aiohttp's path).
 
         ``readchunk`` hands over the buffers the parser made, without joining them (a copy),
         and each is written with one ``pwrite`` straight from the loop.
         """
-        if piece.stream:
-            await self._read_stream(piece, mirror, resp)
-            return
-        bs = self.block_size
         served = parse_content_range(resp.headers.get("Content-Range"))
         stop = min(piece.end, served[1] + 1) if served else piece.end
         content = resp.content
-        window, window_start = 0, time.monotonic()
-        try:
-            while piece.pos < min(stop, piece.end):
-                chunk, _ = await content.readchunk()
-                if piece.abandoned:
-                    return
-                if not chunk:
-                    raise MirrorFailure(
-                        "transient", f"body ended at byte {piece.pos} (short answer)"
-                    )
-                pos = piece.pos
-                n = min(len(chunk), min(stop, piece.end) - pos)  # the end may have been split
-                data = memoryview(chunk)[:n]
-                written = self.writer(self.fd, data, pos)
-                while written < n:
-                    written += self.writer(self.fd, data[written:], pos + written)
-                new = pos + n
-                piece.pos = new
-                piece.got += n
-                self.received += n
-                window += n
-                if window >= CHUNK:
-                    now = time.monotonic()
-                    mirror.count(window, now - window_start)
-                    window, window_start = 0, now
-                # CRC-32 per block here, while the bytes are in the CPU cache (cheaper than
-                # reading them back in the hashing thread; zlib releases the GIL meanwhile).
-                block_end = min(self.size, (pos // bs + 1) * bs)
-                if new < block_end:
-                    piece.crc = zlib.crc32(data, piece.crc)
-                    continue
-                off = 0
-                while pos + off < new:
-                    idx = (pos + off) // bs
-                    seg = min(new, (idx + 1) * bs, self.size) - pos
-                    piece.crc = zlib.crc32(data[off:seg], piece.crc)
-                    off = seg
-                    if pos + off == min(self.size, (idx + 1) * bs):
-                        if not self.done[idx]:
-                            self._block_finished(idx, piece.crc, mirror)
-                        piece.crc = 0
-        finally:
-            if window:
-                mirror.count(window, time.monotonic() - window_start)
+        bs = self.block_size
+        while piece.pos < min(stop, piece.end):
+            chunk, _ = await content.readchunk()
+            if piece.abandoned:
+                return
+            if not chunk:
+                raise MirrorFailure("transient", f"body ended at byte {piece.pos} (short answer)")
+            n = min(len(chunk), min(stop, piece.end) - piece.pos)  # the end may have been split
+            self._consume(piece, mirror, memoryview(chunk)[:n], bs)
+
+    def _consume(self, piece: Piece, mirror: Mirror, data: memoryview, bs: int) -> None:
+        """Write ``data`` at ``piece.pos`` (cut to the piece's end); CRC and report blocks."""
+        pos = piece.pos
+        n = min(len(data), piece.end - pos)  # the end may have been split meanwhile
+        if n <= 0:
+            return
+        if n < len(data):
+            data = data[:n]
+        written = self.writer(self.fd, data, pos)
+        while written < n:
+            written += self.writer(self.fd, data[written:], pos + written)
+        new = pos + n
+        piece.pos = new
+        piece.got += n
+        self.received += n
+        piece.window += n
+        if piece.window >= CHUNK:
+            now = time.monotonic()
+            mirror.count(piece.window, now - piece.window_start)
+            piece.window, piece.window_start = 0, now
+        # CRC-32 per block here, while the bytes are in the CPU cache (cheaper than reading
+        # them back in the hashing thread; zlib releases the GIL meanwhile).
+        block_end = min(self.size, (pos // bs + 1) * bs)
+        if new < block_end:
+            piece.crc = zlib.crc32(data, piece.crc)
+            return
+        off = 0
+        while pos + off < new:
+            idx = (pos + off) // bs
+            seg = min(new, (idx + 1) * bs, self.size) - pos
+            piece.crc = zlib.crc32(data[off:seg], piece.crc)
+            off = seg
+            if pos + off == min(self.size, (idx + 1) * bs):
+                if not self.done[idx]:
+                    self._block_finished(idx, piece.crc, mirror)
+                piece.crc = 0
 
     async def _read_stream(
         self, piece: Piece, mirror: Mirror, resp: aiohttp.ClientResponse

@@ -145,16 +145,20 @@ async def test_budget_two_of_three_evicts_lru_idle(clean_env: Path) -> None:
     learned = _learned_rows(settings.home)
     size = {m: learned[digests[m]] for m in (a, b, c)}
     # Round 2 reserves exactly these learned sizes (they replace the file estimate). Two fit
-    # with half of the third to spare; the third needs the whole of one of them.
-    budget = size[a] + size[b] + size[c] // 2
+    # with three quarters of the third to spare; the third needs the whole of one of them.
+    # The spare quarter-engines are slack for PSS shifting between rounds: a runner's share of
+    # the runtime's shared pages grows when fewer processes map them, and the watcher would
+    # rightly evict if the real sum passed the budget.
+    budget = size[a] + size[b] + size[c] * 3 // 4
     settings = settings.model_copy(update={"memory_budget": budget})
     async with running_daemon(settings) as d, d.client() as cl:
         with PssSampler(cl) as sampler:
             for model in (a, b, a):  # b is now the least recently used idle engine
                 await generate(cl, model=model, prompt="x")
                 await sampler.refresh()
-            views = {e["model"]: e for e in (await cl.request("GET", "/api/engines"))["engines"]}
-            assert set(views) == {a, b}
+            doc0 = await cl.request("GET", "/api/engines")
+            views = {e["model"]: e for e in doc0["engines"]}
+            assert set(views) == {a, b}, (doc0, size, budget)
             assert all(v["pss_learned"] == size[m] for m, v in views.items())
             await generate(cl, model=c, prompt="x")
             await sampler.refresh()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import os
@@ -16,6 +17,7 @@ from yarl import URL
 from modeld import mirrors as mirrors_mod
 from modeld.download import DownloadJob, Target, Tuning, memory_job
 from modeld.errors import DiskFull, DownloadError, IntegrityError
+from modeld.fetch import Fetcher
 from modeld.journal import MemoryJournal
 from modeld.mirrors import MirrorFailure, check_url
 from tests.mirror import Faults, Mirror, start_mirrors
@@ -272,21 +274,29 @@ def test_url_rules() -> None:
         check_url(URL("http://a.example/f"), came_from=URL("https://b.example/f"))
 
 
-async def test_resume_uses_journal_and_rechecks_blocks(
-    short_tmp: Path, data: bytes, stop_later: list[Mirror]
-) -> None:
-    """A cancelled pull resumes from its journal; a journaled block with bad bytes is re-fetched."""
+async def cancelled_pull(
+    home: Path, data: bytes, stop_later: list[Mirror], after: int
+) -> tuple[list[Mirror], Target, MemoryJournal]:
+    """A throttled pull into a fresh journal, cancelled once ``after`` bytes arrived."""
     ms = await start_mirrors(data, Faults(throttle=1_000_000))
     stop_later.extend(ms)
     journal = MemoryJournal()
     target = Target("m1", [ms[0].url], SIZE, hashlib.sha256(data).hexdigest())
-    job = memory_job(target, short_tmp, tuning(connections=2), journal=journal)
+    job = memory_job(target, home, tuning(connections=2), journal=journal)
     job.start()
-    while job.fetcher is None or job.fetcher.done_bytes < SIZE // 3:
-        await __import__("asyncio").sleep(0.05)
+    while job.fetcher is None or job.fetcher.done_bytes < after:  # noqa: ASYNC110 (a count to poll)
+        await asyncio.sleep(0.05)
     job.cancel()
     with pytest.raises(DownloadError, match="cancelled"):
         await job.wait()
+    return ms, target, journal
+
+
+async def test_resume_uses_journal_and_rechecks_blocks(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """A cancelled pull resumes from its journal; a journaled block with bad bytes is re-fetched."""
+    ms, target, journal = await cancelled_pull(short_tmp, data, stop_later, SIZE // 3)
     state = journal.states["m1"]
     assert len(state.blocks) >= (SIZE // 3) // PIECE - 1
     # Corrupt one journaled block on disk: the resume must not trust it.
@@ -310,17 +320,7 @@ async def test_changed_file_on_mirror_discards_its_blocks(
     short_tmp: Path, data: bytes, stop_later: list[Mirror]
 ) -> None:
     """A mirror whose strong ETag changed since the journal: its journaled blocks are re-fetched."""
-    ms = await start_mirrors(data, Faults(throttle=1_000_000))
-    stop_later.extend(ms)
-    journal = MemoryJournal()
-    target = Target("m1", [ms[0].url], SIZE, hashlib.sha256(data).hexdigest())
-    job = memory_job(target, short_tmp, tuning(connections=2), journal=journal)
-    job.start()
-    while job.fetcher is None or job.fetcher.done_bytes < SIZE // 4:
-        await __import__("asyncio").sleep(0.05)
-    job.cancel()
-    with pytest.raises(DownloadError):
-        await job.wait()
+    ms, target, journal = await cancelled_pull(short_tmp, data, stop_later, SIZE // 4)
     ms[0].faults = Faults(etag='"changed"')
     job2 = memory_job(target, short_tmp, tuning(), journal=journal)
     job2.start()
@@ -367,14 +367,16 @@ def big() -> bytes:
     return random.Random(11).randbytes(BIG)
 
 
-async def test_endgame_takes_over_a_throttled_mirrors_piece(
-    short_tmp: Path, big: bytes, stop_later: list[Mirror]
-) -> None:
-    """A hard-throttled primary's in-flight block is taken over by the fast mirror at the end."""
-    # 64 KB/s: the primary's first block alone would take 16 s; the fast mirror does the rest.
-    ms = await start_mirrors(big, Faults(throttle=64_000), Faults())
+async def endgame_pull(
+    home: Path, big: bytes, stop_later: list[Mirror], primary: Faults
+) -> tuple[list[Mirror], DownloadJob, Fetcher]:
+    """Pull ``big`` from a primary with ``primary`` faults and a fast second mirror.
+
+    4 MiB pieces and a 60 s stall timeout, so only the endgame can rescue a slow piece.
+    """
+    ms = await start_mirrors(big, primary, Faults())
     job = await run_pull(
-        short_tmp,
+        home,
         ms,
         stop_later,
         sha=hashlib.sha256(big).hexdigest(),
@@ -382,8 +384,16 @@ async def test_endgame_takes_over_a_throttled_mirrors_piece(
         tuning=tuning(connections=4, piece_size=4 * 1024 * 1024, stall_timeout=60.0),
     )
     assert installed_bytes(job) == big
-    f = job.fetcher
-    assert f is not None
+    assert job.fetcher is not None
+    return ms, job, job.fetcher
+
+
+async def test_endgame_takes_over_a_throttled_mirrors_piece(
+    short_tmp: Path, big: bytes, stop_later: list[Mirror]
+) -> None:
+    """A hard-throttled primary's in-flight block is taken over by the fast mirror at the end."""
+    # 64 KB/s: the primary's first block alone would take 16 s; the fast mirror does the rest.
+    ms, job, f = await endgame_pull(short_tmp, big, stop_later, Faults(throttle=64_000))
     slow, fast = job.mirrors
     # The slow mirror was given work (its probe block), not just left out ...
     assert [r["Range"] for r in ms[0].requests if r.get("Range") != "bytes=0-0"]
@@ -401,18 +411,8 @@ async def test_endgame_splits_pieces_of_a_mirror_that_stalls(
     """Pieces in flight on a mirror that goes silent are split/taken over, not waited for."""
     # Both mirrors are fast until the primary stops sending after 5 MiB (mid-piece); the
     # stall timeout (60 s) is far away, so only the endgame can finish those pieces.
-    ms = await start_mirrors(big, Faults(stall_after=5 * 1024 * 1024 + 100_000), Faults())
-    job = await run_pull(
-        short_tmp,
-        ms,
-        stop_later,
-        sha=hashlib.sha256(big).hexdigest(),
-        size=BIG,
-        tuning=tuning(connections=4, piece_size=4 * 1024 * 1024, stall_timeout=60.0),
-    )
-    assert installed_bytes(job) == big
-    f = job.fetcher
-    assert f is not None
+    faults = Faults(stall_after=5 * 1024 * 1024 + 100_000)
+    _, job, f = await endgame_pull(short_tmp, big, stop_later, faults)
     stalled, fast = job.mirrors
     served = list(f.sources.values())
     # The stalled mirror served at most what it sent before going silent, the rest came
