@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from modeld import logs, prune
 from modeld.errors import (
@@ -39,8 +39,10 @@ from modeld.prune import (
     scan_files,
     valid_model_id,
 )
-from modeld.services import Services
 from modeld.store import Store
+
+if TYPE_CHECKING:  # services sits above this module in the import order
+    from modeld.services import Services
 
 T = TypeVar("T")
 
