@@ -126,6 +126,18 @@ async def modeld_pull(
         by_mirror: dict[str, int] = {}
         for label in f.sources.values():
             by_mirror[label] = by_mirror.get(label, 0) + 1
+        # Where each mirror's blocks lie (runs of block indices), for all but the main one.
+        main_label = max(by_mirror, key=lambda k: by_mirror[k]) if by_mirror else ""
+        spans: dict[str, list[list[int]]] = {}
+        for idx in sorted(f.sources):
+            label = f.sources[idx]
+            if label == main_label:
+                continue
+            runs = spans.setdefault(label, [])
+            if runs and runs[-1][1] == idx - 1:
+                runs[-1][1] = idx
+            else:
+                runs.append([idx, idx])
         return {
             "seconds": time.perf_counter() - t,
             # CPU seconds of the whole process (loop + hashing thread): steadier than the
@@ -137,6 +149,9 @@ async def modeld_pull(
             "raw_pieces": f.raw_pieces,
             "connects": f.rangeio.connects,
             "blocks": by_mirror,
+            "spans": spans,
+            "tail_mb": round((f.hasher.tail_bytes if f.hasher else 0) / 1e6, 1),
+            "late_mb": round(f.late_bytes / 1e6, 1),
             "splits": f.splits,
             "takeovers": f.takeovers,
         }

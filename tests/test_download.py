@@ -7,6 +7,7 @@ import errno
 import hashlib
 import os
 import random
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -421,3 +422,70 @@ async def test_endgame_splits_pieces_of_a_mirror_that_stalls(
     assert served.count(fast.label) >= len(served) - 5
     assert f.splits + f.takeovers >= 1
     assert stalled.reason is None and stalled.strikes == 0
+
+
+async def test_a_throttled_mirror_never_holds_the_hash_front(
+    short_tmp: Path, big: bytes, stop_later: list[Mirror]
+) -> None:
+    """A fast primary and a throttled mirror: the throttled one's blocks lie at the file's end,
+    and the last block releases little to the hasher (the hash tail is bounded)."""
+    ms = await start_mirrors(big, Faults(), Faults(throttle=2_000_000))
+    job = await run_pull(
+        short_tmp,
+        ms,
+        stop_later,
+        sha=hashlib.sha256(big).hexdigest(),
+        size=BIG,
+        tuning=tuning(connections=4, piece_size=2 * 1024 * 1024, stall_timeout=60.0),
+    )
+    assert installed_bytes(job) == big
+    f = job.fetcher
+    assert f is not None and f.hasher is not None
+    slow = job.mirrors[1]
+    slow_blocks = [i for i, label in f.sources.items() if label == slow.label]
+    # The throttled mirror was asked for work (its probe), but only ever got the back.
+    assert [r["Range"] for r in ms[1].requests if r.get("Range") != "bytes=0-0"]
+    assert all(i >= f.nblocks * 3 // 4 for i in slow_blocks), slow_blocks
+    # At most a quarter of the file was left for the hasher when the last block landed.
+    assert f.late_bytes <= BIG // 4
+    assert f.hasher.tail_bytes <= BIG
+    assert f.prefix_blocks == f.nblocks
+
+
+def test_a_near_best_slower_mirror_takes_the_queues_back() -> None:
+    """Scheduler unit: the best mirror takes the queue's front, a near-best slower one its back,
+    and a piece at the hash front on a far slower mirror is moved to the best one."""
+    from modeld.mirrors import Mirror as MirrorState
+    from modeld.schedule import Piece, Schedule
+
+    mb = 1024 * 1024
+    fast = MirrorState(URL("http://127.0.0.1:1/f"), primary=True, state="ok", conn_rate=100e6)
+    slower = MirrorState(URL("http://127.0.0.1:2/s"), state="ok", conn_rate=60e6)
+    fast.speed = slower.speed = 1e6
+    s = Schedule(
+        size=64 * mb, block_size=mb, piece_size=4 * mb, mirrors=[fast, slower], done=bytearray(64)
+    )
+    s._plan()
+    fast.active = 2  # the fast mirror already has connections: the slower one is due one
+    m, p = s._next_piece() or (None, None)
+    assert m is slower and p is not None and p.end == 64 * mb and p.start >= 60 * mb
+    slower.active = 2  # (a worker counts its connection when it starts the piece)
+    m, p = s._next_piece() or (None, None)
+    assert m is fast and p is not None and p.start == 0
+    # The hash front's piece at 20 MB/s: it keeps its current block, the rest moves.
+    now = time.monotonic()
+    held = Piece(4 * mb, 8 * mb, 4 * mb + 1000, mirror=slower, began=now - 1.0, got=20_000_000)
+    s.prefix_blocks = 4
+    s.inflight.add(held)
+    moved = s._free_front(fast, 100e6)
+    assert moved is not None and moved[0] is fast and moved[1].start == 5 * mb
+    assert held.end == 5 * mb and not held.abandoned and s.front_moves == 1
+    # At 64 KB/s even its current block would keep the hasher waiting: the piece moves whole.
+    held.got = 64_000
+    moved = s._free_front(fast, 100e6)
+    assert (
+        moved is not None
+        and moved[0] is fast
+        and (moved[1].start, moved[1].end) == (4 * mb, 5 * mb)
+    )
+    assert held.abandoned and s.takeovers == 1 and s.front_moves == 2

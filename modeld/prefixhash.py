@@ -1,0 +1,120 @@
+"""The whole-file sha256 of a download, computed in a thread over its contiguous written prefix.
+
+The thread also starts the writeback of each finished block (``sync_file_range``), so that
+syscall is off the event loop and the final fsync is short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import threading
+from collections import deque
+from hashlib import sha256
+
+# The hashing thread reads the prefix in slices of this size (into one reused buffer).
+HASH_READ = 8 * 1024 * 1024
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing a range back now, without waiting for it."""
+    with contextlib.suppress(AttributeError, OSError):
+        _libc.sync_file_range(
+            fd, ctypes.c_longlong(offset), ctypes.c_longlong(length), _SYNC_FILE_RANGE_WRITE
+        )
+
+
+class PrefixHasher:
+    """sha256 of the file's contiguous written prefix, computed in a thread while downloading.
+
+    The thread also starts the writeback of each finished block (``block_done``), so that
+    syscall is off the event loop and the final fsync is short. ``sha256.update`` releases
+    the GIL on large buffers, so hashing runs on the other core beside the loop; the prefix
+    is read back from the page cache into one reused buffer.
+    """
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+        self.hashed = 0
+        # Bytes still to hash when the last byte arrived (``last_byte``): the hash tail.
+        self.tail_bytes = 0
+        self._target = 0
+        self._jobs: deque[tuple[int, int]] = deque()
+        self._cond = threading.Condition()
+        self._digest: str | None = None
+        self._error: BaseException | None = None
+        self._hash = sha256()
+        self._stop = False
+        self._buf = memoryview(bytearray(HASH_READ))
+        self._thread = threading.Thread(target=self._run, name="modeld-hash", daemon=True)
+        self._thread.start()
+
+    def advance(self, prefix: int) -> None:
+        with self._cond:
+            if prefix > self._target:
+                self._target = prefix
+                self._cond.notify()
+
+    def last_byte(self) -> None:
+        """The download's last byte is written: note how much is left to hash."""
+        with self._cond:
+            self.tail_bytes = self.size - self.hashed
+
+    def block_done(self, start: int, length: int) -> None:
+        """``[start, start + length)`` is wholly written: start its writeback."""
+        with self._cond:
+            self._jobs.append((start, length))
+            self._cond.notify()
+
+    def _read(self, start: int, length: int) -> memoryview:
+        view = self._buf[:length]
+        got = 0
+        while got < length:
+            n = os.preadv(self.fd, [view[got:]], start + got)
+            if n <= 0:
+                raise OSError(f"short read at {start + got}")
+            got += n
+        return view
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._jobs and self.hashed >= self._target and not self._stop:
+                        self._cond.wait()
+                    jobs = list(self._jobs)
+                    self._jobs.clear()
+                    target, stop = self._target, self._stop
+                for start, length in jobs:
+                    start_writeback(self.fd, start, length)
+                if stop:
+                    return
+                while self.hashed < target:
+                    n = min(HASH_READ, target - self.hashed)
+                    self._hash.update(self._read(self.hashed, n))
+                    self.hashed += n
+                if self.hashed >= self.size and not self._jobs:
+                    self._digest = self._hash.hexdigest()
+                    return
+        except BaseException as e:  # reported to the waiter in digest()
+            self._error = e
+
+    async def digest(self) -> str:
+        """Wait for the whole file's digest (call after advancing to ``size``)."""
+        self.advance(self.size)
+        await asyncio.to_thread(self._thread.join)
+        if self._error is not None:
+            raise self._error
+        assert self._digest is not None
+        return self._digest
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
