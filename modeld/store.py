@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import itertools
-import json
-import os
 import queue
 import re
 import shutil
@@ -29,193 +26,49 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import sqlite_utils
-
 from modeld import logs
-from modeld.errors import BadRequest, IntegrityError, ModelNotInstalled
+from modeld.errors import BadRequest, ModelNotInstalled
+from modeld.fsutil import fsync_dir, fsync_path, place_blob
+from modeld.store_records import StoreRecords
 from modeld.store_scan import ScanReport, scan_state_dir, sha256_file
+from modeld.store_schema import (
+    BUSY_TIMEOUT_MS,
+    SCHEMA_VERSION,
+    Installed,
+    VerifyReport,
+    connect_db,
+    create_schema,
+    installed_from,
+)
 
-__all__ = ["DIGEST_RE", "Installed", "ScanReport", "Store", "VerifyReport", "sha256_file"]
+# Re-exported: callers import all of these from modeld.store.
+__all__ = [
+    "BUSY_TIMEOUT_MS",
+    "DIGEST_RE",
+    "SCHEMA_VERSION",
+    "Installed",
+    "ScanReport",
+    "Store",
+    "VerifyReport",
+    "fsync_dir",
+    "fsync_path",
+    "place_blob",
+    "sha256_file",
+]
 
 T = TypeVar("T")
 
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 _MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-BUSY_TIMEOUT_MS = 10_000
-SCHEMA_VERSION = 1
 _FAILED = ".FAILED"
-
-
-@dataclass(frozen=True)
-class Installed:
-    """One installed model: a row of ``installed`` and the blob it names."""
-
-    model_id: str
-    digest: str
-    size: int
-    # How the bytes were vouched for, e.g. "registry sha256" or
-    # "x-linked-etag (huggingface.co)"; None means nobody did (unverified).
-    verified_by: str | None
-    installed_at: float
-    last_used: float | None
-    path: Path
-
-    @property
-    def verified(self) -> bool:
-        return self.verified_by is not None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.model_id,
-            "digest": self.digest,
-            "size": self.size,
-            "verified": self.verified,
-            "verified_by": self.verified_by,
-            "installed_at": self.installed_at,
-            "last_used": self.last_used,
-            "path": str(self.path),
-        }
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """The outcome of re-hashing one installed blob."""
-
-    model_id: str
-    ok: bool
-    digest: str
-    actual: str | None
-    size: int
-    actual_size: int
-    seconds: float
-    quarantined: Path | None
-    message: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.model_id,
-            "ok": self.ok,
-            "digest": self.digest,
-            "actual_digest": self.actual,
-            "size": self.size,
-            "actual_size": self.actual_size,
-            "seconds": round(self.seconds, 3),
-            "quarantined": str(self.quarantined) if self.quarantined else None,
-            "message": self.message,
-        }
-
 
 _Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any], asyncio.AbstractEventLoop]
 
 
-def _connect(path: Path) -> sqlite3.Connection:
-    # isolation_level=None: no implicit BEGIN; the writer issues BEGIN IMMEDIATE itself.
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    conn.row_factory = sqlite3.Row
-    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    conn.execute("PRAGMA foreign_keys = ON")
-    return conn
-
-
-def _create_schema(conn: sqlite3.Connection) -> None:
-    conn.execute("PRAGMA journal_mode = WAL")
-    # FULL: a committed row survives power loss, so it never outlives its fsynced blob.
-    conn.execute("PRAGMA synchronous = FULL")
-    db = sqlite_utils.Database(conn)
-    db.table("installed").create(
-        {
-            "id": str,
-            "digest": str,
-            "size": int,
-            "verified_by": str,
-            "installed_at": float,
-            "last_used": float,
-            # Set when start-up found the blob gone: the model counts as not installed.
-            "missing_since": float,
-        },
-        pk="id",
-        not_null={"digest", "size", "installed_at"},
-        if_not_exists=True,
-    )
-    db.table("memory").create(
-        {"digest": str, "plan_key": str, "max_tokens": int, "pss": int, "measured_at": float},
-        pk=("digest", "plan_key", "max_tokens"),
-        not_null={"pss", "measured_at"},
-        if_not_exists=True,
-    )
-    db.table("probes").create(
-        {"digest": str, "backend": str, "ok": int, "reason": str, "at": float},
-        pk=("digest", "backend"),
-        not_null={"ok", "at"},
-        if_not_exists=True,
-    )
-    db.table("events").create(
-        {"seq": int, "at": float, "kind": str, "fields": str},
-        pk="seq",
-        not_null={"at", "kind"},
-        if_not_exists=True,
-    )
-    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-
-
-def _installed_from(row: sqlite3.Row, blobs: Path) -> Installed:
-    return Installed(
-        model_id=row["id"],
-        digest=row["digest"],
-        size=row["size"],
-        verified_by=row["verified_by"],
-        installed_at=row["installed_at"],
-        last_used=row["last_used"],
-        path=blobs / f"sha256-{row['digest']}",
-    )
-
-
-def fsync_path(path: Path, flags: int = 0) -> None:
-    """fsync a file (or, with ``os.O_DIRECTORY``, a dir, so a rename in it is durable)."""
-    fd = os.open(path, os.O_RDONLY | flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a dir, so a rename or unlink in it survives power loss."""
-    fsync_path(path, os.O_DIRECTORY)
-
-
-def place_blob(src: Path, dest: Path, size: int) -> None:
-    """Commit ``src`` as the read-only blob ``dest``: fsync it, rename it, fsync the dir.
-
-    Raises ``IntegrityError`` (nothing moved) when ``src`` is not ``size`` bytes. ``src`` on
-    another file system is copied into ``dest``'s dir first, so the rename stays atomic.
-    """
-    actual = src.stat().st_size
-    if actual != size:
-        raise IntegrityError(f"{src} has {actual} bytes, expected {size}; it was not installed")
-    fsync_path(src)
-    src.chmod(0o444)
-    try:
-        src.replace(dest)
-    except OSError as e:
-        if e.errno != errno.EXDEV:
-            raise
-        # Another file system: copy into blobs/ under a name no blob has, so the final
-        # rename stays on one file system and is atomic (a leftover is a stray for prune).
-        tmp = dest.parent / f".{dest.name}.install-{os.getpid()}"
-        shutil.copyfile(src, tmp)
-        fsync_path(tmp)
-        tmp.chmod(0o444)
-        tmp.replace(dest)
-        src.unlink()
-    fsync_dir(dest.parent)
-
-
-class Store:
+class Store(StoreRecords):
     """Blobs, partials and caches under ``home``, indexed in ``home/modeld.db``."""
 
     def __init__(self, home: Path) -> None:
@@ -252,7 +105,7 @@ class Store:
         )
         self._writer.start()
         await started
-        self._reader = _connect(self.db_path)
+        self._reader = connect_db(self.db_path)
         await self.scan()
 
     async def close(self) -> None:
@@ -268,8 +121,8 @@ class Store:
 
     def _write_loop(self, started: asyncio.Future[None], loop: asyncio.AbstractEventLoop) -> None:
         try:
-            conn = _connect(self.db_path)
-            _create_schema(conn)
+            conn = connect_db(self.db_path)
+            create_schema(conn)
         except Exception as e:
             loop.call_soon_threadsafe(started.set_exception, e)
             return
@@ -397,7 +250,7 @@ class Store:
             return row
 
         row = await self.read(q)
-        return _installed_from(row, self.blobs_dir) if row is not None else None
+        return installed_from(row, self.blobs_dir) if row is not None else None
 
     async def list_installed(self) -> list[Installed]:
         rows = await self.read(
@@ -405,7 +258,7 @@ class Store:
                 "SELECT * FROM installed WHERE missing_since IS NULL ORDER BY id"
             ).fetchall()
         )
-        return [_installed_from(r, self.blobs_dir) for r in rows]
+        return [installed_from(r, self.blobs_dir) for r in rows]
 
     async def missing(self) -> dict[str, float]:
         """Models whose row survives but whose blob was gone at the last scan: id -> since."""
@@ -587,67 +440,3 @@ class Store:
         }
         doc["summary"] = f"{len(installed)} installed model(s), {total} bytes in {self.blobs_dir}"
         return doc
-
-    # --- measurements and events -----------------------------------------------------
-
-    async def record_memory(self, digest: str, plan_key: str, max_tokens: int, pss: int) -> None:
-        now = time.time()
-        await self.write(
-            lambda c: c.execute(
-                "INSERT OR REPLACE INTO memory VALUES (?, ?, ?, ?, ?)",
-                (digest, plan_key, max_tokens, pss, now),
-            )
-        )
-
-    async def measured_memory(self, digest: str, plan_key: str, max_tokens: int) -> int | None:
-        row = await self.read(
-            lambda c: c.execute(
-                "SELECT pss FROM memory WHERE digest = ? AND plan_key = ? AND max_tokens = ?",
-                (digest, plan_key, max_tokens),
-            ).fetchone()
-        )
-        return int(row["pss"]) if row is not None else None
-
-    async def record_probe(self, digest: str, backend: str, ok: bool, reason: str | None) -> None:
-        now = time.time()
-        await self.write(
-            lambda c: c.execute(
-                "INSERT OR REPLACE INTO probes VALUES (?, ?, ?, ?, ?)",
-                (digest, backend, int(ok), reason, now),
-            )
-        )
-
-    async def probes(self, digest: str) -> dict[str, dict[str, Any]]:
-        """backend -> {"ok", "reason", "at"} for this blob."""
-        rows = await self.read(
-            lambda c: c.execute(
-                "SELECT backend, ok, reason, at FROM probes WHERE digest = ? ORDER BY backend",
-                (digest,),
-            ).fetchall()
-        )
-        return {
-            r["backend"]: {"ok": bool(r["ok"]), "reason": r["reason"], "at": r["at"]} for r in rows
-        }
-
-    async def event(self, kind: str, **fields: Any) -> None:
-        """Append one event to the ``events`` table (and the log)."""
-        logs.event(kind, **fields)
-        payload = json.dumps({k: v for k, v in fields.items() if v is not None}, default=str)
-        now = time.time()
-        await self.write(
-            lambda c: c.execute(
-                "INSERT INTO events (at, kind, fields) VALUES (?, ?, ?)", (now, kind, payload)
-            )
-        )
-
-    async def events(self, limit: int = 100) -> list[dict[str, Any]]:
-        """The latest events, newest first."""
-        rows = await self.read(
-            lambda c: c.execute(
-                "SELECT seq, at, kind, fields FROM events ORDER BY seq DESC LIMIT ?", (limit,)
-            ).fetchall()
-        )
-        return [
-            {"seq": r["seq"], "at": r["at"], "kind": r["kind"], "fields": json.loads(r["fields"])}
-            for r in rows
-        ]
