@@ -143,6 +143,7 @@ async def modeld_pull(
             # CPU seconds of the whole process (loop + hashing thread): steadier than the
             # wall time on a shared box, and what a busy machine pays.
             "cpu": round(sum(os.times()[:2]) - sum(cpu[:2]), 3),
+            "hash_cpu": round(f.hasher.cpu, 3) if f.hasher else 0.0,
             "install_latency": job.install_latency,
             "resumed": job.resumed,
             "timings": job.timings,

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import time
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from modeld.errors import (
     DownloadError,
     ModeldError,
 )
-from modeld.fetch import CHUNK, Fetcher, PrefixHasher, Writer
+from modeld.fetch import CHUNK, Fetcher, PrefixHasher, Writer, crc32
 from modeld.journal import BLOCK_SIZE, Block, Journal, JournalState, MemoryJournal
 from modeld.metrics import Metrics
 from modeld.mirrors import Mirror, os_error_to_modeld, probe
@@ -107,7 +106,7 @@ def _crc_blocks(fd: int, size: int, block_size: int, blocks: dict[int, Block]) -
             data = os.pread(fd, min(8 * CHUNK, start + length - pos), pos)
             if not data:
                 break
-            crc = zlib.crc32(data, crc)
+            crc = crc32(data, crc)
             pos += len(data)
         if pos == start + length and crc == blocks[idx].crc:
             good.append(idx)

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
+import time
 from collections import deque
 from hashlib import sha256
 
@@ -44,6 +45,8 @@ class PrefixHasher:
         self.hashed = 0
         # Bytes still to hash when the last byte arrived (``last_byte``): the hash tail.
         self.tail_bytes = 0
+        # CPU seconds the hashing thread used (set when it ends): for the benchmark.
+        self.cpu = 0.0
         self._target = 0
         self._jobs: deque[tuple[int, int]] = deque()
         self._cond = threading.Condition()
@@ -104,6 +107,8 @@ class PrefixHasher:
                     return
         except BaseException as e:  # reported to the waiter in digest()
             self._error = e
+        finally:
+            self.cpu = time.thread_time()
 
     async def digest(self) -> str:
         """Wait for the whole file's digest (call after advancing to ``size``)."""

@@ -489,3 +489,18 @@ def test_a_near_best_slower_mirror_takes_the_queues_back() -> None:
         and (moved[1].start, moved[1].end) == (4 * mb, 5 * mb)
     )
     assert held.abandoned and s.takeovers == 1 and s.front_moves == 2
+
+
+def test_block_crc_matches_zlib() -> None:
+    """The fetcher's CRC-32 (ISA-L when installed) gives zlib's values, chained over slices,
+    so journals written by either resume with the other's check."""
+    import zlib
+
+    from modeld import fetch
+
+    data = memoryview(random.Random(7).randbytes(3 * 1024 * 1024 + 17))
+    crc = 0
+    for i in range(0, len(data), 131072 + 5):
+        crc = fetch.crc32(data[i : i + 131072 + 5], crc)
+    assert crc == zlib.crc32(data)
+    assert fetch.crc32(b"") == 0
