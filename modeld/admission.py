@@ -128,8 +128,8 @@ class Admission:
             raise OverBudget(
                 f"model {e.target.model_id}: its engine needs about {format_size(need)} "
                 f"({'measured' if e.target.learned else 'estimated from the file'}) but the "
-                f"memory budget is {format_size(budget)}; raise MODELD_MEMORY_BUDGET or ask "
-                "for fewer max_tokens",
+                f"memory budget is {format_size(budget)}; raise MODELD_MEMORY_BUDGET or lower "
+                "[limits] max_tokens in the model's registry entry",
                 estimate=need,
                 budget=budget,
             )

@@ -145,6 +145,10 @@ def load_file(path: Path) -> tuple[Entry | None, list[Problem]]:
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         return None, [Problem(path, None, f"not valid TOML ({e}); fix the syntax")]
+    except UnicodeDecodeError as e:
+        return None, [
+            Problem(path, None, f"not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8")
+        ]
     except OSError as e:
         return None, [Problem(path, None, f"cannot be read ({e.strerror or e})")]
     try:

@@ -72,9 +72,14 @@ def parse_duration(value: str | int | float) -> float:
     if re.fullmatch(r"-\d+(?:\.\d+)?[a-z]*", text):
         return -1.0
     try:
-        return float(text)
+        number = float(text)
     except ValueError:
         pass
+    else:
+        # float() also takes "nan", "inf" and "1e400": none of them is a duration.
+        if not math.isfinite(number):
+            raise ValueError("not a duration")
+        return number
     parts = _DURATION_PART_RE.findall(text)
     if not parts or "".join(n + u for n, u in parts) != text:
         raise ValueError("not a duration")
@@ -169,8 +174,8 @@ class _TomlSource(PydanticBaseSettingsSource):
             raise SettingsError(
                 f"config file {path} does not exist; create it or unset {ENV_PREFIX}CONFIG"
             ) from e
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise SettingsError(f"config file {path}: {e}; fix the TOML syntax") from e
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise SettingsError(f"config file {path}: {e}; fix it (UTF-8 TOML)") from e
         unknown = sorted(set(self.data) - set(settings_cls.model_fields))
         if unknown:
             allowed = ", ".join(sorted(settings_cls.model_fields))

@@ -135,6 +135,9 @@ async def probe(
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        # Its own session: a terminal's Ctrl-C reaches the daemon, not the probe, so a
+        # foreground `modeld serve` stopped mid-probe never records a false GPU failure.
+        start_new_session=True,
     )
 
     def result(ok: bool, reason: str | None, sig: str | None = None) -> ProbeResult:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -33,6 +34,8 @@ from modeld.journal import Journal
 from modeld.metrics import Metrics
 
 Resolve = Callable[[str], Target]
+# FICLONE from <linux/fs.h>: a copy-on-write clone of a whole file (btrfs, XFS, ...).
+_FICLONE = 0x40049409
 _COPY_CHUNK = 8 * 1024 * 1024
 
 
@@ -218,27 +221,31 @@ class Downloads:
 
 
 def _link_or_copy(src: Path, dest: Path) -> tuple[str, bool]:
-    """Hard-link ``src`` to ``dest`` when on one file system, else copy; return (sha256, linked).
+    """Clone ``src`` to ``dest`` (copy-on-write reflink where the file system has it), else
+    copy; return (sha256, cloned).
 
-    The hash is taken from the bytes read for the copy (or from the linked file), never
-    from ``src`` after the fact, so what is installed is what was hashed.
+    Never a hard link: the blob is made read-only and must not share an inode with the
+    user's file, which the user may later chmod and edit under a row that says verified.
+    The hash is taken from ``dest`` (or from the bytes copied), never from ``src`` after
+    the fact, so what is installed is what was hashed.
     """
     h = hashlib.sha256()
-    try:
-        os.link(src, dest)
-        linked = True
-    except OSError:
-        linked = False
-    if linked:
-        with dest.open("rb") as f:
-            while chunk := f.read(_COPY_CHUNK):
-                h.update(chunk)
-        return h.hexdigest(), True
+    cloned = False
     with src.open("rb") as fin, dest.open("wb") as fout:
-        while chunk := fin.read(_COPY_CHUNK):
+        try:
+            fcntl.ioctl(fout.fileno(), _FICLONE, fin.fileno())
+            cloned = True
+        except OSError:
+            pass
+        if not cloned:
+            while chunk := fin.read(_COPY_CHUNK):
+                h.update(chunk)
+                fout.write(chunk)
+            return h.hexdigest(), False
+    with dest.open("rb") as f:
+        while chunk := f.read(_COPY_CHUNK):
             h.update(chunk)
-            fout.write(chunk)
-    return h.hexdigest(), False
+    return h.hexdigest(), True
 
 
 def header_check(path: Path, model_id: str) -> None:

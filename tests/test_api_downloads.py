@@ -169,8 +169,14 @@ async def test_import_copies_and_checks_against_the_entry(env: Env, clean_env: P
         doc = await c.request("POST", "/api/models/import", {"path": str(src)})
         assert doc["id"] == "tiny"
         assert doc["installed"]["verified_by"] == "registry sha256"
-        assert doc["installed"]["linked"] is True  # same file system: a hard link
         assert src.exists()
+        # Never a hard link: the user's file keeps its mode and inode, and editing it later
+        # cannot change the verified blob.
+        blob = Path(doc["installed"]["path"])
+        assert src.stat().st_ino != blob.stat().st_ino
+        assert src.stat().st_mode & 0o200
+        src.write_bytes(b"edited")
+        assert blob.read_bytes() == TINY.read_bytes()
 
 
 async def test_import_refuses_wrong_bytes_and_unknown_ids(env: Env, clean_env: Path) -> None:

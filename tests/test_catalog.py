@@ -256,3 +256,15 @@ async def test_live_reload_add_change_remove_and_bad_file(tmp_path: Path) -> Non
         await cat.stop()
         await cat.stop()  # idempotent
     assert not cat.status()["watching"]
+
+
+def test_non_utf8_file_is_a_problem_not_a_crash(tmp_path: Path) -> None:
+    """A registry file that is not UTF-8 is reported and skipped; the good entries stay."""
+    write_entry(tmp_path, "good", size=10)
+    (tmp_path / "bad.toml").write_bytes(b'id = "bad"\ndisplay_name = "caf\xe9"\n')
+    entry, problems = load_file(tmp_path / "bad.toml")
+    assert entry is None
+    assert "UTF-8" in problems[0].message
+    catalog = Catalog([tmp_path])
+    assert catalog.get("good").size == 10
+    assert any("UTF-8" in p.message for p in catalog.problems)

@@ -39,3 +39,13 @@ def test_no_daemon_one_line_exit_1(short_tmp: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
     assert "modeld serve" in lines[0]
+
+
+def test_ids_with_slashes_get_a_400_not_a_missing_route(daemon_proc) -> None:  # type: ignore[no-untyped-def]
+    """The CLI escapes ids in URLs, so `pull a/b` is refused as a bad id (exit 1, one line)."""
+    for args in (["pull", "a/b", "--detach"], ["pull", "../x", "--cancel"], ["unload", "a/b"]):
+        result = daemon_proc.cli(*args)
+        assert result.returncode == 1, (args, result.stderr)
+        line = result.stderr.strip()
+        assert len(line.splitlines()) == 1
+        assert "no route" not in line, line

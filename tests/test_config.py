@@ -135,3 +135,30 @@ def test_bad_value_exits_2_with_one_line(
     assert len(lines) == 1, result.stderr
     assert needle in lines[0]
     assert "allowed" in lines[0]
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e400", "NaN"])
+def test_parse_duration_rejects_non_finite(text: str) -> None:
+    """float() takes nan/inf/1e400; none of them is a duration (they would reach JSON as NaN)."""
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration(text)
+
+
+def test_non_utf8_config_file_is_one_line_exit_2(clean_env: Path) -> None:
+    """A config file that is not UTF-8 stops start-up with one line and exit 2, no traceback."""
+    import os
+
+    cfg = clean_env / "modeld.toml"
+    cfg.write_bytes(b'log_level = "caf\xe9"\n')
+    env = dict(os.environ, MODELD_CONFIG=str(cfg))
+    result = subprocess.run(
+        [sys.executable, "-m", "modeld", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "UTF-8" in result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import click
 from rich.console import Group
@@ -63,7 +64,9 @@ def _print_done(record: dict[str, Any]) -> None:
 async def _follow(client: Client, model_id: str, as_json: bool) -> dict[str, Any]:
     last: dict[str, Any] = {}
     if as_json:
-        async for record in client.stream("POST", f"/api/models/{model_id}/pull", {}):
+        async for record in client.stream(
+            "POST", f"/api/models/{quote(model_id, safe='')}/pull", {}
+        ):
             last = record
         return last
     progress = Progress(
@@ -77,7 +80,9 @@ async def _follow(client: Client, model_id: str, as_json: bool) -> dict[str, Any
     )
     task = progress.add_task(model_id, total=None, state="starting")
     with Live(Group(progress), console=console, refresh_per_second=8, transient=True) as live:
-        async for record in client.stream("POST", f"/api/models/{model_id}/pull", {}):
+        async for record in client.stream(
+            "POST", f"/api/models/{quote(model_id, safe='')}/pull", {}
+        ):
             last = record
             if record.get("already"):
                 break
@@ -97,7 +102,7 @@ async def _follow(client: Client, model_id: str, as_json: bool) -> dict[str, Any
 def pull(ctx: click.Context, model_id: str, detach: bool, cancel: bool, as_json: bool) -> None:
     """Download a model from its mirrors, verified, resuming what is already there."""
     if cancel:
-        doc = call(ctx, lambda c: c.request("DELETE", f"/api/downloads/{model_id}"))
+        doc = call(ctx, lambda c: c.request("DELETE", f"/api/downloads/{quote(model_id, safe='')}"))
         emit(
             as_json,
             doc,
@@ -109,7 +114,10 @@ def pull(ctx: click.Context, model_id: str, detach: bool, cancel: bool, as_json:
         return
     if detach:
         doc = call(
-            ctx, lambda c: c.request("POST", f"/api/models/{model_id}/pull", {"detach": True})
+            ctx,
+            lambda c: c.request(
+                "POST", f"/api/models/{quote(model_id, safe='')}/pull", {"detach": True}
+            ),
         )
         emit(
             as_json,
@@ -145,7 +153,7 @@ def import_(ctx: click.Context, path: Path, model_id: str | None, as_json: bool)
 
     def human(d: dict[str, Any]) -> None:
         inst = d["installed"]
-        how = "hard-linked" if inst.get("linked") else "copied"
+        how = "cloned (copy-on-write)" if inst.get("linked") else "copied"
         verified = inst.get("verified_by") or "[yellow]unverified[/] (the entry has no sha256)"
         console.print(
             f"imported {d['id']} ({how}, {format_size(inst['size'])}), verified by {verified}"

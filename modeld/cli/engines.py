@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import click
 
@@ -100,7 +101,9 @@ def load(  # noqa: PLR0917 (click passes every option positionally by name)
 @click.pass_context
 def unload(ctx: click.Context, engine_or_model: str, as_json: bool) -> None:
     """Stop an engine (or every engine of a model) after its in-flight requests."""
-    doc = call(ctx, lambda c: c.request("DELETE", f"/api/engines/{engine_or_model}"))
+    doc = call(
+        ctx, lambda c: c.request("DELETE", f"/api/engines/{quote(engine_or_model, safe='')}")
+    )
     emit(
         as_json,
         doc,
