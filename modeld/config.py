@@ -375,17 +375,27 @@ def load_settings(**overrides: Any) -> Settings:
 def client_socket_path(explicit: Path | None = None) -> Path:
     """Where the CLI looks for the daemon.
 
-    ``--socket``, else ``MODELD_SOCKET``, else the first of ``/run/modeld/modeld.sock``,
-    ``$XDG_RUNTIME_DIR/modeld.sock`` and ``$MODELD_HOME/modeld.sock`` that exists, else the
-    path ``modeld serve`` would bind on these defaults.
+    ``--socket``, else ``MODELD_SOCKET``, else the config file's ``socket``, else the first
+    of ``/run/modeld/modeld.sock``, ``$XDG_RUNTIME_DIR/modeld.sock`` and
+    ``$MODELD_HOME/modeld.sock`` (``home`` from the config file when the variable is unset)
+    that exists, else the path ``modeld serve`` would bind on these defaults.
     """
     if explicit is not None:
         return explicit
     env_socket = os.environ.get(ENV_PREFIX + "SOCKET")
     if env_socket:
         return Path(env_socket)
+    file_values = _config_file_values()
+    if isinstance(file_values.get("socket"), str) and file_values["socket"]:
+        return Path(file_values["socket"])
     home_env = os.environ.get(ENV_PREFIX + "HOME")
-    home = Path(home_env) if home_env else _default_home()
+    file_home = file_values.get("home")
+    if home_env:
+        home = Path(home_env)
+    elif isinstance(file_home, str) and file_home:
+        home = Path(file_home)
+    else:
+        home = _default_home()
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     candidates = [Path("/run/modeld/modeld.sock")]
     if runtime:
@@ -395,3 +405,15 @@ def client_socket_path(explicit: Path | None = None) -> Path:
         if candidate.exists():
             return candidate
     return Path(runtime) / "modeld.sock" if runtime else home / "modeld.sock"
+
+
+def _config_file_values() -> dict[str, Any]:
+    """The config file's keys, best effort: the CLI must not fail on a file only serve checks."""
+    path = config_file_path()
+    if path is None:
+        return {}
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return {}

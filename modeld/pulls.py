@@ -29,6 +29,7 @@ from modeld.errors import (
     DownloadNotFound,
     IntegrityError,
     ModelNotFound,
+    ShuttingDown,
 )
 from modeld.journal import Journal
 from modeld.metrics import Metrics
@@ -84,7 +85,7 @@ class Downloads:
         if job is not None and not job.finished:
             return job
         if self._stopping:
-            raise Conflict("the daemon is stopping; pull again once it is back")
+            raise ShuttingDown("the daemon is stopping; pull again once it is back", 5.0)
         target = self.resolve(model_id)
         job = DownloadJob(
             target=target,

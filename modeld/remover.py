@@ -213,7 +213,9 @@ class Remover:
         """Why ``item`` may not go after all: something started using it since the plan."""
         act = self.activity()
         if item.kind == "model" and item.id is not None:
-            return act.model_busy(item.id, item.digest)
+            # Only this id's own engines and download count: a blob that another loaded id
+            # shares stays on disk anyway (the blob goes only with its last row).
+            return act.model_busy(item.id)
         if item.kind in ("partial", "journal") and (
             item.id in act.downloading or item.path in act.download_paths
         ):

@@ -74,6 +74,33 @@ class StoreRecords:
             r["backend"]: {"ok": bool(r["ok"]), "reason": r["reason"], "at": r["at"]} for r in rows
         }
 
+    async def probe_status(self: _Db) -> dict[str, Any]:
+        """The ``probes`` section of ``/api/status``: every backend probe result, by blob."""
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT p.digest, p.backend, p.ok, p.reason, p.at, "
+                "group_concat(i.id) AS ids FROM probes p "
+                "LEFT JOIN installed i ON i.digest = p.digest "
+                "GROUP BY p.digest, p.backend ORDER BY p.digest, p.backend"
+            ).fetchall()
+        )
+        results = [
+            {
+                "digest": r["digest"],
+                "models": sorted(r["ids"].split(",")) if r["ids"] else [],
+                "backend": r["backend"],
+                "ok": bool(r["ok"]),
+                "reason": r["reason"],
+                "at": r["at"],
+            }
+            for r in rows
+        ]
+        failed = sum(1 for r in results if not r["ok"])
+        summary = (
+            f"{len(results)} result(s), {failed} failed" if results else "no backend probed yet"
+        )
+        return {"summary": summary, "results": results, "problems": []}
+
     async def event(self: _Db, kind: str, **fields: Any) -> None:
         """Append one event to the ``events`` table (and the log)."""
         logs.event(kind, **fields)

@@ -319,3 +319,19 @@ async def test_ctrl_c_exits_130_and_the_daemon_finishes(clean_env: Path) -> None
                 return not inst.path.exists()
 
             await until(file_gone, 20.0)
+
+
+async def test_rm_of_an_id_sharing_a_loaded_blob(clean_env: Path) -> None:
+    """Two ids on one file, one loaded: ``rm`` of the other removes its row and keeps the blob."""
+    home, reg = clean_env / "home", clean_env / "reg"
+    install_fixture(home, "tiny", TINY, registry=reg)
+    twin = install_fixture(home, "twin", TINY, registry=reg)
+    async with running_daemon(registry_settings(home, reg)) as d, d.client() as c:
+        await c.request("POST", "/api/engines", {"model": "tiny"})
+        doc = await c.request("DELETE", "/api/models/twin")
+        assert [i["kind"] for i in doc["removed"]] == ["model"]
+        assert twin.path.exists()  # still tiny's blob
+        engines = (await c.request("GET", "/api/engines"))["engines"]
+        assert [e["model"] for e in engines] == ["tiny"]
+        ids = {m["id"] for m in (await c.request("GET", "/api/models?installed=1"))["models"]}
+        assert "twin" not in ids and "tiny" in ids

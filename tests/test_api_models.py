@@ -218,3 +218,24 @@ def test_cli_verify_mismatch_and_unknown(cli_daemon: DaemonProcess) -> None:
     unknown = d.cli("show", "nope")
     assert unknown.returncode == 1
     assert "modeld list" in unknown.stderr
+
+
+async def test_status_shows_probe_results(clean_env: Path) -> None:
+    """/api/status has a ``probes`` section with each recorded backend probe and its models."""
+    home, reg = clean_env / "home", clean_env / "reg"
+    inst = install_fixture(home, "tiny", TINY, registry=reg)
+    async with open_store(home) as store:
+        await store.record_probe(inst.digest, "gpu", False, "No adapters found")
+    async with running_daemon(registry_settings(home, reg)) as d, d.client() as c:
+        section = (await c.status())["probes"]
+    assert section["summary"] == "1 result(s), 1 failed"
+    assert section["results"] == [
+        {
+            "digest": inst.digest,
+            "models": ["tiny"],
+            "backend": "gpu",
+            "ok": False,
+            "reason": "No adapters found",
+            "at": section["results"][0]["at"],
+        }
+    ]

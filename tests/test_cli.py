@@ -49,3 +49,32 @@ def test_ids_with_slashes_get_a_400_not_a_missing_route(daemon_proc) -> None:  #
         line = result.stderr.strip()
         assert len(line.splitlines()) == 1
         assert "no route" not in line, line
+
+
+def test_cli_finds_the_socket_named_in_the_config_file(short_tmp: Path) -> None:
+    """A `socket` set only in the config file is where both `serve` binds and the CLI looks."""
+    from tests.conftest import DaemonProcess, daemon_env
+
+    home = short_tmp / "h"
+    sock = short_tmp / "cfg.sock"
+    cfg = short_tmp / "modeld.toml"
+    cfg.write_text(f'socket = "{sock}"\n')
+    env = daemon_env(home, MODELD_CONFIG=str(cfg))
+    env.pop("MODELD_SOCKET")
+    d = DaemonProcess(home=home, env=env)
+    d.env["MODELD_SOCKET"] = str(sock)  # only for the fixture's own readiness check
+    d.start()
+    try:
+        cli_env = {k: v for k, v in env.items() if k != "MODELD_SOCKET"}
+        result = subprocess.run(
+            [sys.executable, "-m", "modeld", "status", "--json"],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        assert str(sock) in result.stdout
+    finally:
+        d.stop()
