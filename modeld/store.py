@@ -81,6 +81,10 @@ class Store(StoreRecords):
         self._writer: threading.Thread | None = None
         self._reader: sqlite3.Connection | None = None
         self._read_lock = threading.Lock()
+        # Placing a blob and writing its row, and counting a blob's rows and unlinking it,
+        # each happen under this lock: an install of the same bytes racing an `rm` can never
+        # leave a row pointing at a blob just unlinked.
+        self._blob_lock = asyncio.Lock()
         self.last_scan: ScanReport | None = None
         # A new value as every write transaction is queued and again (on the writer thread)
         # after it commits or rolls back, so a cache of reads (engines.py keeps installed
@@ -219,7 +223,6 @@ class Store(StoreRecords):
         if not _MODEL_ID_RE.fullmatch(model_id):
             raise BadRequest(f"{model_id!r} is not a valid model id")
         dest = self.blob_path(digest)
-        await asyncio.to_thread(place_blob, Path(src), dest, size)
         now = time.time()
 
         def tx(conn: sqlite3.Connection) -> str | None:
@@ -232,7 +235,9 @@ class Store(StoreRecords):
             )
             return old["digest"] if old is not None and old["digest"] != digest else None
 
-        replaced = await self.write(tx)
+        async with self._blob_lock:
+            await asyncio.to_thread(place_blob, Path(src), dest, size)
+            replaced = await self.write(tx)
         if replaced is not None:
             await self._drop_blob_if_unused(replaced)
         await self.event(
@@ -287,19 +292,18 @@ class Store(StoreRecords):
         await self.event("removed", model=model_id, digest=digest)
 
     async def _drop_blob_if_unused(self, digest: str) -> None:
-        users = await self.read(
-            lambda c: c.execute(
-                "SELECT count(*) FROM installed WHERE digest = ?", (digest,)
-            ).fetchone()[0]
-        )
-        if users:
-            return
-
         def drop() -> None:
             self.blob_path(digest).unlink(missing_ok=True)
             shutil.rmtree(self.cache_dir_for(digest), ignore_errors=True)
 
-        await asyncio.to_thread(drop)
+        async with self._blob_lock:
+            users = await self.read(
+                lambda c: c.execute(
+                    "SELECT count(*) FROM installed WHERE digest = ?", (digest,)
+                ).fetchone()[0]
+            )
+            if not users:
+                await asyncio.to_thread(drop)
 
     async def touch(self, model_id: str) -> None:
         now = time.time()

@@ -273,3 +273,19 @@ async def test_write_accepts_executescript_for_schema(store: Store) -> None:
     await store.write(lambda c: c.executescript("CREATE TABLE IF NOT EXISTS j (k TEXT);"))
     await store.write(lambda c: c.execute("INSERT INTO j VALUES ('x')"))
     assert await store.read(lambda c: c.execute("SELECT k FROM j").fetchone()[0]) == "x"
+
+
+async def test_rm_racing_an_install_of_the_same_bytes_never_orphans_a_row(store: Store) -> None:
+    """Removing the last id of a blob while another id installs the same bytes: every row
+    afterwards points at an existing blob."""
+    data = b"same bytes" * 1000
+    for i in range(40):
+        src, digest, size = _stage(store, data, f"a{i}")
+        await store.install("a", src, digest, size, "registry sha256")
+        src_b, _, _ = _stage(store, data, f"b{i}")
+        await asyncio.gather(
+            store.remove("a"), store.install("b", src_b, digest, size, "registry sha256")
+        )
+        row = await store.installed("b")
+        assert row is not None and row.path.exists(), f"round {i}: row without its blob"
+        await store.remove("b")
