@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from modeld import logs
@@ -46,11 +46,9 @@ class Admission:
     _capacity_waiters: int
     _spare_task: asyncio.Task[None] | None
 
-    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
-        raise NotImplementedError
-
-    async def _stop_engine(self, e: Engine, reason: str) -> None:
-        raise NotImplementedError
+    # Provided by Pool, the class this mixin is part of.
+    _spawn: Callable[[Awaitable[Any]], asyncio.Task[Any]]
+    _stop_engine: Callable[[Engine, str], Awaitable[None]]
 
     # --- bookkeeping ---------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from modeld import logs
@@ -54,8 +55,7 @@ class Views:
     last_eviction: dict[tuple[str, str], str]
     recent_evictions: Any
 
-    def used(self) -> int:
-        raise NotImplementedError
+    used: Callable[[], int]  # provided by Admission, part of the same Pool
 
     def _phase(self, phase: str) -> Any:
         """The phase histogram's child for ``phase`` (``labels()`` locks and hashes per call)."""
