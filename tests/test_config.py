@@ -106,6 +106,18 @@ def test_memory_default_is_half_of_memory(clean_env: Path) -> None:
     assert load_settings().memory_budget == memory_total_bytes() // 2
 
 
+def _serve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`modeld serve` in a subprocess that is expected to stop at start-up."""
+    return subprocess.run(
+        [sys.executable, "-m", "modeld", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 @pytest.mark.parametrize(
     ("key", "value", "needle"),
     [
@@ -122,14 +134,7 @@ def test_bad_value_exits_2_with_one_line(
     import os
 
     env = dict(os.environ, **{key: value})
-    result = subprocess.run(
-        [sys.executable, "-m", "modeld", "serve"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = _serve(env)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -151,14 +156,7 @@ def test_non_utf8_config_file_is_one_line_exit_2(clean_env: Path) -> None:
     cfg = clean_env / "modeld.toml"
     cfg.write_bytes(b'log_level = "caf\xe9"\n')
     env = dict(os.environ, MODELD_CONFIG=str(cfg))
-    result = subprocess.run(
-        [sys.executable, "-m", "modeld", "serve"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = _serve(env)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "UTF-8" in result.stderr
