@@ -5,7 +5,7 @@ litert_lm_builder's own header reader (``litertlm_peek.read_litertlm_header``, w
 only maps the flatbuffer root), its full ``peek_litertlm_file`` (decodes and prints
 every section and the LlmMetadata) and the runtime's ``litert_lm.ModelInfo``.
 
-    /work/venv/bin/python bench/bench_litertlm.py [-n 500] [--model tests/models/x.litertlm]
+    python bench/bench_litertlm.py [-n 500] [--model tests/models/x.litertlm]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 - reload: seconds from a registry file's rename into place to the entry being visible
   through the watcher (the promise is "within a second").
 
-    /work/venv/bin/python bench/bench_store.py [--size-mib 512] [-r 3]
+    python bench/bench_store.py [--size-mib 512] [-r 3]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Admission to the memory budget: reservations, the spare runner, eviction, PSS watching.
 
-The budget is DESIGN's: the sum of the runners' PSS, the spare runner included. A new engine
+The budget is the sum of the runners' PSS, the spare runner included. A new engine
 reserves its expected size (the learned peak for that digest/plan/max_tokens, else the
 estimate from the file); to make room the pool drops the spare runner, then evicts idle
 engines, least recently used first, pinned never; if that is not enough it waits in a

@@ -1,6 +1,6 @@
 """The catalog: registry entries loaded from TOML files, validated, merged and live-reloaded.
 
-One file per model, named ``<id>.toml`` (DESIGN.md's format). Dirs merge in order: the
+One file per model, named ``<id>.toml`` (the format is in docs/design.md). Dirs merge in order: the
 bundled ``registry/`` first, then each ``MODELD_REGISTRY`` dir; a later dir overrides an
 earlier one by id. A bad file is reported (path, key, what is wrong) and skipped; it never
 hides the good entries. Two files with the same id inside one dir are both refused, since
@@ -59,7 +59,7 @@ class Backends(_Strict):
 
 
 class Entry(_Strict):
-    """One registry entry, exactly DESIGN.md's registry format."""
+    """One registry entry, exactly the registry format of docs/design.md."""
 
     id: str = Field(pattern=ID_PATTERN)
     display_name: str = Field(min_length=1, max_length=200)
@@ -158,7 +158,7 @@ def load_file(path: Path) -> tuple[Entry | None, list[Problem]]:
         for err in e.errors():
             key = _key_of(err["loc"])
             if err["type"] == "extra_forbidden":
-                msg = "unknown key (a typo?); see the README's registry format"
+                msg = "unknown key (a typo?); see the registry format in docs/design.md"
             elif err["type"] == "missing":
                 msg = "required key is missing"
             else:

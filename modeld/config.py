@@ -195,7 +195,7 @@ DurationSetting = Annotated[float, NoDecode]
 
 
 class Settings(BaseSettings):
-    """Every setting of DESIGN.md's table; see the README for each one's meaning."""
+    """Every setting; the README's table says what each one means."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, case_sensitive=False, extra="ignore", validate_default=True
@@ -214,7 +214,6 @@ class Settings(BaseSettings):
     stall_timeout: DurationSetting = 20.0
     hf_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning"] = "info"
-    # Not in DESIGN.md's table; documented in the README.
     shutdown_timeout: DurationSetting = 10.0
     # Peers (SO_PEERCRED) allowed on the socket; both empty = whoever can open the socket.
     allow_uids: Annotated[list[int], NoDecode] = Field(default_factory=list)

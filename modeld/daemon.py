@@ -120,7 +120,7 @@ def build_services(settings: Settings) -> Services:
     services.status_sections["catalog"] = catalog.status
     services.metrics.registry_errors.set_function(lambda: len({p.path for p in catalog.problems}))
     services.status_sections["store"] = store.status
-    # DESIGN: /api/status shows the GPU (backend) probe results.
+    # /api/status shows the GPU (backend) probe results.
     services.status_sections["probes"] = store.probe_status
     services.start_hooks += [store.open, catalog.start]
     services.stop_hooks += [store.close, catalog.stop]

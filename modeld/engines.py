@@ -231,7 +231,7 @@ class Engines:
             "max_images": max_images,
             # Without it the runtime writes its xnnpack cache next to the blob.
             "cache_dir": str(self.store.cache_dir_for(installed.digest)),
-            # Off unless the entry enables it (DESIGN: speculative decoding is opt-in).
+            # Off unless the entry enables it (speculative decoding is opt-in).
             "speculative": bool(limits.speculative_decoding)
             if limits.speculative_decoding
             else None,

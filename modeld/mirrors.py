@@ -1,6 +1,6 @@
 """Mirrors for one download: strict HTTP range requests, redirects, health and error classes.
 
-Every rule here comes from a failure seen in the wild (see ANCHORS.md "Downloading"):
+Every rule here comes from a failure seen in the wild in other downloaders:
 a 200 to a Range request is never spliced in, a ``Content-Range`` must match exactly,
 redirects are followed by hand (at most 10, never https → http) so that the headers
 huggingface.co puts on its redirect (``X-Linked-Etag``/``X-Linked-Size``) are read, the

@@ -160,7 +160,7 @@ class Downloads:
     # --- import --------------------------------------------------------------------
 
     async def import_file(self, path: Path, model_id: str | None) -> dict[str, Any]:
-        """Adopt a local ``.litertlm`` (hard link or copy into blobs/), checked like a download.
+        """Adopt a local ``.litertlm`` (cloned or copied into blobs/), checked like a download.
 
         Without an id, the id is the catalog entry whose ``file_name`` is the file's name,
         else the file's stem. An id without a catalog entry is refused: the entry carries

@@ -21,7 +21,7 @@ FINISH_CANCELLED = "cancelled"
 
 
 def classify_json(text: str, finish: str) -> dict[str, Any]:
-    """DESIGN's JSON diagnostics: complete, empty, truncated or not_json, with the raw prefix.
+    """The JSON diagnostics: complete, empty, truncated or not_json, with the raw prefix.
 
     "Max number of tokens reached" ends a reply silently in LiteRT-LM 0.18, so a reply that
     stops at the limit and does not parse is *truncated*, not a runtime failure.

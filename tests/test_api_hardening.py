@@ -182,7 +182,7 @@ def test_malformed_requests_never_5xx(
     method: str | None,
     ctype: str,
 ) -> None:
-    """Malformed or hostile requests get 4xx in DESIGN.md's error shape, never a 5xx."""
+    """Malformed or hostile requests get 4xx in the API's error shape, never a 5xx."""
     from urllib.parse import quote
 
     verb = method or route[0]

@@ -254,7 +254,7 @@ async def test_image_data_url_takes_the_image_path(
 async def test_bad_chat_bodies_get_openai_errors(
     http: httpx.AsyncClient, body: dict[str, Any], status: int, needle: str
 ) -> None:
-    """Each bad field is named with why, in DESIGN's shape plus OpenAI's ``type``."""
+    """Each bad field is named with why, in modeld's error shape plus OpenAI's ``type``."""
     full = {"model": "tiny-text", "messages": [{"role": "user", "content": "x"}], **body}
     r = await http.post("/v1/chat/completions", json=full)
     assert r.status_code == status, r.text

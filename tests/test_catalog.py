@@ -33,7 +33,7 @@ main = "gpu"
 vision = "cpu"
 """.replace("{sha}", "a" * 64)
 
-# From ../shared/ANCHORS.md, "The real files and the servers that host them".
+# The real files: repository, pinned revision, file name and size (sources in registry/).
 REAL = {
     "gemma-4-E2B-it": (
         "litert-community/gemma-4-E2B-it-litert-lm",

@@ -74,7 +74,7 @@ async def test_health_status_metrics(daemon: InProcessDaemon) -> None:
 
 
 async def test_unknown_route_is_json_404(daemon: InProcessDaemon) -> None:
-    """Unknown routes answer 404 in DESIGN.md's error shape."""
+    """Unknown routes answer 404 in the API's error shape."""
     async with daemon.client() as c:
         resp = await c.session.get("http://modeld/api/nope")
         assert resp.status == 404

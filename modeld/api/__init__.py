@@ -1,4 +1,4 @@
-"""HTTP routes over the Unix socket; errors mapped to statuses in DESIGN.md's shape.
+"""HTTP routes over the Unix socket; errors are ``{"error": {"code", "message"}}``.
 
 Each capability has its own module here with an ``add_routes(app, services)`` function.
 """

@@ -2,7 +2,7 @@
 
 The ``openai`` client (and similar ones) work unchanged with an httpx Unix-socket transport.
 Requests go through the native generation path (``requests.start``); images come as
-``image_url`` data URLs and take the native image path. Errors keep DESIGN's ``code`` and
+``image_url`` data URLs and take the native image path. Errors keep modeld's ``code`` and
 ``message`` and add OpenAI's ``type`` and ``param``. Unknown OpenAI fields are ignored (clients
 send many defaults), except those whose meaning modeld cannot honour (``n`` > 1, tools).
 """
@@ -94,7 +94,7 @@ class ChatBody(_Loose):
 
 
 def error_body(status: int, code: str, message: str) -> dict[str, Any]:
-    """DESIGN's ``{"error": {"code", "message"}}`` plus OpenAI's ``type`` and ``param``."""
+    """modeld's ``{"error": {"code", "message"}}`` plus OpenAI's ``type`` and ``param``."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 503:
         kind = "rate_limit_error" if code == "busy" else "server_error"

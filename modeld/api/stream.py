@@ -25,7 +25,7 @@ async def ndjson(
 
     An error before the first record becomes a plain error response with its status (the
     middleware maps it); an error after the stream started ends it with one
-    ``{"error": {...}}`` record, as DESIGN.md specifies. A client that leaves closes the
+    ``{"error": {...}}`` record (the API's contract). A client that leaves closes the
     iterator, so the producer sees ``GeneratorExit`` / cancellation and can clean up.
     """
     try:

@@ -39,7 +39,7 @@ for _module in VERB_MODULES:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the CLI and turn outcomes into DESIGN.md's exit statuses."""
+    """Entry point: run the CLI and turn outcomes into the CLI's exit statuses."""
     try:
         cli.main(args=argv, prog_name="modeld", standalone_mode=False)
     except click.exceptions.Abort:

@@ -146,7 +146,7 @@ def run(  # noqa: PLR0917 (click passes every option positionally by name)
     """Generate a reply: tokens stream to stdout, phase timings go to stderr."""
     body: dict[str, Any] = {"model": model_id, "prompt": prompt}
     if images:
-        # The CLI reads the files itself and sends their bytes (DESIGN).
+        # The CLI reads the files itself and sends their bytes (the CLI's contract).
         body["images"] = [base64.b64encode(Path(p).read_bytes()).decode() for p in images]
     for key, value in (
         ("format", fmt),
