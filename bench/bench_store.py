@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from modeld.catalog import Catalog  # noqa: E402 - after the repo is on sys.path
-from modeld.store import Store  # noqa: E402
-from modeld.store_scan import sha256_file  # noqa: E402
+from modeld.catalog.catalog import Catalog  # noqa: E402 - after the repo is on sys.path
+from modeld.store.scan import sha256_file  # noqa: E402
+from modeld.store.store import Store  # noqa: E402
 
 
 def bench_hash(tmp: Path, size_mib: int, runs: int) -> None:
