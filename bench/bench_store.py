@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,28 +56,22 @@ def bench_hash(tmp: Path, size_mib: int, runs: int) -> None:
     )
 
 
+def insert_event(i: int) -> Callable[[sqlite3.Connection], sqlite3.Cursor]:
+    """One write: an ``events`` row at time ``i``."""
+    return lambda c: c.execute(
+        "INSERT INTO events (at, kind, fields) VALUES (?, 'bench', '{}')", (i,)
+    )
+
+
 async def bench_writes(tmp: Path, n: int) -> None:
     store = Store(tmp / "home")
     await store.open()
     t = time.perf_counter()
     for i in range(n):
-        await store.write(
-            lambda c, i=i: c.execute(
-                "INSERT INTO events (at, kind, fields) VALUES (?, 'bench', '{}')", (i,)
-            )
-        )
+        await store.write(insert_event(i))
     ours = time.perf_counter() - t
     t = time.perf_counter()
-    await asyncio.gather(
-        *(
-            store.write(
-                lambda c, i=i: c.execute(
-                    "INSERT INTO events (at, kind, fields) VALUES (?, 'bench', '{}')", (i,)
-                )
-            )
-            for i in range(n)
-        )
-    )
+    await asyncio.gather(*(store.write(insert_event(i)) for i in range(n)))
     concurrent = time.perf_counter() - t
     await store.close()
     conn = sqlite3.connect(tmp / "peer.db", isolation_level=None)

@@ -106,7 +106,7 @@ async def test_prune_body_validation(clean_env: Path) -> None:
     partial, _, _ = _leftovers(home)
     settings = load_settings(home=home, socket=home / "modeld.sock", main_backend="cpu")
     async with running_daemon(settings) as d, d.client() as c:
-        cases = [
+        cases: list[tuple[dict[str, Any], str]] = [
             ({"dry_run": "yes"}, "dry_run: must be true or false"),
             ({"partials": [1]}, "partials: must be true"),
             ({"partials": "soon"}, "partials: 'soon' is not a duration"),
@@ -304,7 +304,8 @@ async def test_ctrl_c_exits_130_and_the_daemon_finishes(clean_env: Path) -> None
         async with d.client() as c:
 
             async def gone() -> bool:
-                return (await c.model("tiny"))["state"] == "not_installed"
+                state: str = (await c.model("tiny"))["state"]
+                return state == "not_installed"
 
             await until(gone, 20.0)
 

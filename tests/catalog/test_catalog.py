@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from modeld.catalog.catalog import Catalog, Entry, bundled_registry_dir, load_file, outdated
+from modeld.catalog.catalog import (
+    Catalog,
+    Change,
+    Entry,
+    bundled_registry_dir,
+    load_file,
+    outdated,
+)
 from modeld.errors import ModelNotFound
 from tests.support.state import write_entry
 
@@ -216,13 +223,17 @@ def test_reload_reports_changes_to_listeners(tmp_path: Path) -> None:
     write_entry(tmp_path, "a", size=1)
     write_entry(tmp_path, "b", size=1)
     cat = Catalog([tmp_path])
-    seen = []
+    seen: list[Change] = []
     cat.listeners.append(seen.append)
     write_entry(tmp_path, "b", size=2)
     write_entry(tmp_path, "c", size=1)
     (tmp_path / "a.toml").unlink()
     change = cat.reload()
-    assert (change.added, change.changed, change.removed) == ({"c"}, {"b"}, {"a"})
+    assert (change.added, change.changed, change.removed) == (
+        frozenset({"c"}),
+        frozenset({"b"}),
+        frozenset({"a"}),
+    )
     assert seen == [change]
     assert not cat.reload()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -126,9 +127,13 @@ async def test_crash_mid_request_then_reload_then_held_back() -> None:
     factory = FakeFactory(hold=True)
     pool = await make_pool(factory, crash_limit=3)
     t = target("m")
+
+    def generations(count: int) -> Callable[[], bool]:
+        return lambda: len(factory.gates) == count
+
     for n in range(3):
         task = asyncio.create_task(consume(pool, t))
-        await wait_until(lambda n=n: len(factory.gates) == n + 1)  # its generation is running
+        await wait_until(generations(n + 1))  # its generation is running
         factory.alive()[-1].crash("SIGSEGV")
         with pytest.raises(EngineCrashed) as info:
             await task

@@ -211,7 +211,7 @@ async def test_verify_ok_and_mismatch_quarantines(tmp_path: Path) -> None:
         bad = await store.verify("tiny")
         assert not bad.ok
         assert bad.quarantined == inst.path.with_name(inst.path.name + ".FAILED")
-        assert bad.quarantined.exists()
+        assert bad.quarantined is not None and bad.quarantined.exists()
         assert not inst.path.exists()
         assert "modeld pull tiny" in bad.message
         assert await store.installed("tiny") is None
