@@ -1,6 +1,6 @@
 """Benchmark: ``modeld verify``'s re-hash, the single SQLite writer, and catalog live reload.
 
-- hash: ``store_scan.sha256_file`` (1 MiB reads) against ``sha256sum`` on the same file
+- hash: ``modeld.store.scan.sha256_file`` (1 MiB reads) against ``sha256sum`` on the same file
   (page cache warm), medians of ``-r`` runs; ratio > 1 means modeld is slower.
 - writes: small transactions per second through ``Store.write`` (one writer thread,
   ``BEGIN IMMEDIATE``, ``synchronous=FULL``) against plain sqlite3 autocommit inserts on
