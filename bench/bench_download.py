@@ -28,11 +28,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from modeld import fetch  # noqa: E402
 from modeld.config import format_size, parse_size  # noqa: E402
-from modeld.download import DownloadJob, Target, Tuning  # noqa: E402
-from modeld.journal import SqliteJournal  # noqa: E402
-from modeld.store import Store  # noqa: E402
+from modeld.download import fetch  # noqa: E402
+from modeld.download.job import DownloadJob, Target, Tuning  # noqa: E402
+from modeld.download.journal import SqliteJournal  # noqa: E402
+from modeld.store.store import Store  # noqa: E402
 
 NGINX_CONF = """
 worker_processes 1;

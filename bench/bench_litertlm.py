@@ -25,7 +25,7 @@ from litert_lm_builder import litertlm_peek
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from modeld.litertlm import read_header  # noqa: E402 - after the repo is on sys.path
+from modeld.modelfile.header import read_header  # noqa: E402 - after the repo is on sys.path
 
 SIZE = 2 * 1024**3
 

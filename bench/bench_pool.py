@@ -30,9 +30,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from modeld.client import Client  # noqa: E402
-from modeld.runner import read_memory  # noqa: E402
-from modeld.runner_client import Runner  # noqa: E402
-from tests.conftest import DaemonProcess, daemon_env, install_fixture  # noqa: E402
+from modeld.engine.runner.child import read_memory  # noqa: E402
+from modeld.engine.runner.client import Runner  # noqa: E402
+from tests.support.daemon import DaemonProcess, daemon_env  # noqa: E402
+from tests.support.state import install_fixture  # noqa: E402
 
 MODEL = REPO / "tests" / "models" / "tiny-text.litertlm"
 LARGE = (

@@ -38,7 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import DaemonProcess, daemon_env, install_fixture  # noqa: E402
+from tests.support.daemon import DaemonProcess, daemon_env  # noqa: E402
+from tests.support.state import install_fixture  # noqa: E402
 
 MODEL = REPO / "tests" / "models" / "tiny-text.litertlm"
 PROMPT = "hello there"

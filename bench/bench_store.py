@@ -1,6 +1,6 @@
 """Benchmark: ``modeld verify``'s re-hash, the single SQLite writer, and catalog live reload.
 
-- hash: ``store_scan.sha256_file`` (1 MiB reads) against ``sha256sum`` on the same file
+- hash: ``modeld.store.scan.sha256_file`` (1 MiB reads) against ``sha256sum`` on the same file
   (page cache warm), medians of ``-r`` runs; ratio > 1 means modeld is slower.
 - writes: small transactions per second through ``Store.write`` (one writer thread,
   ``BEGIN IMMEDIATE``, ``synchronous=FULL``) against plain sqlite3 autocommit inserts on
@@ -22,14 +22,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from modeld.catalog import Catalog  # noqa: E402 - after the repo is on sys.path
-from modeld.store import Store  # noqa: E402
-from modeld.store_scan import sha256_file  # noqa: E402
+from modeld.catalog.catalog import Catalog  # noqa: E402 - after the repo is on sys.path
+from modeld.store.scan import sha256_file  # noqa: E402
+from modeld.store.store import Store  # noqa: E402
 
 
 def bench_hash(tmp: Path, size_mib: int, runs: int) -> None:
@@ -55,28 +56,22 @@ def bench_hash(tmp: Path, size_mib: int, runs: int) -> None:
     )
 
 
+def insert_event(i: int) -> Callable[[sqlite3.Connection], sqlite3.Cursor]:
+    """One write: an ``events`` row at time ``i``."""
+    return lambda c: c.execute(
+        "INSERT INTO events (at, kind, fields) VALUES (?, 'bench', '{}')", (i,)
+    )
+
+
 async def bench_writes(tmp: Path, n: int) -> None:
     store = Store(tmp / "home")
     await store.open()
     t = time.perf_counter()
     for i in range(n):
-        await store.write(
-            lambda c, i=i: c.execute(
-                "INSERT INTO events (at, kind, fields) VALUES (?, 'bench', '{}')", (i,)
-            )
-        )
+        await store.write(insert_event(i))
     ours = time.perf_counter() - t
     t = time.perf_counter()
-    await asyncio.gather(
-        *(
-            store.write(
-                lambda c, i=i: c.execute(
-                    "INSERT INTO events (at, kind, fields) VALUES (?, 'bench', '{}')", (i,)
-                )
-            )
-            for i in range(n)
-        )
-    )
+    await asyncio.gather(*(store.write(insert_event(i)) for i in range(n)))
     concurrent = time.perf_counter() - t
     await store.close()
     conn = sqlite3.connect(tmp / "peer.db", isolation_level=None)

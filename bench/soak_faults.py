@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.faults_lib import CycleStats, Rig, finish_and_check, kill_cycle  # noqa: E402
+from tests.support.faults import CycleStats, Rig, finish_and_check, kill_cycle  # noqa: E402
 
 
 def main() -> int:

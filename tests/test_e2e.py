@@ -15,9 +15,10 @@ import httpx
 import openai
 import pytest
 
-from modeld.store import sha256_file
-from tests.conftest import DaemonProcess, daemon_env, write_entry
-from tests.mirror import Faults, Mirror
+from modeld.store.store import sha256_file
+from tests.support.daemon import DaemonProcess, daemon_env
+from tests.support.mirror import Faults, Mirror
+from tests.support.state import write_entry
 
 MODEL = Path(__file__).resolve().parent / "models" / "tiny-text.litertlm"
 

@@ -26,8 +26,8 @@ import pytest
 
 from modeld.client import Client
 from modeld.errors import EngineCrashed
-from tests.conftest import DaemonProcess, daemon_env, spawn_daemon, unix_http, unix_request
-from tests.faults_lib import (
+from tests.support.daemon import DaemonProcess, daemon_env, spawn_daemon
+from tests.support.faults import (
     PULL_DATA,
     PULL_SHA,
     PULL_SIZE,
@@ -41,6 +41,7 @@ from tests.faults_lib import (
     wait_no_runners,
     wait_pull_progress,
 )
+from tests.support.unix import unix_http, unix_request
 
 
 def test_kill9_at_random_points_of_startup_recovers(short_tmp: Path) -> None:

@@ -14,9 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from modeld.client import Client
 from modeld.config import load_settings
-from modeld.store import sha256_file
-from tests.conftest import running_daemon, write_entry
-from tests.mirror import Faults, start_mirrors
+from modeld.store.store import sha256_file
+from tests.support.daemon import running_daemon
+from tests.support.mirror import Faults, start_mirrors
+from tests.support.state import write_entry
 
 MODEL = Path(__file__).resolve().parent / "models" / "tiny-text.litertlm"
 

@@ -15,9 +15,9 @@ from aiohttp import web
 
 from modeld import logs
 from modeld.api import admin, downloads, engines, guards, models, openai, system
+from modeld.api.peers import enforce as enforce_peer
 from modeld.errors import Busy, ModeldError
-from modeld.peers import enforce as enforce_peer
-from modeld.services import Services
+from modeld.services.parts import Services
 
 SERVICES: web.AppKey[Services] = web.AppKey("services", Services)
 

@@ -18,9 +18,9 @@ from pydantic import (
 
 from modeld.config import parse_duration
 from modeld.errors import BadRequest
-from modeld.prune import DEFAULT_SELECTION, Selection
-from modeld.remover import Remover
-from modeld.services import Services
+from modeld.services.parts import Services
+from modeld.services.prune import DEFAULT_SELECTION, Selection
+from modeld.services.remover import Remover
 
 _BOOL = "true or false"
 _HINTS = {

@@ -11,8 +11,8 @@ from aiohttp import web
 
 from modeld.api.requests import ImportBody, PullBody, read_body
 from modeld.api.stream import ndjson
-from modeld.pulls import Downloads, result_dict
-from modeld.services import Services
+from modeld.download.downloads import Downloads, result_dict
+from modeld.services.parts import Services
 
 
 def add_routes(app: web.Application, services: Services) -> None:

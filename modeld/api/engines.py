@@ -11,9 +11,9 @@ from aiohttp import web
 from modeld.api import requests
 from modeld.api.requests import GenerateBody, LoadBody
 from modeld.api.stream import ndjson
-from modeld.engines import Engines
-from modeld.pool import Pool, validate_keep_alive
-from modeld.services import Services
+from modeld.engine.engines import Engines
+from modeld.engine.pool import Pool, validate_keep_alive
+from modeld.services.parts import Services
 
 
 def add_routes(app: web.Application, services: Services) -> None:

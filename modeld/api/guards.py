@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from modeld.catalog import ID_RE
+from modeld.catalog.catalog import ID_RE
 from modeld.errors import BadRequest
-from modeld.services import Services
+from modeld.services.parts import Services
 
 # An engine id is ``<model id>:<main>[+vision-<b>][+audio-<b>]``; a model id selects all.
 ENGINE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}(?::[a-z0-9+_-]{1,64})?$")

@@ -7,11 +7,12 @@ from typing import Any
 
 from aiohttp import web
 
-from modeld import litertlm, plan
-from modeld.catalog import Catalog, Entry, outdated
+from modeld.catalog.catalog import Catalog, Entry, outdated
 from modeld.errors import ModeldError, ModelNotFound, ModelNotInstalled
-from modeld.services import Services
-from modeld.store import Installed, Store
+from modeld.modelfile import header as litertlm
+from modeld.modelfile import plan
+from modeld.services.parts import Services
+from modeld.store.store import Installed, Store
 
 # State names shown by ``list`` and ``show``; scripts match on them.
 NOT_INSTALLED = "not_installed"

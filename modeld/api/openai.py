@@ -24,7 +24,7 @@ from modeld.api import requests
 from modeld.api.guards import check_model_id
 from modeld.api.requests import INT32, Backends, Duration, Generation, ModelId, Number, Turn
 from modeld.errors import BadRequest, Busy, ModeldError, ModelNotInstalled, TooLarge
-from modeld.services import Services
+from modeld.services.parts import Services
 
 SSE = "text/event-stream"
 _DONE = b"data: [DONE]\n\n"

@@ -31,9 +31,9 @@ from pydantic import (
     model_validator,
 )
 
-from modeld.catalog import ID_PATTERN
+from modeld.catalog.catalog import ID_PATTERN
 from modeld.errors import BadRequest, TooLarge
-from modeld.services import Services
+from modeld.services.parts import Services
 
 IMAGE_LONG_SIDE = 640
 JPEG_QUALITY = 88
@@ -364,7 +364,7 @@ async def start(
     Everything that can refuse the request (unknown or uninstalled model, too many images,
     a backend constraint, a bad keep_alive) is raised here, before a response starts.
     """
-    from modeld.pool import validate_keep_alive
+    from modeld.engine.pool import validate_keep_alive
 
     engines, pool = services.parts["engines"], services.parts["pool"]
     if not gen.turns or gen.turns[-1].role != "user":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from modeld.services import Services
+from modeld.services.parts import Services
 
 
 def add_routes(app: web.Application, services: Services) -> None:

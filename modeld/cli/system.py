@@ -13,7 +13,7 @@ from modeld.config import format_duration, format_size, load_settings
 @click.command()
 def serve() -> None:
     """Run the daemon in the foreground (Ctrl-C or SIGTERM stops it in order)."""
-    from modeld.daemon import serve as run_daemon
+    from modeld.daemon.daemon import serve as run_daemon
 
     settings = load_settings()
     raise SystemExit(run_daemon(settings))

@@ -1,0 +1,223 @@
+"""Wiring, start-up and ordered shutdown of the daemon.
+
+Start-up: settings → state dir and its lock → each capability's part → the socket (bound
+never more open than 0660) → serving. Shutdown on SIGTERM/SIGINT (uvicorn's order): stop
+accepting, let in-flight requests finish within ``shutdown_timeout``, cancel the rest,
+run each part's stop hook (reverse order), remove the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket
+import stat
+from pathlib import Path
+from typing import IO
+
+from aiohttp import web
+
+from modeld import logs
+from modeld.api import make_app
+from modeld.catalog.catalog import Catalog, bundled_registry_dir
+from modeld.config import Settings
+from modeld.daemon.activation import inherited_listener
+from modeld.daemon.lifecycle import Reloader
+from modeld.daemon.notify import Notifier
+from modeld.download.downloads import register as register_downloads
+from modeld.engine.engines import register as register_engines
+from modeld.errors import Conflict, ModeldError, SettingsError
+from modeld.services.parts import Services
+from modeld.store.store import Store
+
+# sun_path is 108 bytes on Linux, including the terminating NUL.
+_MAX_SOCKET_PATH = 107
+# Never more open than 0660: the umask is in force from bind() on, so there is no window.
+_SOCKET_UMASK = 0o117
+
+
+def _claim_socket_path(path: Path) -> None:
+    """Remove a stale socket left by a dead daemon; refuse if a live one answers."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise SettingsError(
+            f"{path} exists and is not a socket; move it away or set MODELD_SOCKET elsewhere"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)
+        logs.event("stale_socket_removed", path=str(path))
+        return
+    except OSError as e:
+        raise Conflict(f"cannot check the socket {path}: {e}; remove it if no daemon runs") from e
+    finally:
+        probe.close()
+    raise Conflict(
+        f"another modeld is already serving on {path}; stop it first or set MODELD_SOCKET"
+    )
+
+
+def bind_socket(path: Path) -> socket.socket:
+    """Bind and listen on ``path`` with mode 0660 from the first instant."""
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        raise SettingsError(
+            f"MODELD_SOCKET={path}: longer than {_MAX_SOCKET_PATH} bytes; choose a shorter path"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _claim_socket_path(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(_SOCKET_UMASK)
+    try:
+        sock.bind(str(path))
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    path.chmod(0o660)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def lock_state_dir(home: Path) -> IO[str]:
+    """Take an exclusive lock on the state dir: one daemon per ``MODELD_HOME``."""
+    home.mkdir(parents=True, exist_ok=True)
+    lock = (home / "daemon.lock").open("a+")
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        lock.close()
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            raise Conflict(
+                f"another modeld already uses the state dir {home}; stop it or set MODELD_HOME"
+            ) from e
+        raise
+    return lock
+
+
+def build_services(settings: Settings) -> Services:
+    """Create every part and register its status section and hooks."""
+    services = Services(settings=settings)
+    services.metrics.up_since.set(services.started_at)
+    services.metrics.budget_total.set(settings.memory_budget)
+    # Catalog and store first: every later part reads them; their stop hooks run last.
+    catalog = Catalog([bundled_registry_dir(), *settings.registry])
+    store = Store(settings.home)
+    services.parts["catalog"] = catalog
+    services.parts["store"] = store
+    services.status_sections["catalog"] = catalog.status
+    services.metrics.registry_errors.set_function(lambda: len({p.path for p in catalog.problems}))
+    services.status_sections["store"] = store.status
+    # /api/status shows the GPU (backend) probe results.
+    services.status_sections["probes"] = store.probe_status
+    services.start_hooks += [store.open, catalog.start]
+    services.stop_hooks += [store.close, catalog.stop]
+    # Downloads: their stop hook (journals written, jobs stopped) runs before the store closes.
+    register_downloads(services)
+    # Engine pool: registered after the store, so its stop hook (all runners) runs first.
+    register_engines(services)
+    return services
+
+
+async def run(
+    settings: Settings,
+    *,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+    notifier: Notifier | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT (or ``stop`` is set), then shut down in order.
+
+    SIGHUP reloads what can change live (``lifecycle.LIVE_FIELDS``) and the registry.
+    """
+    notifier = notifier or Notifier.from_environ()
+    for d in (settings.home, settings.blobs_dir, settings.partial_dir, settings.cache_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    lock = lock_state_dir(settings.home)
+    services = build_services(settings)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    reloader = Reloader(services, notifier)
+    loop.add_signal_handler(signal.SIGHUP, reloader.request)
+    # Pings from the event loop itself: they stop when the loop stops turning.
+    watchdog = asyncio.create_task(notifier.watchdog_loop())
+    runner = web.AppRunner(
+        make_app(services),
+        handle_signals=False,
+        access_log=None,
+        shutdown_timeout=settings.shutdown_timeout,
+    )
+    sock: socket.socket | None = None
+    inherited = False
+    try:
+        notifier.status("starting: loading catalog and store")
+        for hook in services.start_hooks:
+            await hook()
+        await runner.setup()
+        # A socket passed by systemd (modeld.socket) wins; otherwise bind our own.
+        sock = inherited_listener()
+        inherited = sock is not None
+        sock = sock or bind_socket(settings.socket_path)
+        await web.SockSite(runner, sock).start()
+        where = str(sock.getsockname())
+        logs.event(
+            "ready", socket=where, version=services.version, pid=os.getpid(), inherited=inherited
+        )
+        # READY only now: the socket accepts and every start hook (catalog, store) has run.
+        notifier.ready(f"serving on {where}")
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+        logs.event("stopping", reason="signal")
+        notifier.stopping("stopping: finishing requests, stopping engines")
+    finally:
+        services.stopping = True
+        # Stops accepting, waits for in-flight handlers up to shutdown_timeout, cancels the rest.
+        await runner.cleanup()
+        # Every stop hook runs (they are idempotent), so a failed start-up still cleans up.
+        for hook in reversed(services.stop_hooks):
+            try:
+                await hook()
+            except Exception:
+                logging.getLogger("modeld").exception("stop hook failed")
+        # An inherited socket's path belongs to modeld.socket: removing it would break the
+        # next activation.
+        if sock is not None and not inherited:
+            with contextlib.suppress(OSError):
+                settings.socket_path.unlink()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        await reloader.close()
+        watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
+        lock.close()
+        logs.event("stopped")
+        notifier.close()
+
+
+def serve(settings: Settings) -> int:
+    """Run the daemon; return the process exit status."""
+    logs.setup(settings.log_level)
+    notifier = Notifier.from_environ()
+    try:
+        asyncio.run(run(settings, notifier=notifier))
+    except ModeldError as e:
+        logs.event("start_failed", logging.ERROR, code=e.code, message=e.message)
+        notifier.status(f"failed: {e.message}")
+        raise
+    return 0

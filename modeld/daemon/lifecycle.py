@@ -1,0 +1,134 @@
+"""SIGHUP: re-read the settings and the registry without dropping engines or connections.
+
+Only what can change while serving is applied: ``LIVE_FIELDS``. They are assigned on the one
+``Settings`` object the daemon was built with, so every part that holds it (the pool reading
+``keep_alive``, the API reading the allow-lists) sees the new values on its next use. Fields
+that need a restart (the socket, the state dir, the memory budget, ...) are reported in the
+log line and left as they were. A config that does not load is logged and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from modeld import logs
+from modeld.config import Settings, load_settings
+from modeld.daemon.notify import Notifier
+from modeld.errors import ModeldError
+from modeld.services.parts import Services
+
+LIVE_FIELDS = (
+    "log_level",
+    "keep_alive",
+    "allow_uids",
+    "allow_gids",
+    "registry",
+    "disk_budget",
+    "hf_token",
+)
+
+
+async def reload_settings(
+    services: Services, load: Callable[[], Settings] = load_settings
+) -> dict[str, Any]:
+    """Apply a fresh ``load()`` to ``services.settings``; return what changed and what did not."""
+    try:
+        new = load()
+    except ModeldError as e:
+        logs.event("reload_failed", logging.ERROR, code=e.code, message=e.message)
+        return {"ok": False, "error": e.message, "changed": [], "restart_needed": []}
+    current = services.settings
+    changed = [f for f in LIVE_FIELDS if getattr(new, f) != getattr(current, f)]
+    restart_needed = [
+        f
+        for f in Settings.model_fields
+        if f not in LIVE_FIELDS and getattr(new, f) != getattr(current, f)
+    ]
+    for field in changed:
+        setattr(current, field, getattr(new, field))
+    if "log_level" in changed:
+        logging.getLogger("modeld").setLevel(current.log_level.upper())
+    pool_config: Any = getattr(services.parts.get("pool"), "config", None)
+    if "keep_alive" in changed and hasattr(pool_config, "keep_alive"):
+        # The pool copies its default at start; engines loaded from now on get the new one.
+        pool_config.keep_alive = current.keep_alive
+    catalog_ok = True
+    catalog = services.parts.get("catalog")
+    if "registry" in changed and isinstance(getattr(catalog, "dirs", None), list):
+        await _point_catalog_at(catalog, current.registry)
+    reload_catalog = getattr(catalog, "reload", None)
+    if callable(reload_catalog):
+        # Always re-read: registry files may have changed even where the dirs did not.
+        try:
+            result = reload_catalog()
+            if inspect.isawaitable(result):
+                await result
+        except Exception as e:  # one bad registry must not take the daemon down
+            catalog_ok = False
+            logs.event("reload_catalog_failed", logging.ERROR, error=str(e))
+    logs.event(
+        "reloaded",
+        changed=",".join(changed) or "-",
+        restart_needed=",".join(restart_needed) or None,
+        catalog="reloaded" if callable(reload_catalog) and catalog_ok else None,
+    )
+    return {"ok": True, "changed": changed, "restart_needed": restart_needed}
+
+
+async def _point_catalog_at(catalog: Any, registry: list[Path]) -> None:
+    """Swap the catalog's dirs (bundled first, as build_services does) and re-aim its watcher."""
+    from modeld.catalog.catalog import bundled_registry_dir
+
+    catalog.dirs = [bundled_registry_dir(), *registry]
+    stop, start = getattr(catalog, "stop", None), getattr(catalog, "start", None)
+    if callable(stop) and callable(start):
+        await stop()
+        await start()
+
+
+class Reloader:
+    """Runs one reload at a time in response to SIGHUP, telling the service manager."""
+
+    def __init__(
+        self,
+        services: Services,
+        notifier: Notifier,
+        load: Callable[[], Settings] = load_settings,
+    ) -> None:
+        self.services = services
+        self.notifier = notifier
+        self.load = load
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def request(self) -> None:
+        """Signal-handler entry point: schedule a reload on the running loop."""
+        if self.services.stopping:
+            return
+        task = asyncio.get_running_loop().create_task(self._reload())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reload(self) -> None:
+        async with self._lock:
+            logs.event("reloading", reason="SIGHUP")
+            self.notifier.reloading("reloading settings and registry")
+            outcome = await reload_settings(self.services, self.load)
+            status = (
+                f"serving on {self.services.settings.socket_path}"
+                if outcome["ok"]
+                else f"serving; reload failed (old settings kept): {outcome['error']}"
+            )
+            self.notifier.ready(status)
+
+    async def close(self) -> None:
+        """Cancel reloads still running (shutdown)."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,3 @@
+"""Downloads: a job (with its repair), fetch and scheduling, the range reader, mirrors, the journal,
+hashing.
+"""

@@ -1,0 +1,439 @@
+"""One verified, resumable download of a model file over all its mirrors.
+
+A ``DownloadJob`` goes: check free space → re-check journaled blocks (CRC-32) → probe each
+mirror (size, ETag, ``X-Linked-Etag``) → fetch the missing blocks (``fetch.Fetcher``) while a
+thread hashes the contiguous prefix → compare the sha256 → on a mismatch, repair (re-fetch
+elsewhere only the blocks one mirror served, ban the mirror that lied) → install (fsync,
+rename, fsync dir, row). The journal and the installer are injected, so the downloader runs
+without the store (tests, the benchmark); ``modeld.download.downloads`` wires it into the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from modeld import logs
+from modeld.download.fetch import CHUNK, Fetcher, PrefixHasher, Writer, crc32
+from modeld.download.journal import BLOCK_SIZE, Block, Journal, JournalState, MemoryJournal
+from modeld.download.mirrors import Mirror, os_error_to_modeld, probe
+from modeld.download.repair import repair
+from modeld.errors import (
+    BadRequest,
+    DiskFull,
+    DownloadError,
+    ModeldError,
+)
+from modeld.metrics import Metrics
+from modeld.store.store import place_blob
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Head-room kept free beyond the file itself (SQLite, logs, the rest of the system).
+DISK_MARGIN = 64 * 1024 * 1024
+
+Installer = Callable[[str, Path, str, int, str | None], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to download: the catalog entry's fields the downloader needs."""
+
+    model_id: str
+    urls: list[str]
+    size: int
+    sha256: str | None = None
+
+    @classmethod
+    def from_entry(cls, entry: Any) -> Target:
+        return cls(entry.id, list(entry.urls), int(entry.size), entry.sha256)
+
+
+@dataclass
+class Tuning:
+    """Downloader settings: MODELD_DOWNLOAD_CONNECTIONS, _PIECE_SIZE, _STALL_TIMEOUT."""
+
+    connections: int = 8
+    piece_size: int = 16 * 1024 * 1024
+    stall_timeout: float = 20.0
+    connect_timeout: float = 15.0
+    hf_token: str | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Tuning:
+        token = settings.hf_token.get_secret_value() if settings.hf_token else None
+        return cls(
+            settings.download_connections, settings.piece_size, settings.stall_timeout, 15.0, token
+        )
+
+
+def local_installer(blobs_dir: Path) -> Installer:
+    """An installer without the store's db: the store's ``place_blob`` into ``blobs_dir``."""
+
+    async def install(model_id: str, src: Path, digest: str, size: int, by: str | None) -> Any:
+        def place() -> Path:
+            dest = blobs_dir / f"sha256-{digest}"
+            blobs_dir.mkdir(parents=True, exist_ok=True)
+            place_blob(src, dest, size)
+            return dest
+
+        dest = await asyncio.to_thread(place)
+        return {"id": model_id, "digest": digest, "size": size, "verified_by": by, "path": dest}
+
+    return install
+
+
+def _crc_blocks(fd: int, size: int, block_size: int, blocks: dict[int, Block]) -> list[int]:
+    """Indexes of journaled blocks whose bytes on disk still have the journaled CRC-32."""
+    good = []
+    for idx in sorted(blocks):
+        start = idx * block_size
+        length = min(size, start + block_size) - start
+        if length <= 0:
+            continue
+        crc, pos = 0, start
+        while pos < start + length:
+            data = os.pread(fd, min(8 * CHUNK, start + length - pos), pos)
+            if not data:
+                break
+            crc = crc32(data, crc)
+            pos += len(data)
+        if pos == start + length and crc == blocks[idx].crc:
+            good.append(idx)
+    return good
+
+
+@dataclass
+class DownloadJob:
+    """One model's download; several pulls of the same model share it."""
+
+    target: Target
+    partial: Path
+    journal: Journal
+    installer: Installer
+    tuning: Tuning
+    metrics: Metrics | None = None
+    writer: Writer = os.pwrite
+    state: str = "starting"
+    error: ModeldError | None = None
+    result: Any = None
+    started_at: float = field(default_factory=time.time)
+    mirrors: list[Mirror] = field(default_factory=list)
+    fetcher: Fetcher | None = None
+    resumed: int = 0
+    repaired: int = 0
+    verified_by: str | None = None
+    install_latency: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _pending: list[Block] = field(default_factory=list)
+    _crcs: dict[int, Block] = field(default_factory=dict)
+    _speed: tuple[float, int, float] = (0.0, 0, 0.0)  # (time, done bytes, bytes/s)
+    _digest: str | None = None
+    _session: aiohttp.ClientSession | None = None
+
+    @property
+    def id(self) -> str:
+        return self.target.model_id
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("installed", "failed", "cancelled")
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._main(), name=f"download-{self.id}")
+
+    def _set(self, state: str) -> None:
+        self.state = state
+        logs.event("download_state", model=self.id, state=state)
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # --- progress ------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """A progress record: bytes done and verified, per-mirror speed and state, ETA."""
+        f = self.fetcher
+        done = f.done_bytes if f else 0
+        hashed = f.hasher.hashed if f and f.hasher else 0
+        now = time.monotonic()
+        t0, d0, speed = self._speed
+        if now - t0 >= 0.5:
+            speed = (done - d0) / (now - t0) if t0 else 0.0
+            self._speed = (now, done, speed)
+        left = self.target.size - done
+        record: dict[str, Any] = {
+            "id": self.id,
+            "model": self.id,
+            "state": self.state,
+            "size": self.target.size,
+            "completed": done,
+            "verified": hashed if self.state != "installed" else self.target.size,
+            "received": f.received if f else 0,
+            "resumed": self.resumed,
+            "speed": round(speed),
+            "eta": round(left / speed, 1) if speed > 0 and left > 0 else None,
+            "mirrors": [m.snapshot() for m in self.mirrors],
+            "started_at": self.started_at,
+        }
+        if self.state == "installed":
+            record.update(
+                digest=self._digest,
+                verified_by=self.verified_by,
+                repaired=self.repaired,
+                install_latency=self.install_latency,
+            )
+        if self.error is not None:
+            record["error"] = self.error.to_dict()["error"]
+        return record
+
+    async def events(self, interval: float = 0.25) -> AsyncIterator[dict[str, Any]]:
+        """Progress records until the job ends; raises its error if it failed."""
+        while not self.finished:
+            yield self.snapshot()
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), interval)
+        if self.error is not None:
+            raise self.error
+        yield self.snapshot()
+
+    async def wait(self) -> Any:
+        """Wait for the end; return the install result or raise the error."""
+        if self.task is not None:
+            await asyncio.shield(self.task)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    # --- the job -------------------------------------------------------------------
+
+    async def _main(self) -> None:
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            self.error = DownloadError(
+                f"download of {self.id} cancelled; the partial is kept, pull again to resume"
+            )
+            self.error.code = "cancelled"  # type: ignore[misc]
+            self._set("cancelled")
+        except ModeldError as e:
+            self.error = e
+            self._set("failed")
+        except OSError as e:
+            self.error = os_error_to_modeld(e, str(self.partial))
+            self._set("failed")
+        except Exception as e:
+            logs.event("download_crashed", model=self.id, error=repr(e))
+            self.error = DownloadError(f"download of {self.id} failed: {e!r}; see the log")
+            self._set("failed")
+        if self.error is not None:
+            logs.event(
+                "download_failed", model=self.id, code=self.error.code, reason=self.error.message
+            )
+
+    async def _run(self) -> None:
+        t = self.target
+        if not _ID_RE.fullmatch(t.model_id):
+            raise BadRequest(f"{t.model_id!r} is not a valid model id")
+        self.partial.parent.mkdir(parents=True, exist_ok=True)
+        state = await self.journal.load(t.model_id)
+        if state is not None and (
+            state.size != t.size or (t.sha256 and state.expected and state.expected != t.sha256)
+        ):
+            logs.event("download_restart", model=t.model_id, reason="entry changed")
+            await self.journal.clear(t.model_id)
+            state = None
+        if state is None:
+            self.partial.unlink(missing_ok=True)
+        block = state.block_size if state else min(BLOCK_SIZE, self.tuning.piece_size)
+        self._check_space()
+        fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(fd).st_size != t.size:
+                os.ftruncate(fd, t.size)
+            await self._prepare(fd, state, block)
+            await self._fetch_and_install(fd, block)
+        finally:
+            os.close(fd)
+            if self._session is not None:
+                await self._session.close()
+
+    def _check_space(self) -> None:
+        have = 0
+        with contextlib.suppress(FileNotFoundError):
+            have = self.partial.stat().st_blocks * 512
+        need = max(0, self.target.size - have) + DISK_MARGIN
+        free = shutil.disk_usage(self.partial.parent).free
+        if free < need:
+            raise DiskFull(
+                f"{self.id} needs {need - DISK_MARGIN} more bytes in {self.partial.parent} "
+                f"but only {free} are free; free space (`modeld prune`) or set MODELD_HOME"
+            )
+
+    async def _prepare(self, fd: int, state: JournalState | None, block: int) -> None:
+        t = self.target
+        nblocks = -(-t.size // block)
+        self._set("probing")
+        if state is not None and state.blocks:
+            good = await asyncio.to_thread(_crc_blocks, fd, t.size, block, state.blocks)
+            self._crcs = {i: state.blocks[i] for i in good}
+        self.mirrors = [
+            Mirror(URL(u), primary=(i == 0), metrics=self.metrics) for i, u in enumerate(t.urls)
+        ]
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=self.tuning.connect_timeout,
+            sock_read=self.tuning.stall_timeout,
+        )
+        self._session = aiohttp.ClientSession(
+            timeout=timeout,
+            trust_env=True,
+            auto_decompress=False,
+            read_bufsize=CHUNK,
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+        )
+        token = self.tuning.hf_token
+        session = self._session
+        await asyncio.gather(*(probe(session, m, t.size, token) for m in self.mirrors))
+        etags = state.etags if state else {}
+        for m in self.mirrors:
+            old = etags.get(str(m.url))
+            if old and m.etag and old != m.etag:
+                # The file changed on that mirror since the journal: its blocks are suspect.
+                self._crcs = {i: b for i, b in self._crcs.items() if b.mirror != m.label}
+                logs.event("mirror_changed", model=self.id, mirror=m.label)
+        self.resumed = sum(min(t.size, (i + 1) * block) - i * block for i in self._crcs)
+        new_state = JournalState(
+            t.size,
+            block,
+            t.sha256 or self._expected()[0],
+            {str(m.url): m.etag for m in self.mirrors if m.etag},
+            dict(self._crcs),
+        )
+        await self.journal.begin(self.id, new_state)
+        done = bytearray(nblocks)
+        for i in self._crcs:
+            done[i] = 1
+        self.fetcher = Fetcher(
+            fd=fd,
+            path=str(self.partial),
+            size=t.size,
+            block_size=block,
+            piece_size=max(block, self.tuning.piece_size // block * block),
+            connections=self.tuning.connections,
+            mirrors=self.mirrors,
+            session=session,
+            token=token,
+            done=done,
+            on_block=self._on_block,
+            writer=self.writer,
+        )
+        for i, b in self._crcs.items():
+            self.fetcher.sources[i] = b.mirror
+
+    def _expected(self) -> tuple[str | None, str | None]:
+        """(sha256, who vouches for it): the entry's, else the primary's X-Linked-Etag."""
+        if self.target.sha256:
+            return self.target.sha256, "registry sha256"
+        primary = self.mirrors[0] if self.mirrors else None
+        if primary is None or primary.linked_sha256 is None or not primary.usable:
+            return None, None
+        others = {m.linked_sha256 for m in self.mirrors[1:] if m.linked_sha256 and m.usable}
+        if others - {primary.linked_sha256}:
+            logs.event("linked_etag_contradicted", model=self.id)
+            return None, None
+        return primary.linked_sha256, f"x-linked-etag ({primary.label})"
+
+    def _on_block(self, block: Block) -> None:
+        self._crcs[block.index] = block
+        self._pending.append(block)
+        if self.metrics is not None and self.fetcher is not None:
+            start, end = self.fetcher.block_range(block.index)
+            self.metrics.download_bytes.labels(block.mirror).inc(end - start)
+        if len(self._pending) == 1:
+            self._notify()
+
+    async def _flush_journal(self, stop: asyncio.Event) -> None:
+        """Journal finished blocks as they come (one small transaction at a time)."""
+        while True:
+            if self._pending:
+                batch, self._pending = self._pending, []
+                await self.journal.record(self.id, batch)
+                continue
+            if stop.is_set():
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), 0.1)
+
+    async def _fetch_and_install(self, fd: int, block: int) -> None:
+        f = self.fetcher
+        assert f is not None
+        stop = asyncio.Event()
+        flusher = asyncio.create_task(self._flush_journal(stop))
+        try:
+            f.hasher = PrefixHasher(fd, self.target.size)
+            f.hasher.advance(min(self.target.size, f.prefix_blocks * block))
+            self._set("downloading")
+            try:
+                await f.run()
+            except BaseException:
+                f.hasher.stop()
+                raise
+            last_byte = time.monotonic()
+            self._set("verifying")
+            digest = await f.hasher.digest()
+            self.timings["hash_tail"] = round(time.monotonic() - last_byte, 4)
+            expected, by = self._expected()
+            if expected is not None and digest != expected:
+                digest = await repair(self, fd, expected, digest)
+            stop.set()
+            self._digest, self.verified_by = digest, by
+            self._set("installing")  # also wakes the flusher, which now drains and ends
+            self.result = await self.installer(self.id, self.partial, digest, self.target.size, by)
+            self.install_latency = round(time.monotonic() - last_byte, 4)
+            await flusher  # no journal write may land after the clear
+            await self.journal.clear(self.id)
+            logs.event(
+                "download_installed",
+                model=self.id,
+                digest=digest,
+                verified_by=by,
+                latency=self.install_latency,
+                repaired=self.repaired,
+            )
+            self._set("installed")
+        finally:
+            stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(flusher)
+
+
+def memory_job(target: Target, home: Path, tuning: Tuning, **kw: Any) -> DownloadJob:
+    """A job with an in-memory journal and the store-less installer (tests, the benchmark)."""
+    return DownloadJob(
+        target=target,
+        partial=home / "partial" / f"{target.model_id}.partial",
+        journal=kw.pop("journal", None) or MemoryJournal(),
+        installer=kw.pop("installer", None) or local_installer(home / "blobs"),
+        tuning=tuning,
+        **kw,
+    )

@@ -1,0 +1,277 @@
+"""Which mirror fetches which piece: the shared piece queue, mirror choice and the endgame.
+
+Pieces are whole blocks and sit in one queue in file order. The fastest mirror (per
+connection) takes the queue's front, so the prefix hasher follows it closely. A near-best
+slower mirror takes pieces off the queue's BACK: the two meet somewhere before the end,
+and all the prefix hasher has left to catch up on at the end is the slower mirror's small
+region (not everything written past a piece it held early in the file). Whatever a slower
+mirror holds at the hash front (an early misjudged rate, a probe, a stall) is moved to the
+best mirror at once: the slow one keeps only the block it is on, or loses the piece when
+even that block would take it long. When the queue is empty (endgame), idle connections
+split in-flight pieces at a block boundary so both parts end together, or take over their
+last block on a faster mirror.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import aiohttp
+
+from modeld.download.mirrors import Mirror
+from modeld.download.rangeio import RangeConn
+
+# A piece at the hash front is moved to a faster mirror only when the one holding it would
+# need longer than this for it (shorter waits cost the hasher less than a restarted block).
+FRONT_WAIT = 0.1
+
+
+@dataclass(eq=False)
+class Piece:
+    """``[start, end)`` of the file; ``pos`` is the next byte to fetch (block aligned at start)."""
+
+    start: int
+    end: int
+    pos: int
+    mirror: Mirror | None = None
+    began: float = 0.0
+    got: int = 0  # bytes received on the current attempt
+    abandoned: bool = False
+    stream: bool = False  # a plain GET from byte 0 (a mirror without ranges)
+    resp: aiohttp.ClientResponse | None = None  # the open answer, closed on a takeover
+    raw: RangeConn | None = None  # or the raw reader's connection, closed on a takeover
+    crc: int = 0  # CRC-32 of [start of pos's block, pos): a piece may resume mid-block
+    window: int = 0  # bytes not yet counted into the mirror's rate, since window_start
+    window_start: float = 0.0
+
+    def rate(self) -> float:
+        elapsed = time.monotonic() - self.began
+        return self.got / elapsed if elapsed > 0 else 0.0
+
+
+class Schedule:
+    """The piece queue, the pieces in flight, and the choice of the next (mirror, piece)."""
+
+    def __init__(
+        self, *, size: int, block_size: int, piece_size: int, mirrors: list[Mirror], done: bytearray
+    ) -> None:
+        self.size = size
+        self.block_size = block_size
+        self.piece_blocks = max(1, piece_size // block_size)
+        self.mirrors = mirrors
+        self.done = done
+        self.nblocks = len(done)
+        self.prefix_blocks = 0  # blocks [0, prefix_blocks) are done: the hashable prefix
+        self.queue: deque[Piece] = deque()
+        self.inflight: set[Piece] = set()
+        self.splits = 0  # in-flight pieces split with a faster mirror
+        self.takeovers = 0  # in-flight blocks taken over by a faster mirror
+        self.front_moves = 0  # of those, moves of the piece holding the hash front
+
+    def block_range(self, idx: int) -> tuple[int, int]:
+        start = idx * self.block_size
+        return start, min(self.size, start + self.block_size)
+
+    def _plan(self) -> None:
+        """Queue runs of missing blocks as pieces of at most ``piece_blocks`` blocks."""
+        i = 0
+        while i < self.nblocks:
+            if self.done[i]:
+                i += 1
+                continue
+            j = i
+            while j < self.nblocks and not self.done[j] and j - i < self.piece_blocks:
+                j += 1
+            start, end = i * self.block_size, min(self.size, j * self.block_size)
+            self.queue.append(Piece(start, end, start))
+            i = j
+
+    def _abandon(self, p: Piece) -> None:
+        """Stop fetching ``p`` (taken over, or no longer needed): close its connection now."""
+        p.abandoned = True
+        self.inflight.discard(p)
+        if p.resp is not None:
+            p.resp.close()  # its reader wakes with an error that is not held against the mirror
+        if p.raw is not None:
+            p.raw.abort()
+
+    # --- rates -------------------------------------------------------------------------
+
+    def _rate(self, m: Mirror) -> float | None:
+        """Per-connection rate, lowered to what its pieces in flight get now (a stalled
+        mirror's past rate must not keep attracting work)."""
+        if m.conn_rate is None:
+            return None
+        now = time.monotonic()
+        live = [p.rate() for p in self.inflight if p.mirror is m and now - p.began > 0.5]
+        return min(m.conn_rate, max(live)) if live else m.conn_rate
+
+    def _rates(self) -> tuple[list[Mirror], dict[int, float]]:
+        """The mirrors ready for a range request now, and the measured ones' rates."""
+        now = time.monotonic()
+        ready = [m for m in self.mirrors if m.usable and m.ranges and m.not_before <= now]
+        return ready, {id(m): r for m in ready if (r := self._rate(m)) is not None}
+
+    def _remaining(self) -> int:
+        """Bytes not yet received: queued pieces plus the rest of those in flight."""
+        left = sum(p.end - p.pos for p in self.queue)
+        return left + sum(p.end - p.pos for p in self.inflight if not p.abandoned)
+
+    def _time_left(self, exclude: Mirror) -> float:
+        """How long the other mirrors would take for everything left (inf when unmeasured)."""
+        rate = sum(m.current_speed() for m in self.mirrors if m is not exclude and m.usable)
+        return self._remaining() / rate if rate > 0 else float("inf")
+
+    # --- the queue ---------------------------------------------------------------------
+
+    def _take(self, front: bool, blocks: int | None = None) -> Piece:
+        """A piece off the queue's front (file order) or back, cut to ``blocks`` blocks."""
+        piece = self.queue[0] if front else self.queue[-1]
+        bs = self.block_size
+        first = piece.pos // bs
+        last = -(-piece.end // bs)
+        if blocks is None or last - first <= blocks:
+            if front:
+                self.queue.popleft()
+            else:
+                self.queue.pop()
+            return piece
+        if front:
+            cut = (first + blocks) * bs
+            self.queue[0] = Piece(cut, piece.end, cut)
+            return Piece(piece.pos, cut, piece.pos)
+        cut = (last - blocks) * bs
+        self.queue[-1] = Piece(piece.start, cut, piece.pos, crc=piece.crc)
+        return Piece(cut, piece.end, cut)
+
+    def _next_piece(self) -> tuple[Mirror, Piece] | None:
+        """The next (mirror, piece) for a free connection, if any.
+
+        A mirror not measured yet gets one connection and one block (a probe; off the back
+        unless it is the primary). Otherwise the piece holding the hash front is moved off a
+        slower mirror first (``_free_front``); then the fastest mirror per connection takes
+        the queue's front. A mirror more than twice slower per connection gets no more work
+        (the endgame takes over what it holds); a near-best one gets the back (``_spread``).
+        """
+        if not self.queue:
+            return None
+        ready, rates = self._rates()
+        for m in ready:
+            if m.conn_rate is None and m.active == 0:
+                return m, self._take(front=m is ready[0] and m.primary, blocks=1)
+        measured = [m for m in ready if id(m) in rates]
+        if not measured:
+            return None  # only probes in flight: wait for a rate
+        best = max(measured, key=lambda m: rates[id(m)])
+        best_rate = rates[id(best)]
+        moved = self._free_front(best, best_rate)
+        if moved is not None:
+            return moved
+        # A slower mirror is worth a connection only while it is near the best per connection.
+        others = [m for m in measured if m is not best and rates[id(m)] > 0.5 * best_rate]
+        return self._spread(best, others)
+
+    def _spread(self, best: Mirror, others: list[Mirror]) -> tuple[Mirror, Piece]:
+        """Best mirror at the front, or a near-best one, with fewer connections per unit of
+        rate, at the back; its piece cut to what it can fetch before the others would
+        finish everything else."""
+        best_rate = best.conn_rate or 1.0
+        head = self.queue[0]
+        if not others or (len(self.queue) == 1 and head.end - head.pos <= self.block_size):
+            return best, self._take(front=True)
+        slower = min(others, key=lambda m: m.active / (m.conn_rate or 1.0))
+        rate = slower.conn_rate or 1.0
+        if slower.active / rate >= best.active / best_rate:
+            return best, self._take(front=True)
+        left = self._time_left(slower)
+        if left == float("inf"):  # the others' speed is not known yet: no bet on the slower
+            return best, self._take(front=True)
+        # At most half the time the others need for everything left, so it ends well before.
+        blocks = int(min(0.5 * left * rate, self.piece_blocks * self.block_size) // self.block_size)
+        if blocks < 1:
+            return best, self._take(front=True)
+        return slower, self._take(front=False, blocks=blocks)
+
+    # --- moving work off slow connections ------------------------------------------------
+
+    def _free_front(self, best: Mirror, rate_f: float) -> tuple[Mirror, Piece] | None:
+        """Hash-front priority: the in-flight piece holding the prefix, when on a mirror
+        that would finish it later than ``best`` could, is moved to ``best`` now (not only
+        in the endgame): its holder keeps just the block it is on, or loses the piece when
+        even that block would keep the hasher waiting."""
+        bs = self.block_size
+        now = time.monotonic()
+        front = self.prefix_blocks
+        for p in self.inflight:
+            if p.abandoned or p.stream or p.mirror is None or p.mirror is best:
+                continue
+            if p.pos // bs != front or now - p.began < 0.05 or p.pos >= p.end:
+                continue
+            rate_s = max(p.rate(), 1.0)
+            cut = min(p.end, (front + 1) * bs)
+            t_block = (cut - p.pos) / rate_s
+            if t_block > FRONT_WAIT and t_block > 2 * (cut - front * bs) / rate_f:
+                self._abandon(p)
+                self.takeovers += 1
+                self.front_moves += 1
+                return best, Piece(front * bs, p.end, front * bs)
+            t_rest = (p.end - cut) / rate_s
+            if cut < p.end and t_rest > FRONT_WAIT and t_rest > 2 * (p.end - cut) / rate_f:
+                new = Piece(cut, p.end, cut)
+                p.end = cut
+                self.splits += 1
+                self.front_moves += 1
+                return best, new
+            return None
+        return None
+
+    def _steal(self) -> tuple[Mirror, Piece] | None:
+        """Endgame: free the hash front, else split or take over an in-flight piece that
+        would finish late.
+
+        For each piece, lowest in the file first (it holds the prefix hasher back), the
+        fastest other mirror (by current rate) gets the share it would finish first: the
+        piece is split at a block boundary so both parts end together, or, inside its last
+        block, taken over. Judged on the piece's current rate.
+        """
+        ready, rates = self._rates()
+        if rates:
+            best = max((m for m in ready if id(m) in rates), key=lambda m: rates[id(m)])
+            moved = self._free_front(best, rates[id(best)])
+            if moved is not None:
+                return moved
+        now = time.monotonic()
+        bs = self.block_size
+        for p in sorted(self.inflight, key=lambda p: p.pos):
+            if p.abandoned or p.stream or p.mirror is None or now - p.began < 0.05:
+                continue
+            helpers = [m for m in ready if id(m) in rates and m is not p.mirror]
+            if not helpers:
+                # One mirror only: a fresh connection to it may still beat a stuck one.
+                helpers = [m for m in ready if id(m) in rates and len(ready) == 1]
+            if not helpers:
+                continue
+            mirror = max(helpers, key=lambda m: rates[id(m)])
+            rate_f = rates[id(mirror)]
+            rate_s = max(p.rate(), 1.0)
+            t_slow = (p.end - p.pos) / rate_s
+            cur_block_end = min(p.end, (p.pos // bs + 1) * bs)
+            ideal = p.pos + (p.end - p.pos) * rate_s / (rate_s + rate_f)
+            split = max(cur_block_end, -(-int(ideal) // bs) * bs)
+            if split < p.end:
+                if (p.end - split) / rate_f > t_slow * 0.8:
+                    continue
+                new = Piece(split, p.end, split)
+                p.end = split
+                self.splits += 1
+                return mirror, new
+            restart = (p.pos // bs) * bs
+            t_fast = (p.end - restart) / rate_f
+            if t_slow < 0.05 or t_fast * 2 > t_slow:
+                continue
+            self._abandon(p)
+            self.takeovers += 1
+            return mirror, Piece(restart, p.end, restart)
+        return None

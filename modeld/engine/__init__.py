@@ -1,0 +1,1 @@
+"""Engines: the pool of runner processes, admission under the memory budget, views, ``runner/``."""

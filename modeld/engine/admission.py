@@ -1,0 +1,233 @@
+"""Admission to the memory budget: reservations, the spare runner, eviction, PSS watching.
+
+The budget is the sum of the runners' PSS, the spare runner included. A new engine
+reserves its expected size (the learned peak for that digest/plan/max_tokens, else the
+estimate from the file); to make room the pool drops the spare runner, then evicts idle
+engines, least recently used first, pinned never; if that is not enough it waits in a
+bounded queue (then ``Busy``), and if the engine could never fit it refuses at once
+(``OverBudget``). A watcher re-reads real PSS and evicts idle engines when the sum passes
+the budget; the peak it sees is handed to ``on_learned`` (SQLite) for the next admission.
+
+``Admission`` is a mixin of ``modeld.engine.pool.Pool``; it never changes an engine's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from modeld import logs
+from modeld.config import format_size
+from modeld.engine.types import Engine, Learned, PoolConfig, RunnerFactory, RunnerLike, State
+from modeld.errors import Busy, OverBudget
+from modeld.metrics import Metrics
+
+# A learned peak is written again only when it grows by more than this fraction: PSS moves
+# by a few pages all the time, and every write would cost a SQLite transaction.
+LEARN_STEP = 0.02
+
+
+class Admission:
+    """Budget bookkeeping for ``Pool``; see the module docstring."""
+
+    config: PoolConfig
+    factory: RunnerFactory
+    metrics: Metrics | None
+    on_learned: Learned | None
+    engines: dict[tuple[str, str], Engine]
+    spare: RunnerLike | None
+    spare_reserved: int
+    max_used: int
+    stopping: bool
+    _cond: asyncio.Condition
+    _capacity_waiters: int
+    _spare_task: asyncio.Task[None] | None
+
+    # Provided by Pool, the class this mixin is part of.
+    _spawn: Callable[[Awaitable[Any]], asyncio.Task[Any]]
+    _stop_engine: Callable[[Engine, str], Awaitable[None]]
+
+    # --- bookkeeping ---------------------------------------------------------------------
+
+    def used(self) -> int:
+        return sum(e.reserved for e in self.engines.values()) + self.spare_reserved
+
+    def _note_used(self) -> None:
+        used = self.used()
+        self.max_used = max(self.max_used, used)
+        if self.metrics:
+            self.metrics.budget_used.set(used)
+
+    # --- the spare runner --------------------------------------------------------------
+
+    def _refill_spare(self) -> None:
+        if not self.config.spare or self.stopping or self.spare is not None:
+            return
+        if self._spare_task is not None and not self._spare_task.done():
+            return
+        if self.used() + self.config.spare_estimate > self.config.budget:
+            return
+        self._spare_task = asyncio.ensure_future(self._start_spare())
+
+    async def _start_spare(self) -> None:
+        self.spare_reserved = self.config.spare_estimate
+        try:
+            runner = await self.factory()
+        except Exception as e:
+            self.spare_reserved = 0
+            logs.event("spare_failed", error=str(e))
+            return
+        self.spare = runner
+        self.spare_reserved = max(runner.memory()[0], 1)
+        if self.stopping or self.used() > self.config.budget:
+            self.spare, self.spare_reserved = None, 0
+            await runner.kill()
+            return
+        self._note_used()
+
+    async def _take_spare(self) -> RunnerLike | None:
+        if self._spare_task is not None and not self._spare_task.done():
+            # A spare half started is still faster than a new one.
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(self._spare_task)
+        runner, self.spare = self.spare, None
+        if runner is not None and not runner.alive:
+            runner = None
+        return runner
+
+    async def _drop_spare(self) -> None:
+        if self._spare_task is not None and not self._spare_task.done():
+            self._spare_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._spare_task
+        runner, self.spare = self.spare, None
+        self.spare_reserved = 0
+        if runner is not None:
+            await runner.kill()
+
+    # --- admission -----------------------------------------------------------------------
+
+    def _victim(self, exclude: Engine | None) -> Engine | None:
+        idle = [
+            e
+            for e in self.engines.values()
+            if e is not exclude and e.state is State.READY and e.users == 0 and not e.pinned
+        ]
+        return min(idle, key=lambda e: e.last_used, default=None)
+
+    async def _admit(self, e: Engine) -> None:
+        """Grow ``e.reserved`` to its expected size, evicting idle engines or waiting."""
+        need = e.target.expected
+        budget = self.config.budget
+        if need > budget:
+            raise OverBudget(
+                f"model {e.target.model_id}: its engine needs about {format_size(need)} "
+                f"({'measured' if e.target.learned else 'estimated from the file'}) but the "
+                f"memory budget is {format_size(budget)}; raise MODELD_MEMORY_BUDGET or lower "
+                "[limits] max_tokens in the model's registry entry",
+                estimate=need,
+                budget=budget,
+            )
+        deadline = time.monotonic() + self.config.wait_timeout
+        async with self._cond:
+            if self._capacity_waiters >= self.config.queue_limit:
+                raise Busy("too many engine loads are waiting for memory; retry later", 5.0)
+            self._capacity_waiters += 1
+            try:
+                while True:
+                    if self.used() - e.reserved + need <= budget:
+                        e.reserved = max(e.reserved, need)
+                        self._note_used()
+                        return
+                    if self.spare is not None or self.spare_reserved:
+                        await self._drop_spare()
+                        continue
+                    victim = self._victim(e)
+                    if victim is not None:
+                        await self._stop_engine(victim, f"evicted to load {e.target.model_id}")
+                        continue
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise Busy(
+                            f"model {e.target.model_id}: no memory free for its engine "
+                            f"({format_size(need)} needed, {format_size(self.used())} of "
+                            f"{format_size(budget)} in use by busy or pinned engines); "
+                            "retry later or unload one",
+                            min(self.config.wait_timeout, 10.0),
+                        )
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(remaining):
+                            await self._cond.wait()
+            finally:
+                self._capacity_waiters -= 1
+
+    async def _enforce_budget(self, keep: Engine | None = None) -> None:
+        while self.used() > self.config.budget:
+            if self.spare is not None:
+                await self._drop_spare()
+                continue
+            victim = self._victim(exclude=keep)
+            if victim is None:
+                logs.event("over_budget", used=self.used(), budget=self.config.budget)
+                return
+            await self._stop_engine(victim, "budget: measured PSS over the estimate")
+
+    async def _measure_after(self, e: Engine) -> None:
+        """Measure an engine's PSS after a request, at most once per watch interval.
+
+        The first request after a load is always measured (its KV cache and arenas are now
+        real), so the learned peak reaches SQLite at once; later ones leave it to the
+        watcher: reading smaps_rollup costs milliseconds of kernel time, which back-to-back
+        requests on a small machine would pay for.
+        """
+        if e.runner is None:
+            return
+        if e.measured_at and time.monotonic() - e.measured_at < self.config.watch_interval:
+            return
+        pid = e.runner.pid
+        e.measured_at = time.monotonic()
+        pss = (await asyncio.to_thread(e.runner.memory))[0]
+        self.measure({pid: pss}, only=e)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.watch_interval)
+            # smaps_rollup reads take milliseconds each: keep them off the event loop.
+            readings = await asyncio.to_thread(self._read_all)
+            self.measure(readings)
+            await self._enforce_budget()
+
+    def _read_all(self) -> dict[int, int]:
+        runners = [e.runner for e in list(self.engines.values()) if e.runner is not None]
+        if self.spare is not None:
+            runners.append(self.spare)
+        return {r.pid: r.memory()[0] for r in runners}
+
+    def measure(self, readings: dict[int, int] | None = None, only: Engine | None = None) -> None:
+        """Take runners' PSS; an engine reserves at least what it really uses."""
+        readings = self._read_all() if readings is None else readings
+        now = time.monotonic()
+        for e in [only] if only is not None else list(self.engines.values()):
+            if e.runner is not None and e.state in (State.READY, State.BUSY):
+                pss = readings.get(e.runner.pid, 0)
+                if pss:
+                    e.measured, e.measured_at = pss, now
+                    e.peak = max(e.peak, pss)
+                    e.reserved = max(pss, e.target.expected)
+                    if self.metrics:
+                        self.metrics.engine_pss.labels(e.target.engine_id).set(pss)
+                    self._learn(e)
+        if only is None and self.spare is not None and self.spare.pid in readings:
+            self.spare_reserved = max(readings[self.spare.pid], 1) if self.spare.alive else 0
+        self._note_used()
+
+    def _learn(self, e: Engine) -> None:
+        """Hand a grown peak to ``on_learned`` (SQLite) for the next admission of this file."""
+        known = max(e.target.learned or 0, e.recorded)
+        if self.on_learned is None or e.peak <= known * (1 + LEARN_STEP):
+            return
+        e.recorded = e.peak
+        self._spawn(self.on_learned(e.target, e.peak))

@@ -1,0 +1,490 @@
+"""The engine pool: lazy, single-flight engines in runner processes, under a memory budget.
+
+Every engine is keyed by ``(digest, plan key)``. N requests for a cold engine start one
+runner; a load whose waiters all left is cancelled. Memory admission, the spare runner and
+eviction are in ``modeld.engine.admission``; ``ps``/status views and the final record of a request
+in ``modeld.engine.views``; the data types in ``modeld.engine.types`` (all re-exported here).
+
+Each engine's state (``State``) is changed only by ``Pool._set_state``, which checks the
+transition against ``ALLOWED``. Requests to one engine run one at a time in arrival order
+(``asyncio.Lock`` is FIFO); different engines run in parallel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any
+
+from modeld import logs
+from modeld.engine.admission import Admission
+from modeld.engine.runner.client import RunnerDied, RunnerError
+from modeld.engine.types import (
+    ALLOWED,
+    Engine,
+    Learned,
+    PoolConfig,
+    RunnerFactory,
+    RunnerLike,
+    State,
+    Target,
+    load_error,
+    validate_keep_alive,
+)
+from modeld.engine.views import Views, engine_view
+from modeld.errors import (
+    BadRequest,
+    Busy,
+    EngineCrashed,
+    EngineError,
+    EngineNotFound,
+    HeldBack,
+    ModeldError,
+    ShuttingDown,
+)
+from modeld.metrics import Metrics
+
+__all__ = [
+    "ALLOWED",
+    "Engine",
+    "Learned",
+    "Pool",
+    "PoolConfig",
+    "RunnerFactory",
+    "RunnerLike",
+    "State",
+    "Target",
+    "engine_view",
+    "validate_keep_alive",
+]
+
+
+class Pool(Admission, Views):
+    """Owns every engine and runner of one daemon; see the module docstring."""
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        runner_factory: RunnerFactory,
+        *,
+        metrics: Metrics | None = None,
+        on_learned: Learned | None = None,
+    ) -> None:
+        self.config = config
+        self.factory = runner_factory
+        self.metrics = metrics
+        self.on_learned = on_learned
+        self.engines: dict[tuple[str, str], Engine] = {}
+        self.spare: RunnerLike | None = None
+        self.spare_reserved = 0
+        self.last_eviction: dict[tuple[str, str], str] = {}
+        self.recent_evictions: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
+        self.crashes: dict[tuple[str, str], collections.deque[float]] = {}
+        self.held_until: dict[tuple[str, str], float] = {}
+        self.max_used = 0
+        self.stopping = False
+        self._cond = asyncio.Condition()
+        self._capacity_waiters = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._wake_reaper = asyncio.Event()
+        self._reaper_due: float | None = None  # when the reaper wakes up by itself
+        self._spare_task: asyncio.Task[None] | None = None
+
+    def _set_state(self, e: Engine, new: State) -> None:
+        """The one place an engine's state changes."""
+        if new is e.state:
+            return
+        if new not in ALLOWED[e.state]:
+            raise AssertionError(f"engine {e.target.engine_id}: {e.state.value} -> {new.value}")
+        # READY <-> BUSY happens twice a request: a debug line, not one in every request's log.
+        routine = {e.state, new} == {State.READY, State.BUSY}
+        logs.event(
+            "engine_state",
+            logging.DEBUG if routine else logging.INFO,
+            engine=e.target.engine_id,
+            old=e.state.value,
+            new=new.value,
+        )
+        e.state = new
+
+    def _note_queue(self, model_id: str) -> None:
+        """Requests for ``model_id`` not yet running (waiting for a load or the engine lock)."""
+        if self.metrics:
+            waiting = sum(
+                max(0, x.users - (1 if x.state is State.BUSY else 0))
+                for x in self.engines.values()
+                if x.target.model_id == model_id
+            )
+            self.metrics.queue_depth.labels(model_id).set(waiting)
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+    def _wake(self, reaper: bool = True) -> None:
+        # Never notify inline: callers may hold the condition's lock already. A waiter
+        # counts itself under the lock before it looks, so none is missed when there are 0.
+        if self._capacity_waiters:
+            self._spawn(self._notify())
+        if reaper:
+            self._wake_reaper.set()
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._spawn(self._watch())
+        self._spawn(self._reaper())
+        if self.config.spare:
+            self._refill_spare()
+
+    async def stop(self) -> None:
+        """Stop every runner (idempotent); in-flight generations end with an error."""
+        self.stopping = True
+        for task in list(self._tasks):
+            task.cancel()
+        engines = list(self.engines.values())
+        await asyncio.gather(
+            *(self._stop_engine(e, "daemon stopping") for e in engines), return_exceptions=True
+        )
+        if self._spare_task is not None:
+            self._spare_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._spare_task
+        await self._drop_spare()
+        while self._tasks:
+            pending = list(self._tasks)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    # --- loading -------------------------------------------------------------------------
+
+    def _held(self, target: Target) -> None:
+        until = self.held_until.get(target.key)
+        if until is None:
+            return
+        left = until - time.monotonic()
+        if left <= 0:
+            del self.held_until[target.key]
+            self.crashes.pop(target.key, None)
+            return
+        raise HeldBack(
+            f"model {target.model_id}: its engine crashed {self.config.crash_limit} times "
+            f"within {self.config.crash_window:g} s; held back for another {left:.0f} s. "
+            f"Check the file with `modeld verify {target.model_id}` or try another plan",
+            retry_after=left,
+        )
+
+    async def _engine_for(self, target: Target, keep_alive: float | None) -> Engine:
+        """The engine for ``target``, created (once) if needed; counts the caller as a user."""
+        if self.stopping:
+            raise ShuttingDown("the daemon is stopping; retry when it is back")
+        self._held(target)
+        e: Engine | None = None
+        while True:
+            e = self.engines.get(target.key)
+            if e is not None and e.state in (State.UNLOADING, State.FAILED):
+                await e.gone.wait()
+                continue
+            break
+        if e is None:
+            e = Engine(target=target, keep_alive=self.config.keep_alive)
+            self.engines[target.key] = e
+            e.load_task = self._spawn(self._load(e))
+        if e.users >= self.config.queue_limit:
+            raise Busy(f"model {target.model_id}: {e.users} requests already queued", 1.0)
+        if keep_alive is not None:
+            e.keep_alive = keep_alive
+        e.users += 1
+        self._note_queue(target.model_id)
+        e.idle.clear()
+        e.expires_at = None
+        return e
+
+    async def _load(self, e: Engine) -> None:
+        started = time.monotonic()
+        t = e.target
+        try:
+            runner = await self._take_spare()
+            if runner is not None:
+                # The spare's memory is already counted: it moves into this engine.
+                e.reserved, self.spare_reserved = self.spare_reserved, 0
+            await self._admit(e)
+            if runner is None:
+                runner = await self.factory()
+            e.runner = runner
+            reply = await runner.create(t.spec)
+        except BaseException as exc:
+            err = load_error(t, exc)
+            await self._finish_failed_load(e, err)
+            if self.metrics:
+                self.metrics.engine_loads.labels(t.model_id, "failed").inc()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        e.create_seconds = float(reply.get("seconds", 0.0))
+        if self.metrics:
+            self.metrics.phase_seconds.labels("engine_create").observe(e.create_seconds)
+        e.load_seconds = time.monotonic() - started
+        e.measured = runner.memory()[0] or int(reply.get("pss", 0))
+        e.reserved = max(e.measured, t.expected)
+        self._note_used()
+        if e.state is not State.LOADING:
+            # Unloaded while the engine was being created: the unload stops the runner.
+            e.ready.set_exception(EngineError(f"model {t.model_id}: unloaded while loading"))
+            e.ready.exception()
+            return
+        self._set_state(e, State.READY)
+        e.last_used = time.monotonic()
+        e.watch_task = self._spawn(self._watch_runner(e, runner))
+        e.ready.set_result(None)
+        if self.metrics:
+            self.metrics.engine_loads.labels(t.model_id, "ok").inc()
+        logs.event(
+            "engine_loaded",
+            engine=t.engine_id,
+            pid=runner.pid,
+            seconds=e.load_seconds,
+            create=e.create_seconds,
+            pss=e.measured,
+            estimate=t.expected,
+        )
+        # The estimate may have been low: real PSS counts, so make room now if needed.
+        await self._enforce_budget(keep=e)
+        self._refill_spare()
+        self._wake()
+
+    async def _finish_failed_load(self, e: Engine, err: ModeldError) -> None:
+        if e.state is State.LOADING:
+            self._set_state(e, State.FAILED)
+        if e.runner is not None:
+            await e.runner.kill()
+        if isinstance(err, EngineCrashed):
+            self._count_crash(e.target)
+        self._remove(e)
+        if not e.ready.done():
+            e.ready.set_exception(err)
+            # Nobody may be waiting any more (all left); do not log "never retrieved".
+            e.ready.exception()
+
+    def _remove(self, e: Engine) -> None:
+        if self.engines.get(e.target.key) is e:
+            del self.engines[e.target.key]
+        e.reserved = 0
+        e.gone.set()
+        self._note_queue(e.target.model_id)
+        if self.metrics:
+            with contextlib.suppress(KeyError):
+                self.metrics.engine_pss.remove(e.target.engine_id)
+        self._note_used()
+        self._wake()
+
+    # --- crash and stop ------------------------------------------------------------------
+
+    def _count_crash(self, target: Target) -> None:
+        now = time.monotonic()
+        times = self.crashes.setdefault(target.key, collections.deque())
+        times.append(now)
+        while times and times[0] < now - self.config.crash_window:
+            times.popleft()
+        if len(times) >= self.config.crash_limit:
+            self.held_until[target.key] = now + self.config.hold_seconds
+            logs.event("model_held_back", model=target.model_id, crashes=len(times))
+
+    async def _watch_runner(self, e: Engine, runner: RunnerLike) -> None:
+        died = await runner.wait_exit()
+        if runner.closing or e.state in (State.FAILED,):
+            return
+        logs.event("engine_crashed", engine=e.target.engine_id, how=died.how, reason=died.reason)
+        if self.metrics:
+            self.metrics.engine_crashes.labels(e.target.model_id, died.signal_name or "exit").inc()
+        self._count_crash(e.target)
+        self.last_eviction[e.target.key] = f"crashed ({died.how})"
+        if e.state is not State.UNLOADING:
+            self._set_state(e, State.FAILED)
+        self._remove(e)
+
+    async def _stop_engine(self, e: Engine, reason: str) -> None:
+        """Stop ``e`` now (idle, or its in-flight work gets an error) and forget it."""
+        if e.state in (State.LOADING, State.READY, State.BUSY):
+            self._set_state(e, State.UNLOADING)
+        if e.load_task is not None and not e.load_task.done():
+            e.load_task.cancel()
+            with contextlib.suppress(BaseException):
+                await e.load_task
+        if e.runner is not None:
+            await e.runner.close()
+        self.last_eviction[e.target.key] = reason
+        self.recent_evictions.append(
+            {"engine": e.target.engine_id, "reason": reason, "at": time.time()}
+        )
+        if self.metrics:
+            self.metrics.engine_evictions.labels(reason.split(" ", maxsplit=1)[0]).inc()
+        logs.event("engine_stopped", engine=e.target.engine_id, reason=reason)
+        self._remove(e)
+
+    # --- requests ------------------------------------------------------------------------
+
+    async def _wait_ready(self, e: Engine) -> None:
+        try:
+            await asyncio.shield(e.ready)
+        except asyncio.CancelledError:
+            if e.state is State.LOADING and e.users <= 1 and not e.explicit:
+                # Every waiter left: a load nobody wants any more only costs memory.
+                self._spawn(self._stop_engine(e, "load cancelled: every waiter left"))
+            raise
+
+    def _release(self, e: Engine) -> None:
+        e.users -= 1
+        e.last_used = time.monotonic()
+        if e.state is State.BUSY:
+            self._set_state(e, State.READY)
+        if e.users == 0:
+            e.idle.set()
+            if e.state is State.READY and not e.pinned:
+                if e.keep_alive == 0:
+                    self._spawn(self._stop_engine(e, "keep_alive 0"))
+                elif e.keep_alive > 0:
+                    e.expires_at = e.last_used + e.keep_alive
+        self._note_queue(e.target.model_id)
+        # The reaper needs waking only for an expiry earlier than the one it sleeps until.
+        due = self._reaper_due
+        self._wake(reaper=e.expires_at is not None and (due is None or e.expires_at < due))
+
+    async def load(
+        self, target: Target, *, keep_alive: float | None = None, pin: bool = False
+    ) -> dict[str, Any]:
+        """Load ``target`` now (or find it loaded); return its ``ps`` view."""
+        e = await self._engine_for(target, keep_alive)
+        e.explicit = True
+        e.pinned = e.pinned or pin
+        try:
+            await self._wait_ready(e)
+        finally:
+            self._release(e)
+        return engine_view(e, time.monotonic(), self.last_eviction.get(e.target.key))
+
+    async def generate(
+        self, target: Target, job: dict[str, Any], *, keep_alive: float | None = None
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """Token records, then a final record with phase timings; see ``runner_generate``."""
+        arrived = time.monotonic()
+        for attempt in range(2):
+            e = await self._engine_for(target, keep_alive)
+            started = False
+            try:
+                await self._wait_ready(e)
+                loaded_at = time.monotonic()
+                async with e.lock:
+                    if e.state not in (State.READY, State.BUSY):
+                        if attempt == 0 and e.state is State.FAILED:
+                            continue  # crashed while we queued: a fresh engine is fine
+                        raise EngineError(f"model {target.model_id}: its engine was unloaded")
+                    started = True
+                    self._set_state(e, State.BUSY)
+                    self._note_queue(target.model_id)
+                    e.served += 1
+                    async for rec in self._run(e, job, arrived, loaded_at):
+                        yield rec
+                    return
+            except RunnerError as err:
+                cls = BadRequest if err.code == "bad_request" else EngineError
+                raise cls(f"model {target.model_id}: {err.message}") from err
+            except RunnerDied as died:
+                if not started or e.runner is None or e.runner.closing:
+                    raise EngineError(
+                        f"model {target.model_id}: its engine was stopped during the request"
+                    ) from died
+                raise EngineCrashed(
+                    f"model {target.model_id}: its engine process was {died.how}"
+                    + (f" ({died.reason})" if died.reason else "")
+                    + "; the daemon is fine and the next request starts a new engine",
+                    model=target.model_id,
+                    signal=died.signal_name,
+                ) from died
+            finally:
+                self._release(e)
+
+    async def _run(
+        self, e: Engine, job: dict[str, Any], arrived: float, loaded_at: float
+    ) -> AsyncIterator[dict[str, Any]]:
+        assert e.runner is not None
+        began = time.monotonic()
+        first: float | None = None
+        async with contextlib.aclosing(e.runner.generate(job)) as records:
+            async for rec in records:
+                if "token" in rec:
+                    first = first or time.monotonic()
+                    yield {"token": rec["token"]}
+                    continue
+                ttft = (rec.get("timings") or {}).get("first_token")
+                if first is None and ttft is not None:
+                    # A non-streamed reply sends no token frames: the runner's own figure.
+                    first = began + ttft
+                yield self._final(
+                    e, rec, arrived=arrived, loaded_at=loaded_at, began=began, first=first
+                )
+        if not e.measured_at or time.monotonic() - e.measured_at >= self.config.watch_interval:
+            self._spawn(self._measure_after(e))
+
+    # --- unload, expiry, watching ----------------------------------------------------------
+
+    def find(self, selector: str) -> list[Engine]:
+        """Engines whose id or model id is ``selector``."""
+        return [
+            e for e in self.engines.values() if selector in (e.target.engine_id, e.target.model_id)
+        ]
+
+    async def unload(self, selector: str, *, grace: float | None = None) -> list[dict[str, Any]]:
+        """Stop the engines of ``selector``; in-flight requests get ``grace`` s to finish."""
+        engines = self.find(selector)
+        if not engines:
+            raise EngineNotFound(f"no engine loaded for {selector!r}; see `modeld ps`")
+        grace = self.config.unload_timeout if grace is None else grace
+        views = []
+        for e in engines:
+            views.append(engine_view(e, time.monotonic(), None))
+            was_loading = e.state is State.LOADING
+            if e.state in (State.READY, State.BUSY, State.LOADING):
+                self._set_state(e, State.UNLOADING)
+            # Waiters of a load have nothing in flight yet: stop it now.
+            if e.users and not was_loading:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(grace):
+                        await e.idle.wait()
+            await self._stop_engine(e, "unloaded on request")
+        return views
+
+    async def _reaper(self) -> None:
+        while True:
+            # Cleared before the scan, and "no due time" while it runs: an expiry set while
+            # an engine is being stopped below wakes the next round instead of being lost.
+            self._wake_reaper.clear()
+            self._reaper_due = None
+            now = time.monotonic()
+            due = [
+                e
+                for e in self.engines.values()
+                if e.state is State.READY and e.users == 0 and e.expires_at is not None
+            ]
+            for e in [e for e in due if e.expires_at is not None and e.expires_at <= now]:
+                await self._stop_engine(e, f"keep_alive {e.keep_alive:g}s expired")
+            nxt = min(
+                (e.expires_at for e in due if e.expires_at and e.expires_at > now), default=None
+            )
+            self._reaper_due = nxt
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that
+            # races with the event (the loop would then never stop).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if nxt is None else max(0.0, nxt - now)):
+                    await self._wake_reaper.wait()

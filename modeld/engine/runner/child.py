@@ -1,0 +1,404 @@
+"""The child process that owns one ``litert_lm.Engine`` (``python -m modeld.engine.runner.child``).
+
+Why a child per engine: the runtime can SIGSEGV on a damaged file and SIGABRT on a GPU
+failure, a freed engine's memory stays with its process (glibc), and the first engine fixes
+process-wide runtime state. A process per engine turns each of those into "that runner
+died" and gives each engine its own PSS to count against the budget.
+
+Protocol (one socketpair, both ways): frames of a 4-byte big-endian length and a UTF-8
+JSON object. Parent -> child ops, each with an ``id``:
+
+- ``create``: path, backend, vision, audio, max_tokens, max_images, cache_dir, speculative
+  -> ``{"id", "ok": true, "seconds", "pss", "rss"}``
+- ``generate``: messages (role/content, last one is sent), max_tokens, sampler, stop,
+  format, stream -> token frames... then ``{"id", "done": true, "finish", "timings"...}``;
+  with ``"stream": false`` no token frames, and the final record carries ``text``
+- ``cancel``: ``target`` (a generate id) -> no reply of its own; the generation ends
+  with ``finish: "cancelled"``
+- ``stats`` -> ``{"id", "ok": true, "pss", "rss"}``
+- ``close`` -> ``{"id", "ok": true}``, then the process exits
+
+Token frames skip JSON (they are most of the traffic): the length word has its top bit
+set (``TOKEN_FLAG``) and the body is a 4-byte big-endian request id and the UTF-8 text;
+``decode_frame`` turns one into ``{"id", "token"}``.
+
+A failure answers ``{"id", "error": {"code", "message"}}`` where the message carries the
+runtime's own reason (``litert_lm_get_last_error_message`` read on the failing thread; the
+runtime prints it only to fd 2 and Python raises a generic RuntimeError).
+
+This module imports nothing from modeld at module level, so a spare runner starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import queue
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_HEADER = struct.Struct(">I")
+_RID = struct.Struct(">I")
+TOKEN_FLAG = 0x8000_0000
+# Images travel as base64 inside generate frames; the API caps bodies at 64 MiB.
+MAX_FRAME = 80 * 1024 * 1024
+
+
+class ProtocolError(Exception):
+    """The other side sent something that is not a frame."""
+
+
+def encode_frame(msg: dict[str, Any]) -> bytes:
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    if len(data) > MAX_FRAME:
+        raise ProtocolError(f"frame of {len(data)} bytes is over {MAX_FRAME}")
+    return _HEADER.pack(len(data)) + data
+
+
+def encode_token(rid: int, text: str) -> bytes:
+    """A token frame: no JSON on either side, for the bulk of a generation's frames."""
+    data = text.encode()
+    return _HEADER.pack(TOKEN_FLAG | (_RID.size + len(data))) + _RID.pack(rid) + data
+
+
+def decode_body(data: bytes) -> dict[str, Any]:
+    msg = json.loads(data)
+    if not isinstance(msg, dict):
+        raise ProtocolError("frame is not a JSON object")
+    return msg
+
+
+def split_frames(buf: bytearray) -> list[dict[str, Any]]:
+    """Decode and remove every complete frame at the start of ``buf``."""
+    out: list[dict[str, Any]] = []
+    pos, end = 0, len(buf)
+    while end - pos >= _HEADER.size:
+        (word,) = _HEADER.unpack_from(buf, pos)
+        length = word & ~TOKEN_FLAG
+        if length > MAX_FRAME:
+            raise ProtocolError(f"frame of {length} bytes is over {MAX_FRAME}")
+        start = pos + _HEADER.size
+        if end - start < length:
+            break
+        if word & TOKEN_FLAG:
+            (rid,) = _RID.unpack_from(buf, start)
+            text = bytes(buf[start + _RID.size : start + length]).decode("utf-8", "replace")
+            out.append({"id": rid, "token": text})
+        else:
+            out.append(decode_body(bytes(buf[start : start + length])))
+        pos = start + length
+    del buf[:pos]
+    return out
+
+
+def read_memory(pid: int) -> tuple[int, int]:
+    """``(pss, rss)`` in bytes from ``/proc/PID/smaps_rollup`` (0, 0 if it is gone)."""
+    pss = rss = 0
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0, 0
+    for line in text.splitlines():
+        if line.startswith("Pss:"):
+            pss = int(line.split()[1]) * 1024
+        elif line.startswith("Rss:"):
+            rss = int(line.split()[1]) * 1024
+    return pss, rss
+
+
+# --- the child -------------------------------------------------------------------------
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    # PR_SET_PDEATHSIG: a daemon killed with -9 must not leave engines holding memory.
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    # The parent may have died before prctl took effect.
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+# Tokens that come within this long of the last token frame wait and leave together (the
+# first of a burst goes at once). A real model's tokens are further apart than this, so it
+# changes nothing there; a fast one stops waking the daemon and its client once per token,
+# which on a small machine steals the CPU the decode itself needs.
+TOKEN_WINDOW = 0.002
+
+
+class _TokenBatcher:
+    """Coalesces one generation's token frames within ``TOKEN_WINDOW``; see above."""
+
+    def __init__(self, send: Any, window: float = TOKEN_WINDOW) -> None:
+        self._send = send
+        self.window = window
+        self.cv = threading.Condition()
+        self.rid = 0
+        self.parts: list[str] = []
+        self.last = 0.0
+        threading.Thread(target=self._flusher, name="tokens", daemon=True).start()
+
+    def add(self, rid: int, text: str) -> None:
+        with self.cv:
+            now = time.monotonic()
+            if self.parts and self.rid != rid:
+                self._flush_locked(now)
+            self.rid = rid
+            self.parts.append(text)
+            if now - self.last >= self.window:
+                self._flush_locked(now)
+            else:
+                self.cv.notify()
+
+    def flush(self) -> None:
+        """Send what waits now: before any other frame, so frames keep their order."""
+        with self.cv:
+            if self.parts:
+                self._flush_locked(time.monotonic())
+
+    def _flush_locked(self, now: float) -> None:
+        text, self.parts = "".join(self.parts), []
+        self.last = now
+        self._send(encode_token(self.rid, text))
+
+    def _flusher(self) -> None:
+        with self.cv:
+            while True:
+                if not self.parts:
+                    self.cv.wait()
+                    continue
+                delay = self.last + self.window - time.monotonic()
+                if delay > 0:
+                    self.cv.wait(delay)
+                    continue
+                with contextlib.suppress(OSError):
+                    self._flush_locked(time.monotonic())
+
+
+class _Child:
+    """The runner's state: one socket, at most one engine, one generation thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.send_lock = threading.Lock()
+        self.engine: Any = None
+        self.max_tokens: int | None = None
+        self.jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.cancelled: set[int] = set()
+        self.current: tuple[int, Any] | None = None  # (generate id, conversation)
+        self.current_lock = threading.Lock()
+        self._last_error: Any = None
+        self._clear_error: Any = None
+        self.worker = threading.Thread(target=self._work, name="generate", daemon=True)
+        self.tokens = _TokenBatcher(self._send_frame)
+
+    def _send_frame(self, frame: bytes) -> None:
+        with self.send_lock:
+            self.sock.sendall(frame)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        frame = encode_frame(msg)
+        self.tokens.flush()
+        self._send_frame(frame)
+
+    def send_token(self, rid: int, text: str) -> None:
+        self.tokens.add(rid, text)
+
+    def error(self, rid: Any, code: str, message: str) -> None:
+        self.send({"id": rid, "error": {"code": code, "message": message}})
+
+    # The runtime's own failure text is kept per thread; read it on the failing thread.
+    def _bind_errors(self) -> None:
+        from litert_lm._ffi import _get_lib
+
+        lib = _get_lib()
+        with contextlib.suppress(AttributeError):
+            self._last_error = lib.litert_lm_get_last_error_message
+            self._last_error.restype = ctypes.c_char_p
+            self._last_error.argtypes = []
+            self._clear_error = lib.litert_lm_clear_last_error
+            self._clear_error.argtypes = []
+
+    def clear_error(self) -> None:
+        if self._clear_error is not None:
+            self._clear_error()
+
+    def runtime_reason(self, exc: BaseException) -> str:
+        text = None
+        if self._last_error is not None:
+            raw = self._last_error()
+            text = raw.decode("utf-8", "replace").strip() if raw else None
+        generic = f"{type(exc).__name__}: {exc}"
+        return f"{text} ({generic})" if text and text not in generic else generic
+
+    def _code_for(self, reason: str) -> str:
+        # The runtime checks backend_constraint inside Engine(); keep its code stable.
+        return "backend_constraint" if "constraint mismatch" in reason else "engine_error"
+
+    # --- ops -----------------------------------------------------------------------------
+
+    def create(self, msg: dict[str, Any]) -> None:
+        rid = msg.get("id")
+        if self.engine is not None:
+            self.error(rid, "conflict", "this runner already has an engine")
+            return
+        import litert_lm
+
+        def backend(name: str | None) -> Any:
+            if name is None:
+                return None
+            return litert_lm.Backend.GPU() if name == "gpu" else litert_lm.Backend.CPU()
+
+        started = time.perf_counter()
+        self.clear_error()
+        try:
+            cache_dir = msg.get("cache_dir")
+            if cache_dir:
+                # The runtime refuses a cache dir that does not exist yet.
+                Path(cache_dir).mkdir(parents=True, exist_ok=True)
+            kwargs: dict[str, Any] = {}
+            if msg.get("speculative") is not None:
+                kwargs["enable_speculative_decoding"] = bool(msg["speculative"])
+            self.engine = litert_lm.Engine(
+                str(msg["path"]),
+                backend=backend(msg.get("backend", "cpu")),
+                vision_backend=backend(msg.get("vision")),
+                audio_backend=backend(msg.get("audio")),
+                max_num_tokens=msg.get("max_tokens"),
+                max_num_images=msg.get("max_images"),
+                cache_dir=cache_dir,
+                # Prefill/decode counts and speeds for the phase timings.
+                enable_benchmark=True,
+                **kwargs,
+            )
+        except Exception as e:
+            reason = self.runtime_reason(e)
+            self.error(rid, self._code_for(reason), reason)
+            return
+        self.max_tokens = msg.get("max_tokens")
+        pss, rss = read_memory(os.getpid())
+        seconds = time.perf_counter() - started
+        self.send({"id": rid, "ok": True, "seconds": seconds, "pss": pss, "rss": rss})
+
+    def cancel(self, target: int) -> None:
+        self.cancelled.add(target)
+        with self.current_lock:
+            if self.current is not None and self.current[0] == target:
+                with contextlib.suppress(Exception):
+                    self.current[1].cancel_process()
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            rid = job["id"]
+            if rid in self.cancelled:
+                self.cancelled.discard(rid)
+                self.send({"id": rid, "done": True, "finish": "cancelled", "timings": {}})
+                continue
+            try:
+                self._generate(job)
+            except (BrokenPipeError, ConnectionError):
+                return
+            except Exception as e:
+                code = "bad_request" if isinstance(e, ValueError) else "engine_error"
+                self.error(rid, code, self.runtime_reason(e))
+            finally:
+                with self.current_lock:
+                    self.current = None
+                self.cancelled.discard(rid)
+
+    def _generate(self, job: dict[str, Any]) -> None:
+        from modeld.engine.runner.generate import run_generation
+
+        run_generation(self, job)
+
+
+def child_main(fd: int, parent_pid: int) -> int:  # noqa: PLR0912 (one branch per op)
+    _die_with_parent(parent_pid)
+    # A terminal's Ctrl-C goes to the daemon, which stops runners in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    child = _Child(sock)
+    started = time.perf_counter()
+    # Loading the 131 MB runtime now is what makes a spare runner worth keeping.
+    import litert_lm  # noqa: F401
+
+    child._bind_errors()
+    child.worker.start()
+    child.send(
+        {
+            "op": "hello",
+            "pid": os.getpid(),
+            "preload_seconds": time.perf_counter() - started,
+        }
+    )
+    while True:
+        header = _recv_exact(sock, _HEADER.size)
+        if header is None:
+            break
+        (length,) = _HEADER.unpack(header)
+        if length > MAX_FRAME:
+            break
+        body = _recv_exact(sock, length)
+        if body is None:
+            break
+        msg = decode_body(body)
+        op = msg.get("op")
+        rid = msg.get("id")
+        if op == "create":
+            child.create(msg)
+        elif op == "generate":
+            if child.engine is None:
+                child.error(rid, "engine_error", "generate before create")
+            else:
+                child.jobs.put(msg)
+        elif op == "cancel":
+            child.cancel(int(msg.get("target", -1)))
+        elif op == "stats":
+            pss, rss = read_memory(os.getpid())
+            child.send({"id": rid, "ok": True, "pss": pss, "rss": rss})
+        elif op == "close":
+            if child.current is not None:
+                child.cancel(child.current[0])
+            child.send({"id": rid, "ok": True})
+            break
+        else:
+            child.error(rid, "bad_request", f"unknown op {op!r}")
+    # Engine teardown has crashed in some runtime builds and frees nothing useful: the
+    # process is about to go, so its memory returns to the system anyway.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m modeld.engine.runner.child")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    args = parser.parse_args(argv)
+    return child_main(args.fd, args.parent)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The engine pool's data: runner protocol, engine states and transitions, targets, config.
+
+``State`` and its transition table ``ALLOWED`` live here; the one place an engine's state
+changes is ``Pool._set_state`` (``modeld.engine.pool``), which checks every change against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from modeld.config import parse_duration
+from modeld.engine.runner.client import RunnerDied, RunnerError
+from modeld.errors import (
+    BackendConstraint,
+    BadRequest,
+    DiskFull,
+    EngineCrashed,
+    EngineError,
+    ModeldError,
+)
+
+
+class RunnerLike(Protocol):
+    """What the pool needs of a runner; ``runner_client.Runner`` and ``FakeRunner`` have it."""
+
+    pid: int
+    closing: bool
+
+    @property
+    def alive(self) -> bool: ...
+    async def create(self, spec: dict[str, Any]) -> dict[str, Any]: ...
+    def generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]: ...
+    def memory(self) -> tuple[int, int]: ...
+    async def wait_exit(self) -> RunnerDied: ...
+    async def close(self, grace: float = 5.0) -> None: ...
+    async def kill(self) -> None: ...
+
+
+RunnerFactory = Callable[[], Awaitable[RunnerLike]]
+Learned = Callable[["Target", int], Awaitable[None]]
+
+
+class State(enum.Enum):
+    LOADING = "loading"  # reserving memory, starting the runner, creating the engine
+    READY = "ready"  # loaded and idle
+    BUSY = "busy"  # one request running (others may queue)
+    UNLOADING = "unloading"  # no new requests; in-flight ones finish, then the runner stops
+    FAILED = "failed"  # load failed or the runner died; removed right after
+
+
+ALLOWED = {
+    State.LOADING: {State.READY, State.FAILED, State.UNLOADING},
+    State.READY: {State.BUSY, State.UNLOADING, State.FAILED},
+    State.BUSY: {State.READY, State.UNLOADING, State.FAILED},
+    State.UNLOADING: {State.FAILED},
+    State.FAILED: set(),
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """One engine to run: the file, the plan and what the runner's ``create`` gets."""
+
+    model_id: str
+    digest: str
+    plan: dict[str, Any]
+    spec: dict[str, Any]
+    estimate: int
+    max_tokens: int
+    learned: int | None = None  # measured peak PSS from earlier runs, if any
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.digest, str(self.plan["key"]))
+
+    @property
+    def expected(self) -> int:
+        return self.learned if self.learned else self.estimate
+
+    @property
+    def engine_id(self) -> str:
+        p = self.plan
+        extra = "".join(f"+{m}-{p[m]}" for m in ("vision", "audio") if p.get(m))
+        return f"{self.model_id}:{p['main']}{extra}"
+
+
+@dataclass(eq=False)
+class Engine:
+    """One engine's bookkeeping; its views are in ``pool_views``."""
+
+    target: Target
+    state: State = State.LOADING
+    runner: RunnerLike | None = None
+    reserved: int = 0
+    measured: int | None = None
+    measured_at: float = 0.0  # monotonic time of the last PSS reading
+    peak: int = 0
+    recorded: int = 0  # the peak last handed to on_learned
+    users: int = 0  # requests waiting for the load, queued on the lock, or running
+    served: int = 0
+    pinned: bool = False
+    explicit: bool = False
+    keep_alive: float = 300.0
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    expires_at: float | None = None
+    load_seconds: float | None = None
+    create_seconds: float | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ready: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    load_task: asyncio.Task[None] | None = None
+    watch_task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class PoolConfig:
+    budget: int
+    keep_alive: float = 300.0  # seconds; 0 after each request; -1 never
+    queue_limit: int = 128  # requests queued per engine, and loads waiting for memory
+    wait_timeout: float = 30.0  # how long a load waits for memory before Busy
+    unload_timeout: float = 10.0  # how long unload waits for in-flight requests
+    watch_interval: float = 1.0
+    spare: bool = True  # keep one runner with the runtime loaded, ready for a cold load
+    spare_estimate: int = 64 * 1024 * 1024
+    crash_limit: int = 3  # crashes within crash_window hold a model back for hold_seconds
+    crash_window: float = 600.0
+    hold_seconds: float = 300.0
+
+
+def validate_keep_alive(value: Any) -> float | None:
+    """A request's ``keep_alive``: seconds, a duration string, 0, or -1; None keeps the default."""
+    if value is None:
+        return None
+    try:
+        seconds = parse_duration(value)
+    except (ValueError, ModeldError) as e:
+        raise BadRequest(f"keep_alive {value!r}: use e.g. 30s, 5m, 0 or -1") from e
+    return -1.0 if seconds < 0 else seconds
+
+
+def load_error(t: Target, exc: BaseException) -> ModeldError:
+    """The error a failed engine load reports, from what went wrong (runtime, crash, ...)."""
+    if isinstance(exc, ModeldError):
+        return exc
+    if isinstance(exc, asyncio.CancelledError):
+        return EngineError(f"model {t.model_id}: the engine load was cancelled")
+    if isinstance(exc, RunnerError):
+        cls = BackendConstraint if exc.code == "backend_constraint" else EngineError
+        return cls(
+            f"model {t.model_id}: the runtime could not create its engine "
+            f"(plan {t.plan['key']}): {exc.message}",
+            model=t.model_id,
+        )
+    if isinstance(exc, RunnerDied):
+        if exc.reason and "No space left on device" in exc.reason:
+            # The runtime writes its weight cache into cache/<digest>/ while creating
+            # the engine and aborts when the disk is full: the file is not at fault.
+            return DiskFull(
+                f"model {t.model_id}: the disk holding MODELD_HOME is full; the runtime "
+                f"could not write its engine cache and its runner was {exc.how} "
+                f"({exc.reason}). Free space (e.g. `modeld prune`) and load it again",
+                model=t.model_id,
+                signal=exc.signal_name,
+            )
+        return EngineCrashed(
+            f"model {t.model_id}: its runner {exc} while creating the engine; the daemon "
+            "is fine. Check the file with `modeld verify`",
+            model=t.model_id,
+            signal=exc.signal_name,
+        )
+    return EngineError(f"model {t.model_id}: the engine could not start: {exc}")

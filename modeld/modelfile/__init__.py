@@ -1,0 +1,1 @@
+"""A ``.litertlm`` file: its header reader, the backend plan resolver and the GPU/vision probe."""

@@ -1,0 +1,256 @@
+"""Probing whether a backend plan works for a file, in a throwaway child process.
+
+A GPU that the runtime cannot use can abort the process (SIGABRT) and a damaged file
+can crash it (SIGSEGV), so the runtime is never tried in the daemon itself: the child
+(``python -m modeld.modelfile.probe PATH BACKEND CACHE_DIR [--vision B] [--audio B]``) creates an
+engine and a conversation, asks for a few tokens and prints one JSON line. The
+runtime writes its real reason for a failure only to fd 2 (Python sees a generic
+``RuntimeError: Failed to create LiteRT-LM engine``), so the parent keeps the child's
+stderr and picks the meaningful lines out of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROBE_PROMPT = "Hi"
+PROBE_MAX_TOKENS = 4
+_STDERR_CAP = 256 * 1024
+# glog/absl prefix: "E0000 00:00:1730000000.123456   12345 engine_impl.cc:123] ".
+_LOG_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:. ]+\s+\d+ [\w./-]+:\d+\] ")
+# "└ ERROR: [third_party/.../compiled_model.cc:1036]": a stack of locations, no words.
+_LOCATION_ONLY = re.compile(r"^(?:└\s*)?ERROR: \[[^\]]+\]\s*$|^third_party/|^=== Source Location")
+_LOCATION_PREFIX = re.compile(r"^ERROR: \[[\w./-]+:\d+\] ")
+_MEANINGFUL = re.compile(r"mismatch|error|failed|invalid|not found in|unsupported|abort", re.I)
+# Case-sensitive: absl's stack frames name `log_internal`, which is not a status code.
+_STATUS_CODE = re.compile(r"\bINTERNAL\b")
+# A fatal check prints a stack trace (`@ 0x7f… symbol`) after its message: frames are noise.
+_STACK_FRAME = re.compile(r"^@\s+0x[0-9a-f]+|^\*\*\* Check failure stack trace")
+_MAX_REASON_LINES = 3
+_MAX_LINE = 400
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """The outcome of one probe; ``reason`` is the runtime's own words when it failed."""
+
+    ok: bool
+    backend: str
+    reason: str | None
+    seconds: float
+    signal: str | None = None
+    vision: str | None = None
+    audio: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "backend": self.backend,
+            "vision": self.vision,
+            "audio": self.audio,
+            "reason": self.reason,
+            "seconds": round(self.seconds, 3),
+            "signal": self.signal,
+        }
+
+
+def _rank(line: str) -> int | None:
+    """How telling a stderr line is (lower is better); None for noise."""
+    if "mismatch" in line:
+        return 0
+    if line.startswith(("WARNING", "Warning", "W0", "I0", "INFO")):
+        return None
+    if _LOCATION_ONLY.match(_LOG_PREFIX.sub("", line)) or _STACK_FRAME.match(line):
+        return None
+    if line.startswith(("E0", "F0", "ERROR")):
+        return 1
+    return 2 if _MEANINGFUL.search(line) or _STATUS_CODE.search(line) else None
+
+
+def extract_reason(stderr: str, fallback: str | None = None) -> str | None:
+    """The lines of the runtime's stderr that say why it failed, joined by `` | ``.
+
+    Constraint mismatches come first, then error-severity log lines, then other lines
+    that mention a failure; warnings (NPU/Vulkan not found) and bare source locations
+    are noise. With nothing telling, the last non-empty line stands in.
+    """
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    ranked = sorted(
+        ((r, i) for i, ln in enumerate(lines) if (r := _rank(ln)) is not None),
+    )
+    picked: list[str] = []
+    # The fallback (e.g. "killed by SIGABRT") always keeps its place at the end.
+    room = _MAX_REASON_LINES - (1 if fallback else 0)
+    for _, i in ranked:
+        text = _LOG_PREFIX.sub("", lines[i]).removeprefix("└").strip()
+        text = _LOCATION_PREFIX.sub("", text)[:_MAX_LINE]
+        if text not in picked:
+            picked.append(text)
+        if len(picked) == room:
+            break
+    if not picked and lines:
+        picked = [lines[-1][:_MAX_LINE]]
+    if fallback:
+        picked.append(fallback)
+    return " | ".join(picked) or None
+
+
+def child_argv(
+    path: Path, backend: str, cache_dir: Path, vision: str | None = None, audio: str | None = None
+) -> list[str]:
+    argv = [sys.executable, "-m", "modeld.modelfile.probe", str(path), backend, str(cache_dir)]
+    argv += ["--parent", str(os.getpid())]
+    if vision:
+        argv += ["--vision", vision]
+    if audio:
+        argv += ["--audio", audio]
+    return argv
+
+
+async def probe(
+    path: Path,
+    backend: str,
+    cache_dir: Path,
+    timeout: float = 60,  # noqa: ASYNC109 - a timeout is a result (ok False), not an error
+    *,
+    vision: str | None = None,
+    audio: str | None = None,
+) -> ProbeResult:
+    """Try ``backend`` (and optionally vision/audio backends) on ``path`` in a child."""
+    start = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *child_argv(path, backend, cache_dir, vision, audio),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        # Its own session: a terminal's Ctrl-C reaches the daemon, not the probe, so a
+        # foreground `modeld serve` stopped mid-probe never records a false GPU failure.
+        start_new_session=True,
+    )
+
+    def result(ok: bool, reason: str | None, sig: str | None = None) -> ProbeResult:
+        return ProbeResult(
+            ok=ok,
+            backend=backend,
+            reason=reason,
+            seconds=time.monotonic() - start,
+            signal=sig,
+            vision=vision,
+            audio=audio,
+        )
+
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        return result(False, f"timed out after {timeout:g} s")
+    except asyncio.CancelledError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
+
+    stderr = err[-_STDERR_CAP:].decode("utf-8", "replace")
+    report: dict[str, Any] = {}
+    for line in reversed(out.decode("utf-8", "replace").splitlines()):
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                report = json.loads(line)
+                break
+    rc = proc.returncode if proc.returncode is not None else -1
+    if rc < 0:
+        sig = signal.Signals(-rc).name if -rc in signal.valid_signals() else str(-rc)
+        return result(False, extract_reason(stderr, f"probe child killed by {sig}"), sig)
+    if rc == 0 and report.get("ok") is True:
+        return result(True, None)
+    return result(False, extract_reason(stderr, report.get("error") or f"probe exited with {rc}"))
+
+
+# --- the child ---------------------------------------------------------------------------
+
+
+def _die_with_parent(parent: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
+    # A probe left running after the daemon died would hold GPU memory forever.
+    pr_set_pdeathsig = 1
+    expected = parent if parent is not None else os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    # The parent may have died before prctl took effect; comparing with its pid rather
+    # than with 1 keeps this right under a subreaper or when the daemon is PID 1.
+    if os.getppid() != expected:
+        os._exit(1)
+
+
+def _backend(name: str) -> Any:
+    import litert_lm
+
+    if name == "gpu":
+        return litert_lm.Backend.GPU()
+    if name == "cpu":
+        return litert_lm.Backend.CPU()
+    raise SystemExit(f"unknown backend {name!r}; use cpu or gpu")
+
+
+def _report(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()
+
+
+def run_child(
+    path: str, backend: str, cache_dir: str, vision: str | None, audio: str | None
+) -> int:
+    """Create an engine, a conversation and one short reply; print one JSON line."""
+    start = time.monotonic()
+    try:
+        # The runtime refuses a cache dir that does not exist yet.
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        import litert_lm
+
+        engine = litert_lm.Engine(
+            path,
+            backend=_backend(backend),
+            vision_backend=_backend(vision) if vision else None,
+            audio_backend=_backend(audio) if audio else None,
+            cache_dir=cache_dir,
+        )
+        conversation = engine.create_conversation(max_output_tokens=PROBE_MAX_TOKENS)
+        reply = conversation.send_message(PROBE_PROMPT, max_output_tokens=PROBE_MAX_TOKENS)
+    except Exception as e:
+        _report({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        return 1
+    _report({"ok": True, "seconds": time.monotonic() - start, "reply_chars": len(str(reply))})
+    # Engine teardown has crashed in some runtime builds; the answer is already out.
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m modeld.modelfile.probe")
+    parser.add_argument("path")
+    parser.add_argument("backend", choices=["cpu", "gpu"])
+    parser.add_argument("cache_dir")
+    parser.add_argument("--vision", choices=["cpu", "gpu"])
+    parser.add_argument("--audio", choices=["cpu", "gpu"])
+    parser.add_argument("--parent", type=int, help="the pid that must stay our parent")
+    args = parser.parse_args(argv)
+    _die_with_parent(args.parent)
+    return run_child(args.path, args.backend, args.cache_dir, args.vision, args.audio)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

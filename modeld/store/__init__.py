@@ -1,0 +1,1 @@
+"""The state dir: its layout, the SQLite index (schema, records), blobs and the start-up scan."""

@@ -1,0 +1,148 @@
+"""The state dir's SQLite index: its schema, connections, and the rows it hands out.
+
+Used by :mod:`modeld.store.store` (which re-exports ``Installed`` and ``VerifyReport``); nothing
+here touches blobs or runs a transaction of its own.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+__all__ = [
+    "BUSY_TIMEOUT_MS",
+    "SCHEMA_VERSION",
+    "Installed",
+    "VerifyReport",
+    "connect_db",
+    "create_schema",
+    "installed_from",
+]
+
+BUSY_TIMEOUT_MS = 10_000
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Installed:
+    """One installed model: a row of ``installed`` and the blob it names."""
+
+    model_id: str
+    digest: str
+    size: int
+    # How the bytes were vouched for, e.g. "registry sha256" or
+    # "x-linked-etag (huggingface.co)"; None means nobody did (unverified).
+    verified_by: str | None
+    installed_at: float
+    last_used: float | None
+    path: Path
+
+    @property
+    def verified(self) -> bool:
+        return self.verified_by is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.model_id,
+            "digest": self.digest,
+            "size": self.size,
+            "verified": self.verified,
+            "verified_by": self.verified_by,
+            "installed_at": self.installed_at,
+            "last_used": self.last_used,
+            "path": str(self.path),
+        }
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The outcome of re-hashing one installed blob."""
+
+    model_id: str
+    ok: bool
+    digest: str
+    actual: str | None
+    size: int
+    actual_size: int
+    seconds: float
+    quarantined: Path | None
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.model_id,
+            "ok": self.ok,
+            "digest": self.digest,
+            "actual_digest": self.actual,
+            "size": self.size,
+            "actual_size": self.actual_size,
+            "seconds": round(self.seconds, 3),
+            "quarantined": str(self.quarantined) if self.quarantined else None,
+            "message": self.message,
+        }
+
+
+def connect_db(path: Path) -> sqlite3.Connection:
+    # isolation_level=None: no implicit BEGIN; the writer issues BEGIN IMMEDIATE itself.
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn.row_factory = sqlite3.Row
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    conn.execute("PRAGMA foreign_keys = ON")
+    return conn
+
+
+def create_schema(conn: sqlite3.Connection) -> None:
+    conn.execute("PRAGMA journal_mode = WAL")
+    # FULL: a committed row survives power loss, so it never outlives its fsynced blob.
+    conn.execute("PRAGMA synchronous = FULL")
+    db = sqlite_utils.Database(conn)
+    db.table("installed").create(
+        {
+            "id": str,
+            "digest": str,
+            "size": int,
+            "verified_by": str,
+            "installed_at": float,
+            "last_used": float,
+            # Set when start-up found the blob gone: the model counts as not installed.
+            "missing_since": float,
+        },
+        pk="id",
+        not_null={"digest", "size", "installed_at"},
+        if_not_exists=True,
+    )
+    db.table("memory").create(
+        {"digest": str, "plan_key": str, "max_tokens": int, "pss": int, "measured_at": float},
+        pk=("digest", "plan_key", "max_tokens"),
+        not_null={"pss", "measured_at"},
+        if_not_exists=True,
+    )
+    db.table("probes").create(
+        {"digest": str, "backend": str, "ok": int, "reason": str, "at": float},
+        pk=("digest", "backend"),
+        not_null={"ok", "at"},
+        if_not_exists=True,
+    )
+    db.table("events").create(
+        {"seq": int, "at": float, "kind": str, "fields": str},
+        pk="seq",
+        not_null={"at", "kind"},
+        if_not_exists=True,
+    )
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def installed_from(row: sqlite3.Row, blobs: Path) -> Installed:
+    return Installed(
+        model_id=row["id"],
+        digest=row["digest"],
+        size=row["size"],
+        verified_by=row["verified_by"],
+        installed_at=row["installed_at"],
+        last_used=row["last_used"],
+        path=blobs / f"sha256-{row['digest']}",
+    )

@@ -1,0 +1,446 @@
+"""The state dir: content-addressed blobs on disk and the SQLite index that names them.
+
+Layout of ``MODELD_HOME``: ``blobs/sha256-<hex>`` (read-only model files), ``partial/``
+(downloads in progress), ``cache/<hex>/`` (the runtime's ``cache_dir`` per blob) and
+``modeld.db``. A digest is checked against ``DIGEST_RE`` before it becomes a path; a model
+id never becomes a path at all.
+
+SQLite runs in WAL mode with a busy timeout. Every write goes through one writer thread,
+one transaction at a time, each opened with ``BEGIN IMMEDIATE``: a deferred transaction
+that later upgrades to a write can fail with SQLITE_BUSY despite the busy timeout.
+
+A new blob is committed in this order: fsync the file, rename it into ``blobs/``, fsync
+the dir, then write the row. A crash at any point leaves at worst a file without a row
+(an orphan, reported at start-up), never a row that points at a missing file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import queue
+import re
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from modeld import logs
+from modeld.errors import BadRequest, ModelNotInstalled
+from modeld.store.fsutil import fsync_dir, fsync_path, place_blob
+from modeld.store.records import StoreRecords
+from modeld.store.scan import ScanReport, scan_state_dir, sha256_file
+from modeld.store.schema import (
+    BUSY_TIMEOUT_MS,
+    SCHEMA_VERSION,
+    Installed,
+    VerifyReport,
+    connect_db,
+    create_schema,
+    installed_from,
+)
+
+# Re-exported: callers import all of these from modeld.store.
+__all__ = [
+    "BUSY_TIMEOUT_MS",
+    "DIGEST_RE",
+    "SCHEMA_VERSION",
+    "Installed",
+    "ScanReport",
+    "Store",
+    "VerifyReport",
+    "fsync_dir",
+    "fsync_path",
+    "place_blob",
+    "sha256_file",
+]
+
+T = TypeVar("T")
+
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+_MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_FAILED = ".FAILED"
+
+_Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any], asyncio.AbstractEventLoop]
+
+
+class Store(StoreRecords):
+    """Blobs, partials and caches under ``home``, indexed in ``home/modeld.db``."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = Path(home)
+        self.db_path = self.home / "modeld.db"
+        self.blobs_dir = self.home / "blobs"
+        self.partial_dir = self.home / "partial"
+        self.cache_dir = self.home / "cache"
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._reader: sqlite3.Connection | None = None
+        self._read_lock = threading.Lock()
+        # Placing a blob and writing its row, and counting a blob's rows and unlinking it,
+        # each happen under this lock: an install of the same bytes racing an `rm` can never
+        # leave a row pointing at a blob just unlinked.
+        self._blob_lock = asyncio.Lock()
+        self.last_scan: ScanReport | None = None
+        # A new value as every write transaction is queued and again (on the writer thread)
+        # after it commits or rolls back, so a cache of reads (engines.py keeps installed
+        # rows) can tell whether a write came between. next() on a count is atomic.
+        self._generations = itertools.count(1)
+        self.generation = 0
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create the dirs and the db, start the writer, and scan for leftovers."""
+        if self._writer is not None:
+            return
+        for d in (self.home, self.blobs_dir, self.partial_dir, self.cache_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._writer = threading.Thread(
+            target=self._write_loop,
+            args=(started, asyncio.get_running_loop()),
+            name="modeld-db-writer",
+            daemon=True,
+        )
+        self._writer.start()
+        await started
+        self._reader = connect_db(self.db_path)
+        await self.scan()
+
+    async def close(self) -> None:
+        """Finish queued writes and close the db (a stop hook; idempotent)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            self._queue.put(None)
+            await asyncio.to_thread(writer.join)
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            with self._read_lock:
+                reader.close()
+
+    def _write_loop(self, started: asyncio.Future[None], loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            conn = connect_db(self.db_path)
+            create_schema(conn)
+        except Exception as e:
+            loop.call_soon_threadsafe(started.set_exception, e)
+            return
+        loop.call_soon_threadsafe(started.set_result, None)
+        try:
+            while (job := self._queue.get()) is not None:
+                fn, fut, job_loop = job
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    result = fn(conn)
+                    # executescript() commits on its own (fine for idempotent DDL).
+                    if conn.in_transaction:
+                        conn.execute("COMMIT")
+                except BaseException as e:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    self.generation = next(self._generations)
+                    self._settle(job_loop, fut, None, e)
+                else:
+                    self.generation = next(self._generations)
+                    self._settle(job_loop, fut, result, None)
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _settle(
+        loop: asyncio.AbstractEventLoop,
+        fut: asyncio.Future[Any],
+        result: Any,
+        error: BaseException | None,
+    ) -> None:
+        def settle() -> None:
+            if fut.done():  # the caller was cancelled; the write itself still happened
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        # The loop may already be closed when a caller gave up during shutdown.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle)
+
+    # --- transactions ----------------------------------------------------------------
+
+    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn`` in one ``BEGIN IMMEDIATE`` transaction on the single writer thread."""
+        if self._writer is None:
+            raise RuntimeError("Store.write before Store.open")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self.generation = next(self._generations)
+        self._queue.put((fn, fut, loop))
+        return await fut
+
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn`` on the read connection in a thread (WAL: never blocked by the writer)."""
+        if self._reader is None:
+            raise RuntimeError("Store.read before Store.open")
+        reader = self._reader
+
+        def run() -> T:
+            with self._read_lock:
+                reader.execute("BEGIN")
+                try:
+                    return fn(reader)
+                finally:
+                    reader.execute("COMMIT")
+
+        return await asyncio.to_thread(run)
+
+    # --- paths -----------------------------------------------------------------------
+
+    def blob_path(self, digest: str) -> Path:
+        if not DIGEST_RE.fullmatch(digest):
+            raise BadRequest(f"{digest!r} is not a sha256 digest (64 lowercase hex digits)")
+        return self.blobs_dir / f"sha256-{digest}"
+
+    def cache_dir_for(self, digest: str) -> Path:
+        """``cache/<digest>/``: the runtime's cache_dir for this blob."""
+        self.blob_path(digest)
+        return self.cache_dir / digest
+
+    # --- installed models ------------------------------------------------------------
+
+    async def install(
+        self, model_id: str, src: Path, digest: str, size: int, verified_by: str | None
+    ) -> Installed:
+        """Move ``src`` into ``blobs/`` and record it as ``model_id`` (replacing its old row).
+
+        ``src`` should be on the state dir's file system (``partial/``); if not, it is
+        copied first. The caller vouches for ``digest``; only the size is checked here.
+        """
+        if not _MODEL_ID_RE.fullmatch(model_id):
+            raise BadRequest(f"{model_id!r} is not a valid model id")
+        dest = self.blob_path(digest)
+        now = time.time()
+
+        def tx(conn: sqlite3.Connection) -> str | None:
+            old = conn.execute("SELECT digest FROM installed WHERE id = ?", (model_id,)).fetchone()
+            conn.execute(
+                "INSERT OR REPLACE INTO installed"
+                " (id, digest, size, verified_by, installed_at, last_used, missing_since)"
+                " VALUES (?, ?, ?, ?, ?, NULL, NULL)",
+                (model_id, digest, size, verified_by, now),
+            )
+            return old["digest"] if old is not None and old["digest"] != digest else None
+
+        async with self._blob_lock:
+            await asyncio.to_thread(place_blob, Path(src), dest, size)
+            replaced = await self.write(tx)
+        if replaced is not None:
+            await self._drop_blob_if_unused(replaced)
+        await self.event(
+            "installed", model=model_id, digest=digest, size=size, verified_by=verified_by
+        )
+        return Installed(model_id, digest, size, verified_by, now, None, dest)
+
+    async def installed(self, model_id: str) -> Installed | None:
+        """The model's install, or None (also when start-up found its blob missing)."""
+
+        def q(conn: sqlite3.Connection) -> sqlite3.Row | None:
+            row: sqlite3.Row | None = conn.execute(
+                "SELECT * FROM installed WHERE id = ? AND missing_since IS NULL", (model_id,)
+            ).fetchone()
+            return row
+
+        row = await self.read(q)
+        return installed_from(row, self.blobs_dir) if row is not None else None
+
+    async def list_installed(self) -> list[Installed]:
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT * FROM installed WHERE missing_since IS NULL ORDER BY id"
+            ).fetchall()
+        )
+        return [installed_from(r, self.blobs_dir) for r in rows]
+
+    async def missing(self) -> dict[str, float]:
+        """Models whose row survives but whose blob was gone at the last scan: id -> since."""
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT id, missing_since FROM installed WHERE missing_since IS NOT NULL"
+            ).fetchall()
+        )
+        return {r["id"]: r["missing_since"] for r in rows}
+
+    async def remove(self, model_id: str) -> None:
+        """Remove the row, and the blob and its cache if no other row uses them."""
+
+        def tx(conn: sqlite3.Connection) -> str | None:
+            row = conn.execute("SELECT digest FROM installed WHERE id = ?", (model_id,)).fetchone()
+            if row is None:
+                return None
+            conn.execute("DELETE FROM installed WHERE id = ?", (model_id,))
+            digest: str = row["digest"]
+            return digest
+
+        digest = await self.write(tx)
+        if digest is None:
+            raise ModelNotInstalled(f"model {model_id} is not installed; nothing to remove")
+        await self._drop_blob_if_unused(digest)
+        await self.event("removed", model=model_id, digest=digest)
+
+    async def _drop_blob_if_unused(self, digest: str) -> None:
+        def drop() -> None:
+            self.blob_path(digest).unlink(missing_ok=True)
+            shutil.rmtree(self.cache_dir_for(digest), ignore_errors=True)
+
+        async with self._blob_lock:
+            users = await self.read(
+                lambda c: c.execute(
+                    "SELECT count(*) FROM installed WHERE digest = ?", (digest,)
+                ).fetchone()[0]
+            )
+            if not users:
+                await asyncio.to_thread(drop)
+
+    async def touch(self, model_id: str) -> None:
+        now = time.time()
+        await self.write(
+            lambda c: c.execute("UPDATE installed SET last_used = ? WHERE id = ?", (now, model_id))
+        )
+
+    async def set_verified(self, model_id: str, verified_by: str) -> None:
+        """Record that the installed bytes were vouched for after the fact."""
+        await self.write(
+            lambda c: c.execute(
+                "UPDATE installed SET verified_by = ? WHERE id = ?", (verified_by, model_id)
+            )
+        )
+        await self.event("verified", model=model_id, verified_by=verified_by)
+
+    # --- verification ----------------------------------------------------------------
+
+    async def verify(self, model_id: str) -> VerifyReport:
+        """Re-hash the model's blob; a mismatching blob is quarantined and the row removed.
+
+        The bad file is renamed to ``blobs/sha256-<hex>.FAILED`` (apt's convention) so it
+        can be inspected, and it no longer counts as installed: ``modeld pull`` fetches a
+        good copy; ``modeld prune --orphans`` deletes the quarantined file.
+        """
+        inst = await self.installed(model_id)
+        if inst is None:
+            raise ModelNotInstalled(
+                f"model {model_id} is not installed; run `modeld pull {model_id}`"
+            )
+        started = time.monotonic()
+        try:
+            actual, actual_size = await asyncio.to_thread(sha256_file, inst.path)
+        except FileNotFoundError:
+            await self.scan()
+            raise ModelNotInstalled(
+                f"model {model_id}: its file {inst.path} is gone; run `modeld pull {model_id}`"
+            ) from None
+        seconds = time.monotonic() - started
+        if actual == inst.digest and actual_size == inst.size:
+            await self.event("verify_ok", model=model_id, digest=actual, seconds=seconds)
+            return VerifyReport(
+                model_id,
+                True,
+                inst.digest,
+                actual,
+                inst.size,
+                actual_size,
+                seconds,
+                None,
+                f"model {model_id}: sha256 {actual} matches ({actual_size} bytes)",
+            )
+        moved = await self._quarantine(inst.digest)
+        await self.event(
+            "verify_failed",
+            model=model_id,
+            digest=inst.digest,
+            actual=actual,
+            actual_size=actual_size,
+            quarantined=str(moved),
+        )
+        return VerifyReport(
+            model_id,
+            False,
+            inst.digest,
+            actual,
+            inst.size,
+            actual_size,
+            seconds,
+            moved,
+            f"model {model_id}: the file's sha256 is {actual} ({actual_size} bytes), expected "
+            f"{inst.digest} ({inst.size} bytes); it was moved to {moved} and the model is no "
+            f"longer installed. Run `modeld pull {model_id}` to fetch a good copy",
+        )
+
+    async def _quarantine(self, digest: str) -> Path:
+        src = self.blob_path(digest)
+
+        def move() -> Path:
+            dest = src.with_name(src.name + _FAILED)
+            if dest.exists():
+                dest = src.with_name(f"{src.name}{_FAILED}.{int(time.time())}")
+            src.replace(dest)
+            fsync_dir(self.blobs_dir)
+            shutil.rmtree(self.cache_dir_for(digest), ignore_errors=True)
+            return dest
+
+        # File first, then the rows: a crash in between leaves rows that the next
+        # start-up scan marks missing, never a row that calls a bad file good.
+        dest = await asyncio.to_thread(move)
+        await self.write(lambda c: c.execute("DELETE FROM installed WHERE digest = ?", (digest,)))
+        return dest
+
+    # --- start-up scan ---------------------------------------------------------------
+
+    async def scan(self) -> ScanReport:
+        """Find orphans: files without rows, rows without files, leftover partials."""
+        rows = await self.read(
+            lambda c: c.execute("SELECT id, digest, size, missing_since FROM installed").fetchall()
+        )
+        by_id = {r["id"]: (r["digest"], r["size"], r["missing_since"]) for r in rows}
+        report = await asyncio.to_thread(
+            scan_state_dir, self.blobs_dir, self.partial_dir, self.cache_dir, by_id
+        )
+        now = time.time()
+        gone = [m for m in report.missing if by_id[m][2] is None]
+        back = [
+            m for m, (_, _, since) in by_id.items() if since is not None and m not in report.missing
+        ]
+
+        def tx(conn: sqlite3.Connection) -> None:
+            for m in gone:
+                conn.execute("UPDATE installed SET missing_since = ? WHERE id = ?", (now, m))
+            for m in back:
+                conn.execute("UPDATE installed SET missing_since = NULL WHERE id = ?", (m,))
+
+        if gone or back:
+            await self.write(tx)
+        for m in gone:
+            await self.event("blob_missing", model=m, digest=by_id[m][0])
+        self.last_scan = report
+        for problem in report.problems():
+            logs.event("store_problem", problem=problem)
+        return report
+
+    async def status(self) -> dict[str, Any]:
+        """The ``store`` section of ``/api/status``."""
+        installed = await self.list_installed()
+        total = sum(i.size for i in installed)
+        scan = self.last_scan
+        doc: dict[str, Any] = {
+            "home": str(self.home),
+            "installed": len(installed),
+            "installed_bytes": total,
+            "unverified": sorted(i.model_id for i in installed if not i.verified),
+            "scan": scan.to_dict() if scan else None,
+            "problems": scan.problems() if scan else [],
+        }
+        doc["summary"] = f"{len(installed)} installed model(s), {total} bytes in {self.blobs_dir}"
+        return doc

@@ -1,0 +1,259 @@
+"""Pull, downloads and import through the real daemon: in-process API, and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import shutil
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modeld.client import Client
+from modeld.config import load_settings
+from modeld.daemon import daemon as daemon_mod
+from modeld.errors import (
+    CorruptModel,
+    DownloadNotFound,
+    IntegrityError,
+    ModelNotFound,
+)
+from tests.support.daemon import DaemonProcess, daemon_env
+from tests.support.mirror import Faults, Mirror, ThreadMirror
+from tests.support.state import MODELS
+
+SIZE = 2 * 1024 * 1024 + 999
+DATA = random.Random(11).randbytes(SIZE)
+SHA = hashlib.sha256(DATA).hexdigest()
+TINY = MODELS / "tiny-text.litertlm"
+
+
+def write_entry(reg: Path, model_id: str, urls: list[str], size: int, sha: str | None) -> None:
+    reg.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f'id = "{model_id}"',
+        f'display_name = "{model_id}"',
+        f'file_name = "{model_id}.litertlm"',
+        f"urls = {json.dumps(urls)}",
+        f"size = {size}",
+    ]
+    if sha:
+        lines.append(f'sha256 = "{sha}"')
+    (reg / f"{model_id}.toml").write_text("\n".join(lines) + "\n")
+
+
+class Env:
+    def __init__(self, home: Path, reg: Path, mirror: Mirror) -> None:
+        self.home, self.reg, self.mirror = home, reg, mirror
+        self.stop = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    def client(self) -> Client:
+        return Client(self.home / "modeld.sock")
+
+
+@pytest.fixture
+async def env(clean_env: Path) -> AsyncIterator[Env]:
+    """An in-process daemon whose registry points at a throttled loopback mirror."""
+    mirror = await Mirror(DATA, Faults(throttle=4_000_000)).start()
+    reg, home = clean_env / "reg", clean_env / "home"
+    write_entry(reg, "m1", [mirror.url], SIZE, SHA)
+    write_entry(
+        reg,
+        "tiny",
+        ["http://127.0.0.1:9/none"],
+        TINY.stat().st_size,
+        hashlib.sha256(TINY.read_bytes()).hexdigest(),
+    )
+    settings = load_settings(
+        home=home,
+        socket=home / "modeld.sock",
+        main_backend="cpu",
+        registry=[reg],
+        piece_size="64KiB",
+        download_connections=4,
+        stall_timeout="2s",
+    )
+    e = Env(home, reg, mirror)
+    ready = asyncio.Event()
+    e.task = asyncio.create_task(daemon_mod.run(settings, ready=ready, stop=e.stop))
+    await asyncio.wait_for(ready.wait(), 20)
+    yield e
+    e.stop.set()
+    await asyncio.wait_for(e.task, 30)
+    await mirror.stop()
+
+
+async def pull_all(c: Client, model_id: str) -> list[dict[str, Any]]:
+    return [r async for r in c.stream("POST", f"/api/models/{model_id}/pull", {})]
+
+
+async def test_pull_streams_progress_until_installed(env: Env) -> None:
+    """The pull stream reports growing progress with per-mirror detail and ends installed."""
+    async with env.client() as c:
+        records = await pull_all(c, "m1")
+        assert records[-1]["state"] == "installed"
+        assert records[-1]["installed"]["digest"] == SHA
+        assert records[-1]["verified_by"] == "registry sha256"
+        assert any(r["state"] == "downloading" and r["mirrors"] for r in records)
+        done = [r["completed"] for r in records]
+        assert done == sorted(done)
+        blob = env.home / "blobs" / f"sha256-{SHA}"
+        assert blob.read_bytes() == DATA
+        again = await pull_all(c, "m1")
+        assert again == [
+            {"id": "m1", "state": "installed", "already": True, "installed": again[0]["installed"]}
+        ]
+
+
+async def test_concurrent_pulls_share_one_download(env: Env) -> None:
+    """Two clients pulling at once join one job: the mirror sends the file about once."""
+    async with env.client() as a, env.client() as b:
+        ra, rb = await asyncio.gather(pull_all(a, "m1"), pull_all(b, "m1"))
+    assert ra[-1]["state"] == rb[-1]["state"] == "installed"
+    assert env.mirror.sent < SIZE * 1.2
+
+
+async def test_client_leaving_does_not_stop_the_download(env: Env) -> None:
+    """A client that leaves after the first record: the download still completes and installs."""
+    async with env.client() as c:
+        async for record in c.stream("POST", "/api/models/m1/pull", {}):
+            assert record["state"] in ("starting", "probing", "downloading")
+            break
+    async with env.client() as c:
+        for _ in range(200):
+            if not (await c.request("GET", "/api/downloads"))["downloads"]:
+                break
+            await asyncio.sleep(0.05)
+        records = await pull_all(c, "m1")
+    assert records[-1].get("already") is True
+
+
+async def test_cancel_keeps_partial_and_pull_resumes(env: Env) -> None:
+    """DELETE cancels the job, keeps the partial; the next pull resumes from it."""
+    env.mirror.faults.throttle = 200_000
+    async with env.client() as c:
+        first = await c.request("POST", "/api/models/m1/pull", {"detach": True})
+        assert first["id"] == "m1"
+        listed = (await c.request("GET", "/api/downloads"))["downloads"]
+        assert [d["id"] for d in listed] == ["m1"]
+        await asyncio.sleep(0.5)
+        cancelled = await c.request("DELETE", "/api/downloads/m1")
+        assert cancelled["state"] == "cancelled"
+        assert (env.home / "partial" / "m1.partial").exists()
+        with pytest.raises(DownloadNotFound):
+            await c.request("DELETE", "/api/downloads/m1")
+        env.mirror.faults.throttle = None
+        records = await pull_all(c, "m1")
+    assert records[-1]["state"] == "installed"
+    assert records[-1]["resumed"] > 0
+
+
+async def test_unknown_model_is_404_before_streaming(env: Env) -> None:
+    """Pulling an id with no catalog entry fails as a plain error, not a half stream."""
+    async with env.client() as c:
+        with pytest.raises(ModelNotFound):
+            await pull_all(c, "nope")
+
+
+async def test_import_copies_and_checks_against_the_entry(env: Env, clean_env: Path) -> None:
+    """import adopts a real .litertlm matching its entry (size, sha256); id from the name."""
+    src = clean_env / "tiny.litertlm"
+    shutil.copyfile(TINY, src)
+    async with env.client() as c:
+        doc = await c.request("POST", "/api/models/import", {"path": str(src)})
+        assert doc["id"] == "tiny"
+        assert doc["installed"]["verified_by"] == "registry sha256"
+        assert src.exists()
+        # Never a hard link: the user's file keeps its mode and inode, and editing it later
+        # cannot change the verified blob.
+        blob = Path(doc["installed"]["path"])
+        assert src.stat().st_ino != blob.stat().st_ino
+        assert src.stat().st_mode & 0o200
+        src.write_bytes(b"edited")
+        assert blob.read_bytes() == TINY.read_bytes()
+
+
+async def test_import_refuses_wrong_bytes_and_unknown_ids(env: Env, clean_env: Path) -> None:
+    """A file of the right size but wrong bytes, a non-.litertlm, and an unknown id are refused."""
+    bad = clean_env / "tiny.litertlm"
+    raw = bytearray(TINY.read_bytes())
+    raw[-1] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    junk = clean_env / "junk.bin"
+    junk.write_bytes(b"\0" * TINY.stat().st_size)
+    async with env.client() as c:
+        with pytest.raises(IntegrityError, match="sha256"):
+            await c.request("POST", "/api/models/import", {"path": str(bad)})
+        with pytest.raises(CorruptModel):
+            await c.request("POST", "/api/models/import", {"path": str(junk), "id": "tiny"})
+        with pytest.raises(ModelNotFound, match="pass its id"):
+            await c.request("POST", "/api/models/import", {"path": str(junk)})
+    assert not list((env.home / "partial").glob("*.import-*"))
+
+
+# --- the real CLI against a real daemon process --------------------------------------
+
+
+@pytest.fixture
+def proc_env(short_tmp: Path) -> Iterator[tuple[DaemonProcess, ThreadMirror]]:
+    tm = ThreadMirror(DATA, Faults(throttle=150_000))
+    reg = short_tmp / "reg"
+    write_entry(reg, "m1", [tm.mirror.url], SIZE, SHA)
+    home = short_tmp / "home"
+    d = DaemonProcess(
+        home=home,
+        env=daemon_env(
+            home,
+            MODELD_REGISTRY=str(reg),
+            MODELD_PIECE_SIZE="64KiB",
+            MODELD_DOWNLOAD_CONNECTIONS="4",
+            MODELD_LOG_LEVEL="info",
+        ),
+    )
+    d.start()
+    yield d, tm
+    d.stop()
+    tm.close()
+
+
+def test_cli_pull_survives_kill_9_and_resumes(proc_env: tuple[DaemonProcess, ThreadMirror]) -> None:
+    """`modeld serve` killed with -9 at random points of a pull resumes to a correct file."""
+    d, tm = proc_env
+    rnd = random.Random(5)
+    for _ in range(3):
+        assert d.cli("pull", "m1", "--detach").returncode == 0
+        time.sleep(rnd.uniform(0.2, 0.6))
+        d.stop(signal.SIGKILL)
+        d.start()
+    tm.mirror.faults.throttle = None
+    doc = d.cli_json("pull", "m1")
+    assert doc["state"] == "installed"
+    assert doc["resumed"] > 0
+    assert (d.home / "blobs" / f"sha256-{SHA}").read_bytes() == DATA
+    # Lost to the kills: at most a block per connection each time (plus probes).
+    assert tm.mirror.sent <= SIZE + 3 * 4 * 64 * 1024 + 1024
+    assert not (d.home / "partial" / "m1.partial").exists()
+
+
+def test_cli_cancel_detach_and_import(
+    proc_env: tuple[DaemonProcess, ThreadMirror], short_tmp: Path
+) -> None:
+    """--detach returns at once, --cancel stops it with the partial kept; errors exit 1."""
+    d, _ = proc_env
+    out = d.cli("pull", "m1", "--detach")
+    assert out.returncode == 0 and "--cancel" in out.stdout
+    time.sleep(0.3)
+    cancelled = d.cli_json("pull", "m1", "--cancel")
+    assert cancelled["state"] == "cancelled"
+    assert (d.home / "partial" / "m1.partial").exists()
+    missing = d.cli("pull", "m1", "--cancel")
+    assert missing.returncode == 1 and "modeld pull m1" in missing.stderr
+    unknown = d.cli("import", str(TINY))
+    assert unknown.returncode == 1 and "pass its id" in unknown.stderr

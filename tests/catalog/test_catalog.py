@@ -1,0 +1,283 @@
+"""Tests for modeld.catalog.catalog: strict entries, merging dirs, bad files reported, live
+reload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from modeld.catalog.catalog import (
+    Catalog,
+    Change,
+    Entry,
+    bundled_registry_dir,
+    load_file,
+    outdated,
+)
+from modeld.errors import ModelNotFound
+from tests.support.state import write_entry
+
+GOOD = """
+id = "m1"
+display_name = "Model one"
+file_name = "m1.litertlm"
+urls = ["https://example.org/m1.litertlm", "http://127.0.0.1:9/m1.litertlm"]
+size = 1234
+sha256 = "{sha}"
+
+[limits]
+max_tokens = 4096
+vision_max_tokens = 3072
+max_images = 1
+speculative_decoding = false
+
+[backends]
+main = "gpu"
+vision = "cpu"
+""".replace("{sha}", "a" * 64)
+
+# The real files: repository, pinned revision, file name and size (sources in registry/).
+REAL = {
+    "gemma-4-E2B-it": (
+        "litert-community/gemma-4-E2B-it-litert-lm",
+        "6e5c4f1e395deb959c494953478fa5cec4b8008f",
+        "gemma-4-E2B-it.litertlm",
+        2_588_147_712,
+    ),
+    "gemma-4-E4B-it": (
+        "litert-community/gemma-4-E4B-it-litert-lm",
+        "28299f30ee4d43294517a4ac93abd6163412f07f",
+        "gemma-4-E4B-it.litertlm",
+        3_659_530_240,
+    ),
+    "gemma-3n-E2B-it": (
+        "google/gemma-3n-E2B-it-litert-lm",
+        "ba9ca88da013b537b6ed38108be609b8db1c3a16",
+        "gemma-3n-E2B-it-int4.litertlm",
+        3_655_827_456,
+    ),
+    "gemma-3n-E4B-it": (
+        "google/gemma-3n-E4B-it-litert-lm",
+        "297ed75955702dec3503e00c2c2ecbbf475300bc",
+        "gemma-3n-E4B-it-int4.litertlm",
+        4_919_541_760,
+    ),
+}
+
+
+def _write(d: Path, name: str, text: str) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    p = d / name
+    p.write_text(text)
+    return p
+
+
+def test_bundled_entries_are_pinned_real_files() -> None:
+    """The bundled registry has the four real models, pinned to a revision on both hosts."""
+    cat = Catalog([bundled_registry_dir()])
+    assert cat.problems == []
+    assert sorted(e.id for e in cat.entries()) == sorted(REAL)
+    for model_id, (repo, rev, fname, size) in REAL.items():
+        e = cat.get(model_id)
+        assert e.size == size
+        assert e.file_name == fname
+        path = f"/{repo}/resolve/{rev}/{fname}"
+        assert e.urls == [f"https://huggingface.co{path}", f"https://hf-mirror.com{path}"]
+        # Every published hash has a weak source (third-party code, unknown capture date).
+        assert e.sha256 is None
+    e2b = cat.get("gemma-4-E2B-it")
+    assert (e2b.limits.max_tokens, e2b.limits.vision_max_tokens) == (4096, 3072)
+    assert (e2b.limits.max_images, e2b.limits.speculative_decoding) == (1, False)
+
+
+def test_bundled_entries_cite_their_sources() -> None:
+    """Each bundled file says in a comment where its revision and size come from."""
+    for path in bundled_registry_dir().glob("*.toml"):
+        text = path.read_text()
+        assert "model_allowlists" in text, path
+        assert re.search(r"sha256: left out", text), path
+
+
+def test_good_entry_parses_every_field(tmp_path: Path) -> None:
+    """A complete entry loads with its limits and backends."""
+    entry, problems = load_file(_write(tmp_path, "m1.toml", GOOD))
+    assert problems == []
+    assert isinstance(entry, Entry)
+    assert entry.sha256 == "a" * 64
+    assert entry.backends.main == "gpu"
+    assert entry.limits.max_images == 1
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key"),
+    [
+        ("size = 1234", 'size = 1234\ncolour = "red"', "colour"),
+        ("[limits]\n", "[limits]\nmax_tokenz = 3\n", "limits.max_tokenz"),
+        ('id = "m1"', 'id = "-m1"', "id"),
+        ('id = "m1"', 'id = "m1/x"', "id"),
+        ('"m1.litertlm"', '"../m1.litertlm"', "file_name"),
+        ('"m1.litertlm"', '"sub/m1.litertlm"', "file_name"),
+        ('"m1.litertlm"', '"..\\\\m1.litertlm"', "file_name"),
+        ('"https://example.org/m1.litertlm", ', '"ftp://example.org/m1", ', "urls"),
+        ('"https://example.org/m1.litertlm", ', '"file:///etc/passwd", ', "urls"),
+        ("size = 1234", "size = 0", "size"),
+        ("size = 1234", "size = -5", "size"),
+        ("size = 1234", 'size = "1234"', "size"),
+        ("a" * 64, "A" * 64, "sha256"),
+        ("a" * 64, "a" * 63, "sha256"),
+        ('main = "gpu"', 'main = "tpu"', "backends.main"),
+        ("max_tokens = 4096", "max_tokens = 0", "limits.max_tokens"),
+        ('display_name = "Model one"\n', "", "display_name"),
+        ("urls = [", "urls = []\nx = [", "urls"),
+    ],
+)
+def test_bad_entry_is_reported_with_its_key(tmp_path: Path, old: str, new: str, key: str) -> None:
+    """Each kind of bad value is refused, naming the file and the key."""
+    assert old in GOOD
+    path = _write(tmp_path, "m1.toml", GOOD.replace(old, new, 1))
+    cat = Catalog([tmp_path])
+    assert "m1" not in cat
+    assert any(p.path == path and p.key == key for p in cat.problems), cat.problems
+
+
+def test_file_must_be_named_after_its_id(tmp_path: Path) -> None:
+    """``other.toml`` holding id m1 is refused."""
+    _write(tmp_path, "other.toml", GOOD)
+    cat = Catalog([tmp_path])
+    assert len(cat) == 0
+    assert cat.problems[0].key == "id"
+    assert "file name" in cat.problems[0].message
+
+
+def test_bad_toml_syntax_is_reported_and_good_entries_stay(tmp_path: Path) -> None:
+    """A file that is not TOML is skipped; the good file next to it still loads."""
+    bad = _write(tmp_path, "broken.toml", "id = \n[[[")
+    _write(tmp_path, "m1.toml", GOOD)
+    cat = Catalog([tmp_path])
+    assert cat.get("m1").size == 1234
+    assert [p.path for p in cat.problems] == [bad]
+    assert "TOML" in cat.problems[0].message
+    status = cat.status()
+    assert status["entries"] == 1
+    assert str(bad) in status["problems"][0]
+    assert "1 problem" in status["summary"]
+
+
+def test_duplicate_id_in_one_dir_refuses_both(tmp_path: Path) -> None:
+    """Two files with the same id in one dir are both errors; neither entry is used."""
+    _write(tmp_path, "m1.toml", GOOD)
+    _write(tmp_path, "copy.toml", GOOD)
+    cat = Catalog([tmp_path])
+    assert "m1" not in cat
+    dup = [p for p in cat.problems if "more than once" in p.message]
+    assert {p.path.name for p in dup} == {"m1.toml", "copy.toml"}
+
+
+def test_later_dir_overrides_earlier_by_id(tmp_path: Path) -> None:
+    """A ``MODELD_REGISTRY`` dir's entry replaces the bundled one with the same id."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    _write(first, "m1.toml", GOOD)
+    write_entry(first, "only-a", size=1)
+    override = write_entry(second, "m1", size=99)
+    cat = Catalog([first, second])
+    assert cat.get("m1").size == 99
+    assert cat.source_of("m1") == override
+    assert cat.get("only-a").size == 1
+
+
+def test_missing_dir_is_a_problem_not_a_crash(tmp_path: Path) -> None:
+    """A registry dir that does not exist is reported; the others load."""
+    write_entry(tmp_path / "a", "x", size=1)
+    cat = Catalog([tmp_path / "a", tmp_path / "nope"])
+    assert "x" in cat
+    assert cat.problems[0].path == tmp_path / "nope"
+
+
+def test_unknown_id_raises_model_not_found(tmp_path: Path) -> None:
+    """``get`` of an unknown id raises ModelNotFound with a hint."""
+    with pytest.raises(ModelNotFound, match="modeld list"):
+        Catalog([tmp_path]).get("nope")
+
+
+def test_outdated_when_sha256_or_size_changes(tmp_path: Path) -> None:
+    """An install is outdated when the entry names another sha256, or another size."""
+    write_entry(tmp_path, "m", size=10, sha256="b" * 64)
+    e = Catalog([tmp_path]).get("m")
+    assert not outdated(e, "b" * 64, 10)
+    assert outdated(e, "c" * 64, 10)
+    write_entry(tmp_path, "m", size=10)
+    e = Catalog([tmp_path]).get("m")
+    assert not outdated(e, "c" * 64, 10)
+    assert outdated(e, "c" * 64, 11)
+    assert not outdated(None, "c" * 64, 11)
+
+
+def test_reload_reports_changes_to_listeners(tmp_path: Path) -> None:
+    """``reload`` swaps in the new entries and tells listeners what changed."""
+    write_entry(tmp_path, "a", size=1)
+    write_entry(tmp_path, "b", size=1)
+    cat = Catalog([tmp_path])
+    seen: list[Change] = []
+    cat.listeners.append(seen.append)
+    write_entry(tmp_path, "b", size=2)
+    write_entry(tmp_path, "c", size=1)
+    (tmp_path / "a.toml").unlink()
+    change = cat.reload()
+    assert (change.added, change.changed, change.removed) == (
+        frozenset({"c"}),
+        frozenset({"b"}),
+        frozenset({"a"}),
+    )
+    assert seen == [change]
+    assert not cat.reload()
+
+
+async def _until(cond: Callable[[], bool], limit: float = 10.0) -> float:
+    started = time.monotonic()
+    while not cond():
+        if time.monotonic() - started > limit:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+async def test_live_reload_add_change_remove_and_bad_file(tmp_path: Path) -> None:
+    """With the watcher running, file edits show in the catalog without a reload call."""
+    write_entry(tmp_path, "a", size=1)
+    cat = Catalog([tmp_path])
+    await cat.start()
+    try:
+        assert cat.status()["watching"]
+        write_entry(tmp_path, "b", size=5)
+        await _until(lambda: "b" in cat)
+        write_entry(tmp_path, "b", size=6)
+        await _until(lambda: "b" in cat and cat.get("b").size == 6)
+        (tmp_path / "a.toml").unlink()
+        await _until(lambda: "a" not in cat)
+        _write(tmp_path, "bad.toml", "size = [")
+        await _until(lambda: bool(cat.problems))
+        assert "b" in cat
+        (tmp_path / "bad.toml").unlink()
+        await _until(lambda: not cat.problems)
+    finally:
+        await cat.stop()
+        await cat.stop()  # idempotent
+    assert not cat.status()["watching"]
+
+
+def test_non_utf8_file_is_a_problem_not_a_crash(tmp_path: Path) -> None:
+    """A registry file that is not UTF-8 is reported and skipped; the good entries stay."""
+    write_entry(tmp_path, "good", size=10)
+    (tmp_path / "bad.toml").write_bytes(b'id = "bad"\ndisplay_name = "caf\xe9"\n')
+    entry, problems = load_file(tmp_path / "bad.toml")
+    assert entry is None
+    assert "UTF-8" in problems[0].message
+    catalog = Catalog([tmp_path])
+    assert catalog.get("good").size == 10
+    assert any("UTF-8" in p.message for p in catalog.problems)

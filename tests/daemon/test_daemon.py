@@ -1,0 +1,99 @@
+"""The daemon skeleton: socket safety, health/status/metrics, ordered shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+
+from modeld.daemon.daemon import bind_socket
+from modeld.errors import Conflict, SettingsError
+from tests.support.daemon import DaemonProcess, InProcessDaemon
+
+
+def test_bind_socket_mode_is_0660_right_after_bind(short_tmp: Path) -> None:
+    """The socket is never more open than 0660, even with a permissive umask."""
+    old = os.umask(0)
+    try:
+        sock = bind_socket(short_tmp / "s.sock")
+    finally:
+        os.umask(old)
+    try:
+        mode = stat.S_IMODE((short_tmp / "s.sock").stat().st_mode)
+        assert mode & ~0o660 == 0
+    finally:
+        sock.close()
+
+
+def test_stale_socket_is_replaced(short_tmp: Path) -> None:
+    """A socket file left by a dead daemon (nobody listening) is replaced."""
+    path = short_tmp / "s.sock"
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(path))
+    dead.close()  # file stays, nobody listens
+    sock = bind_socket(path)
+    sock.close()
+
+
+def test_live_socket_is_not_replaced(short_tmp: Path) -> None:
+    """A socket with a live listener is refused, not stolen."""
+    path = short_tmp / "s.sock"
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(path))
+    live.listen()
+    try:
+        with pytest.raises(Conflict, match="already serving"):
+            bind_socket(path)
+    finally:
+        live.close()
+
+
+def test_regular_file_at_socket_path_is_kept(short_tmp: Path) -> None:
+    """A regular file where the socket should go is never deleted."""
+    path = short_tmp / "s.sock"
+    path.write_text("precious")
+    with pytest.raises(SettingsError, match="not a socket"):
+        bind_socket(path)
+    assert path.read_text() == "precious"
+
+
+async def test_health_status_metrics(daemon: InProcessDaemon) -> None:
+    """Health, status (version and effective settings) and Prometheus text are served."""
+    async with daemon.client() as c:
+        assert (await c.health())["status"] == "ok"
+        status = await c.status()
+        assert status["version"]
+        assert status["settings"]["home"] == str(daemon.settings.home)
+        assert status["settings"]["main_backend"] == "cpu"
+        text = await c.request("GET", "/metrics")
+        assert "modeld_http_requests_total" in text
+
+
+async def test_unknown_route_is_json_404(daemon: InProcessDaemon) -> None:
+    """Unknown routes answer 404 in the API's error shape."""
+    async with daemon.client() as c:
+        resp = await c.session.get("http://modeld/api/nope")
+        assert resp.status == 404
+        body = await resp.json()
+        assert body["error"]["code"] == "not_found"
+
+
+def test_serve_status_sigterm(daemon_proc: DaemonProcess) -> None:
+    """`modeld serve` starts, answers `modeld status`, and stops cleanly on SIGTERM."""
+    result = daemon_proc.cli("status")
+    assert result.returncode == 0, result.stderr
+    assert "modeld" in result.stdout
+    assert daemon_proc.stop(signal.SIGTERM) == 0
+    assert not daemon_proc.socket.exists()
+    assert "stopped" in daemon_proc.log()
+
+
+def test_second_daemon_on_same_home_is_refused(daemon_proc: DaemonProcess) -> None:
+    """A second daemon on the same state dir exits 1 with a clear line."""
+    other = daemon_proc.cli("serve", timeout=30)
+    assert other.returncode == 1
+    assert "already" in other.stderr

@@ -1,0 +1,506 @@
+"""The downloader against real loopback mirrors with faults: many pieces, several mirrors."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import os
+import random
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from yarl import URL
+
+from modeld.download import mirrors as mirrors_mod
+from modeld.download.fetch import Fetcher
+from modeld.download.job import DownloadJob, Target, Tuning, memory_job
+from modeld.download.journal import MemoryJournal
+from modeld.download.mirrors import MirrorFailure, check_url
+from modeld.errors import DiskFull, DownloadError, IntegrityError
+from tests.support.mirror import Faults, Mirror, start_mirrors
+
+SIZE = 3 * 1024 * 1024 + 12345  # not a multiple of the block size: a short last block
+PIECE = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def data() -> bytes:
+    return random.Random(7).randbytes(SIZE)
+
+
+@pytest.fixture
+async def stop_later() -> AsyncIterator[list[Mirror]]:
+    started: list[Mirror] = []
+    yield started
+    for m in started:
+        await m.stop()
+
+
+def tuning(**kw: Any) -> Tuning:
+    base: dict[str, Any] = {"connections": 6, "piece_size": PIECE, "stall_timeout": 1.0}
+    base.update(kw)
+    return Tuning(**base)
+
+
+async def run_pull(
+    home: Path,
+    mirrors: list[Mirror],
+    stop_later: list[Mirror],
+    *,
+    sha: str | None,
+    size: int = SIZE,
+    **kw: Any,
+) -> DownloadJob:
+    stop_later.extend(mirrors)
+    target = Target("m1", [m.url for m in mirrors], size, sha)
+    job = memory_job(target, home, kw.pop("tuning", None) or tuning(), **kw)
+    job.start()
+    await job.wait()
+    return job
+
+
+def installed_bytes(job: DownloadJob) -> bytes:
+    return Path(job.result["path"]).read_bytes()
+
+
+async def test_single_mirror_many_pieces(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """One plain mirror: each of ~50 pieces is fetched, verified by sha256, installed."""
+    ms = await start_mirrors(data)
+    sha = hashlib.sha256(data).hexdigest()
+    job = await run_pull(short_tmp, ms, stop_later, sha=sha)
+    assert job.state == "installed"
+    assert installed_bytes(job) == data
+    assert job.verified_by == "registry sha256"
+    assert not (short_tmp / "partial" / "m1.partial").exists()
+    ranges = [r["Range"] for r in ms[0].requests if "Range" in r]
+    assert len(ranges) > SIZE // PIECE  # the probe plus one request per piece
+    assert all(r["Accept-Encoding"] == "identity" for r in ms[0].requests)
+
+
+async def test_three_mirrors_share_the_work(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """Pieces are spread over every healthy mirror at once."""
+    ms = await start_mirrors(data, Faults(), Faults(), Faults())
+    job = await run_pull(short_tmp, ms, stop_later, sha=hashlib.sha256(data).hexdigest())
+    assert installed_bytes(job) == data
+    assert all(m.sent > 0 for m in ms)
+
+
+@pytest.mark.parametrize(
+    ("fault", "dropped"),
+    [
+        (Faults(status=404), True),
+        (Faults(ignore_range=True), False),
+        (Faults(wrong_content_range=True), True),
+        (Faults(wrong_size=True), True),
+        (Faults(redirect_loop=True), True),
+        (Faults(redirect_to="ftp://127.0.0.1/f"), True),
+        (Faults(short=True), False),
+        (Faults(fail_first=3), False),
+        (Faults(drop_after=100_000, drop_times=5), False),
+        (Faults(throttle=200_000), False),
+        (Faults(stall_after=200_000), False),
+    ],
+    ids=lambda v: repr(v)[:40] if isinstance(v, Faults) else str(v),
+)
+async def test_each_fault_beside_a_good_mirror(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror], fault: Faults, dropped: bool
+) -> None:
+    """Each fault on one mirror beside a good one: the file still arrives whole and verified."""
+    ms = await start_mirrors(data, fault, Faults())
+    job = await run_pull(short_tmp, ms, stop_later, sha=hashlib.sha256(data).hexdigest())
+    assert job.state == "installed"
+    assert installed_bytes(job) == data
+    bad = job.mirrors[0]
+    if dropped:
+        assert bad.state == "dropped", bad.snapshot()
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Faults(short=True),
+        Faults(fail_first=4, retry_after="0"),
+        Faults(drop_after=150_000, drop_times=8),
+        Faults(ignore_range=True),
+    ],
+    ids=["short206", "500-then-ok", "drops", "no-ranges-stream"],
+)
+async def test_fault_alone_still_completes(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror], fault: Faults
+) -> None:
+    """Recoverable faults on the only mirror: retried, re-queued or streamed to a correct file."""
+    ms = await start_mirrors(data, fault)
+    job = await run_pull(short_tmp, ms, stop_later, sha=hashlib.sha256(data).hexdigest())
+    assert installed_bytes(job) == data
+
+
+async def test_mixed_faults_over_three_mirrors(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """Drops, a short 206 and throttling at once on three mirrors, plus a fourth that is gone."""
+    ms = await start_mirrors(
+        data,
+        Faults(drop_after=90_000, drop_times=6, fail_first=2),
+        Faults(short=True, throttle=2_000_000),
+        Faults(throttle=5_000_000),
+        Faults(status=410),
+    )
+    job = await run_pull(short_tmp, ms, stop_later, sha=hashlib.sha256(data).hexdigest())
+    assert installed_bytes(job) == data
+    assert job.mirrors[3].state == "dropped"
+
+
+async def test_all_mirrors_gone_fails_and_keeps_nothing_broken(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """When no mirror can serve, the pull fails with a message naming each mirror's reason."""
+    ms = await start_mirrors(data, Faults(status=404), Faults(wrong_size=True))
+    with pytest.raises(DownloadError, match="no mirror can serve") as exc:
+        await run_pull(short_tmp, ms, stop_later, sha=None)
+    assert "404" in str(exc.value)
+    assert not (short_tmp / "blobs").exists() or not any((short_tmp / "blobs").iterdir())
+
+
+async def test_lying_mirror_is_repaired_not_redownloaded(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """A mirror that flips a byte: only its blocks are re-fetched elsewhere, and it is banned."""
+    ms = await start_mirrors(data, Faults(flip_byte=100), Faults(throttle=4_000_000))
+    job = await run_pull(short_tmp, ms, stop_later, sha=hashlib.sha256(data).hexdigest())
+    assert installed_bytes(job) == data
+    liar = job.mirrors[0]
+    assert job.repaired == 1
+    assert liar.state == "banned"
+    # Re-fetched: only the liar's blocks, far less than the file.
+    assert ms[1].sent < SIZE * 2
+
+
+async def test_single_lying_mirror_is_an_integrity_error(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """With no other mirror to repair from, a wrong sha256 fails clearly and installs nothing."""
+    ms = await start_mirrors(data, Faults(flip_byte=10))
+    with pytest.raises(IntegrityError, match="sha256"):
+        await run_pull(short_tmp, ms, stop_later, sha=hashlib.sha256(data).hexdigest())
+    assert not (short_tmp / "partial" / "m1.partial").exists()
+
+
+async def test_no_sha_in_entry_uses_linked_etag(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without an entry sha256, the primary's X-Linked-Etag (read on its redirect) verifies."""
+    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    primary = Mirror(data, Faults(hf=True), host="localhost")
+    await primary.start()
+    (other,) = await start_mirrors(data)
+    job = await run_pull(short_tmp, [primary, other], stop_later, sha=None)
+    assert job.verified_by == f"x-linked-etag (localhost:{primary.port})"
+    assert installed_bytes(job) == data
+
+
+async def test_contradicted_linked_etag_installs_unverified(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two hub-like sources vouching for different hashes: installed, but as unverified."""
+    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost", "127.0.0.1"))
+    a = Mirror(data, Faults(hf=True), host="localhost")
+    b = Mirror(data, Faults(hf=True, linked_sha256="0" * 64))
+    await a.start()
+    await b.start()
+    job = await run_pull(short_tmp, [a, b], stop_later, sha=None)
+    assert job.verified_by is None
+    assert installed_bytes(job) == data
+
+
+async def test_no_source_vouches_installs_unverified(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """No sha256 anywhere: the file is installed with verified_by None."""
+    ms = await start_mirrors(data)
+    job = await run_pull(short_tmp, ms, stop_later, sha=None)
+    assert job.verified_by is None
+    assert job.result["digest"] == hashlib.sha256(data).hexdigest()
+
+
+async def test_token_goes_only_to_huggingface(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MODELD_HF_TOKEN is sent to the hub host only, never to a mirror or the CDN target."""
+    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    hub = Mirror(data, Faults(hf=True), host="localhost")
+    await hub.start()
+    (mirror,) = await start_mirrors(data)
+    await run_pull(short_tmp, [hub, mirror], stop_later, sha=None, tuning=tuning(hf_token="secret"))
+    origin = [r for r in hub.requests if r["path"].startswith("/f")]
+    cdn = [r for r in hub.requests if r["path"].startswith("/cdn")]
+    assert origin and all(r.get("Authorization") == "Bearer secret" for r in origin)
+    assert cdn and not any("Authorization" in r for r in cdn)
+    assert not any("Authorization" in r for r in mirror.requests)
+
+
+async def test_expired_signed_url_goes_back_to_origin(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 403 from an expired signed CDN URL sends the next request to the original URL."""
+    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    hub = Mirror(data, Faults(hf=True, sign_ttl=0.3, throttle=3_000_000), host="localhost")
+    await hub.start()
+    job = await run_pull(
+        short_tmp,
+        [hub],
+        stop_later,
+        sha=hashlib.sha256(data).hexdigest(),
+        tuning=tuning(connections=2),
+    )
+    assert installed_bytes(job) == data
+    origin_hits = [r for r in hub.requests if r["path"].startswith("/f")]
+    assert len(origin_hits) > 2  # re-signed after expiry, not only at the start
+
+
+def test_url_rules() -> None:
+    """Only http(s) URLs, and never a redirect from https down to http."""
+    check_url(URL("https://a.example/f"))
+    check_url(URL("http://a.example/f"), came_from=URL("http://b.example/f"))
+    with pytest.raises(MirrorFailure, match="only http"):
+        check_url(URL("ftp://a.example/f"))
+    with pytest.raises(MirrorFailure, match="https to http"):
+        check_url(URL("http://a.example/f"), came_from=URL("https://b.example/f"))
+
+
+async def cancelled_pull(
+    home: Path, data: bytes, stop_later: list[Mirror], after: int
+) -> tuple[list[Mirror], Target, MemoryJournal]:
+    """A throttled pull into a fresh journal, cancelled once ``after`` bytes arrived."""
+    ms = await start_mirrors(data, Faults(throttle=1_000_000))
+    stop_later.extend(ms)
+    journal = MemoryJournal()
+    target = Target("m1", [ms[0].url], SIZE, hashlib.sha256(data).hexdigest())
+    job = memory_job(target, home, tuning(connections=2), journal=journal)
+    job.start()
+    while job.fetcher is None or job.fetcher.done_bytes < after:  # noqa: ASYNC110 (a count to poll)
+        await asyncio.sleep(0.05)
+    job.cancel()
+    with pytest.raises(DownloadError, match="cancelled"):
+        await job.wait()
+    return ms, target, journal
+
+
+async def test_resume_uses_journal_and_rechecks_blocks(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """A cancelled pull resumes from its journal; a journaled block with bad bytes is re-fetched."""
+    ms, target, journal = await cancelled_pull(short_tmp, data, stop_later, SIZE // 3)
+    state = journal.states["m1"]
+    assert len(state.blocks) >= (SIZE // 3) // PIECE - 1
+    # Corrupt one journaled block on disk: the resume must not trust it.
+    bad = min(state.blocks)
+    partial = short_tmp / "partial" / "m1.partial"
+    with partial.open("r+b") as f:
+        f.seek(bad * PIECE + 5)
+        f.write(b"\x00\x01\x02")
+    ms[0].faults.throttle = None
+    before = ms[0].sent
+    job2 = memory_job(target, short_tmp, tuning(), journal=journal)
+    job2.start()
+    await job2.wait()
+    assert installed_bytes(job2) == data
+    assert job2.resumed == (len(state.blocks) - 1) * PIECE
+    assert ms[0].sent - before <= SIZE - job2.resumed + PIECE  # only the missing part again
+    assert "m1" not in journal.states
+
+
+async def test_changed_file_on_mirror_discards_its_blocks(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """A mirror whose strong ETag changed since the journal: its journaled blocks are re-fetched."""
+    ms, target, journal = await cancelled_pull(short_tmp, data, stop_later, SIZE // 4)
+    ms[0].faults = Faults(etag='"changed"')
+    job2 = memory_job(target, short_tmp, tuning(), journal=journal)
+    job2.start()
+    await job2.wait()
+    assert job2.resumed == 0
+    assert installed_bytes(job2) == data
+
+
+async def test_disk_full_stops_at_once(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """ENOSPC from the writer stops the pull at once with DiskFull; the partial is kept."""
+    ms = await start_mirrors(data)
+    calls = 0
+
+    def full_after_some(fd: int, buf: memoryview, offset: int) -> int:
+        nonlocal calls
+        calls += 1
+        if calls > 10:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return os.pwrite(fd, buf, offset)
+
+    with pytest.raises(DiskFull, match="disk full"):
+        await run_pull(short_tmp, ms, stop_later, sha=None, writer=full_after_some)
+    assert (short_tmp / "partial" / "m1.partial").exists()
+    assert ms[0].sent < SIZE
+
+
+async def test_not_enough_free_space_is_refused_before_the_first_byte(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """An entry larger than the free space fails before any request for data."""
+    ms = await start_mirrors(data)
+    with pytest.raises(DiskFull, match="free"):
+        await run_pull(short_tmp, ms, stop_later, sha=None, size=1 << 60)
+    assert ms[0].requests == []
+
+
+BIG = 16 * 1024 * 1024 + 4321  # 17 blocks of 1 MiB, the last one short
+
+
+@pytest.fixture(scope="module")
+def big() -> bytes:
+    return random.Random(11).randbytes(BIG)
+
+
+async def endgame_pull(
+    home: Path, big: bytes, stop_later: list[Mirror], primary: Faults
+) -> tuple[list[Mirror], DownloadJob, Fetcher]:
+    """Pull ``big`` from a primary with ``primary`` faults and a fast second mirror.
+
+    4 MiB pieces and a 60 s stall timeout, so only the endgame can rescue a slow piece.
+    """
+    ms = await start_mirrors(big, primary, Faults())
+    job = await run_pull(
+        home,
+        ms,
+        stop_later,
+        sha=hashlib.sha256(big).hexdigest(),
+        size=BIG,
+        tuning=tuning(connections=4, piece_size=4 * 1024 * 1024, stall_timeout=60.0),
+    )
+    assert installed_bytes(job) == big
+    assert job.fetcher is not None
+    return ms, job, job.fetcher
+
+
+async def test_endgame_takes_over_a_throttled_mirrors_piece(
+    short_tmp: Path, big: bytes, stop_later: list[Mirror]
+) -> None:
+    """A hard-throttled primary's in-flight block is taken over by the fast mirror at the end."""
+    # 64 KB/s: the primary's first block alone would take 16 s; the fast mirror does the rest.
+    ms, job, f = await endgame_pull(short_tmp, big, stop_later, Faults(throttle=64_000))
+    slow, fast = job.mirrors
+    # The slow mirror was given work (its probe block), not just left out ...
+    assert [r["Range"] for r in ms[0].requests if r.get("Range") != "bytes=0-0"]
+    # ... and that work was taken over: every block came from the fast mirror, the slow one
+    # sent less than one block, and its connection was closed without a strike against it.
+    assert f.takeovers >= 1
+    assert set(f.sources.values()) == {fast.label}
+    assert ms[0].sent < 1024 * 1024
+    assert slow.strikes == 0 and slow.reason is None
+
+
+async def test_endgame_splits_pieces_of_a_mirror_that_stalls(
+    short_tmp: Path, big: bytes, stop_later: list[Mirror]
+) -> None:
+    """Pieces in flight on a mirror that goes silent are split/taken over, not waited for."""
+    # Both mirrors are fast until the primary stops sending after 5 MiB (mid-piece); the
+    # stall timeout (60 s) is far away, so only the endgame can finish those pieces.
+    faults = Faults(stall_after=5 * 1024 * 1024 + 100_000)
+    _, job, f = await endgame_pull(short_tmp, big, stop_later, faults)
+    stalled, fast = job.mirrors
+    served = list(f.sources.values())
+    # The stalled mirror served at most what it sent before going silent, the rest came
+    # from the other one, and no request of the stalled mirror ran into the stall timeout.
+    assert served.count(stalled.label) <= 5
+    assert served.count(fast.label) >= len(served) - 5
+    assert f.splits + f.takeovers >= 1
+    assert stalled.reason is None and stalled.strikes == 0
+
+
+async def test_a_throttled_mirror_never_holds_the_hash_front(
+    short_tmp: Path, big: bytes, stop_later: list[Mirror]
+) -> None:
+    """A fast primary and a throttled mirror: the throttled one's blocks lie at the file's end,
+    and the last block releases little to the hasher (the hash tail is bounded)."""
+    ms = await start_mirrors(big, Faults(), Faults(throttle=2_000_000))
+    job = await run_pull(
+        short_tmp,
+        ms,
+        stop_later,
+        sha=hashlib.sha256(big).hexdigest(),
+        size=BIG,
+        tuning=tuning(connections=4, piece_size=2 * 1024 * 1024, stall_timeout=60.0),
+    )
+    assert installed_bytes(job) == big
+    f = job.fetcher
+    assert f is not None and f.hasher is not None
+    slow = job.mirrors[1]
+    slow_blocks = [i for i, label in f.sources.items() if label == slow.label]
+    # The throttled mirror was asked for work (its probe), but only ever got the back.
+    assert [r["Range"] for r in ms[1].requests if r.get("Range") != "bytes=0-0"]
+    assert all(i >= f.nblocks * 3 // 4 for i in slow_blocks), slow_blocks
+    # At most a quarter of the file was left for the hasher when the last block landed.
+    assert f.late_bytes <= BIG // 4
+    assert f.hasher.tail_bytes <= BIG
+    assert f.prefix_blocks == f.nblocks
+
+
+def test_a_near_best_slower_mirror_takes_the_queues_back() -> None:
+    """Scheduler unit: the best mirror takes the queue's front, a near-best slower one its back,
+    and a piece at the hash front on a far slower mirror is moved to the best one."""
+    from modeld.download.mirrors import Mirror as MirrorState
+    from modeld.download.schedule import Piece, Schedule
+
+    mb = 1024 * 1024
+    fast = MirrorState(URL("http://127.0.0.1:1/f"), primary=True, state="ok", conn_rate=100e6)
+    slower = MirrorState(URL("http://127.0.0.1:2/s"), state="ok", conn_rate=60e6)
+    fast.speed = slower.speed = 1e6
+    s = Schedule(
+        size=64 * mb, block_size=mb, piece_size=4 * mb, mirrors=[fast, slower], done=bytearray(64)
+    )
+    s._plan()
+    fast.active = 2  # the fast mirror already has connections: the slower one is due one
+    m, p = s._next_piece() or (None, None)
+    assert m is slower and p is not None and p.end == 64 * mb and p.start >= 60 * mb
+    slower.active = 2  # (a worker counts its connection when it starts the piece)
+    m, p = s._next_piece() or (None, None)
+    assert m is fast and p is not None and p.start == 0
+    # The hash front's piece at 20 MB/s: it keeps its current block, the rest moves.
+    now = time.monotonic()
+    held = Piece(4 * mb, 8 * mb, 4 * mb + 1000, mirror=slower, began=now - 1.0, got=20_000_000)
+    s.prefix_blocks = 4
+    s.inflight.add(held)
+    moved = s._free_front(fast, 100e6)
+    assert moved is not None and moved[0] is fast and moved[1].start == 5 * mb
+    assert held.end == 5 * mb and not held.abandoned and s.front_moves == 1
+    # At 64 KB/s even its current block would keep the hasher waiting: the piece moves whole.
+    held.got = 64_000
+    moved = s._free_front(fast, 100e6)
+    assert (
+        moved is not None
+        and moved[0] is fast
+        and (moved[1].start, moved[1].end) == (4 * mb, 5 * mb)
+    )
+    assert held.abandoned and s.takeovers == 1 and s.front_moves == 2
+
+
+def test_block_crc_matches_zlib() -> None:
+    """The fetcher's CRC-32 (ISA-L when installed) gives zlib's values, chained over slices,
+    so journals written by either resume with the other's check."""
+    import zlib
+
+    from modeld.download import fetch
+
+    data = memoryview(random.Random(7).randbytes(3 * 1024 * 1024 + 17))
+    crc = 0
+    for i in range(0, len(data), 131072 + 5):
+        crc = fetch.crc32(data[i : i + 131072 + 5], crc)
+    assert crc == zlib.crc32(data)
+    assert fetch.crc32(b"") == 0

@@ -1,0 +1,279 @@
+"""The engine pool's scheduler with fake runners, plus a hypothesis model of its budget."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from modeld.engine.pool import Pool, PoolConfig, State, Target
+from modeld.errors import Busy, EngineCrashed, EngineError, HeldBack, OverBudget
+from tests.support.fake_runner import FakeFactory
+from tests.support.wait import wait_until
+
+PLAN = {"main": "cpu", "vision": None, "audio": None, "key": "main=cpu,vision=none,audio=none"}
+
+
+def target(name: str, estimate: int = 100, **spec: Any) -> Target:
+    digest = (name.encode().hex() * 64)[:64]
+    return Target(
+        model_id=name, digest=digest, plan=PLAN, spec=dict(spec), estimate=estimate, max_tokens=256
+    )
+
+
+async def consume(pool: Pool, t: Target, **kw: Any) -> list[dict[str, Any]]:
+    return [rec async for rec in pool.generate(t, {"messages": []}, **kw)]
+
+
+async def make_pool(factory: FakeFactory, budget: int = 1000, **kw: Any) -> Pool:
+    pool = Pool(PoolConfig(budget=budget, spare=kw.pop("spare", False), **kw), factory)
+    await pool.start()
+    return pool
+
+
+async def test_cold_burst_creates_one_engine() -> None:
+    """Fifty concurrent requests for a cold model start exactly one engine, and all succeed."""
+    factory = FakeFactory()
+    pool = await make_pool(factory)
+    t = target("m", fake_create_seconds=0.05)
+    results = await asyncio.gather(*(consume(pool, t) for _ in range(50)))
+    assert factory.creates == 1
+    assert all(r[-1]["done"] and r[-1]["finish"] == "stop" for r in results)
+    assert pool.list()[0]["requests"] == 50
+    await pool.stop()
+
+
+async def test_lru_idle_engine_is_evicted_when_budget_is_full() -> None:
+    """With room for two engines, a third evicts the least recently used idle one."""
+    factory = FakeFactory(engine_pss=100)
+    pool = await make_pool(factory, budget=250)
+    a, b, c = target("a"), target("b"), target("c")
+    await consume(pool, a)
+    await consume(pool, b)
+    await consume(pool, a)  # b is now least recently used
+    await consume(pool, c)
+    assert sorted(e["model"] for e in pool.list()) == ["a", "c"]
+    assert pool.last_eviction[b.key].startswith("evicted to load c")
+    assert pool.max_used <= 250
+    await pool.stop()
+
+
+async def test_could_never_fit_is_refused_at_once() -> None:
+    """An engine larger than the whole budget is refused with its estimate and the budget."""
+    pool = await make_pool(FakeFactory(), budget=50)
+    with pytest.raises(OverBudget) as info:
+        await consume(pool, target("big", estimate=100))
+    assert info.value.details == {"estimate": 100, "budget": 50}
+    assert pool.engines == {}
+    await pool.stop()
+
+
+async def test_busy_when_memory_is_held_by_busy_engines() -> None:
+    """A load that finds only busy engines waits, then fails with Busy after the timeout."""
+    factory = FakeFactory(hold=True)
+    pool = await make_pool(factory, budget=150, wait_timeout=0.2)
+    running = asyncio.create_task(consume(pool, target("a")))
+    await wait_until(lambda: len(factory.gates) == 1)  # a's generation is running
+    with pytest.raises(Busy):
+        await consume(pool, target("b"))
+    factory.release_all()
+    await running
+    await pool.stop()
+
+
+async def test_low_estimate_is_corrected_by_measured_pss() -> None:
+    """An engine measured above its estimate evicts idle ones so the sum stays in budget."""
+    factory = FakeFactory(engine_pss=100)
+    pool = await make_pool(factory, budget=250)
+    await consume(pool, target("a", estimate=50))
+    await consume(pool, target("b", estimate=50))
+    await consume(pool, target("c", estimate=50))
+    assert pool.used() <= 250
+    assert sum(r.memory()[0] for r in factory.alive()) <= 250
+    assert len(pool.list()) == 2
+    await pool.stop()
+
+
+async def test_pinned_engine_is_never_evicted() -> None:
+    """A pinned idle engine stays; the new load waits and then gets Busy."""
+    pool = await make_pool(FakeFactory(), budget=150, wait_timeout=0.1)
+    await pool.load(target("a"), pin=True)
+    with pytest.raises(Busy):
+        await consume(pool, target("b"))
+    assert [e["model"] for e in pool.list()] == ["a"]
+    await pool.stop()
+
+
+async def test_keep_alive_zero_and_expiry() -> None:
+    """keep_alive 0 stops the engine after the request; a short keep-alive expires it."""
+    pool = await make_pool(FakeFactory())
+    await consume(pool, target("a"), keep_alive=0)
+    await wait_until(lambda: pool.list() == [])
+    await consume(pool, target("b"), keep_alive=0.2)
+    assert pool.list()[0]["expires_in"] is not None
+    await wait_until(lambda: pool.list() == [])
+    assert "expired" in pool.last_eviction[target("b").key]
+    await pool.stop()
+
+
+async def test_crash_mid_request_then_reload_then_held_back() -> None:
+    """A crash fails the running request with engine_crashed; the next reloads; 3 crashes hold."""
+    factory = FakeFactory(hold=True)
+    pool = await make_pool(factory, crash_limit=3)
+    t = target("m")
+
+    def generations(count: int) -> Callable[[], bool]:
+        return lambda: len(factory.gates) == count
+
+    for n in range(3):
+        task = asyncio.create_task(consume(pool, t))
+        await wait_until(generations(n + 1))  # its generation is running
+        factory.alive()[-1].crash("SIGSEGV")
+        with pytest.raises(EngineCrashed) as info:
+            await task
+        assert "SIGSEGV" in info.value.message and "m" in info.value.message
+        assert factory.creates == n + 1
+    with pytest.raises(HeldBack):
+        await consume(pool, t)
+    await pool.stop()
+
+
+async def test_load_cancelled_when_every_waiter_leaves() -> None:
+    """A load whose only waiter is cancelled stops its runner instead of finishing."""
+    factory = FakeFactory()
+    pool = await make_pool(factory)
+    task = asyncio.create_task(consume(pool, target("m", fake_create_seconds=1.0)))
+    await wait_until(lambda: factory.creates == 1)  # the runner is creating the engine
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # A load that finished instead would leave the engine listed and its runner alive.
+    await wait_until(lambda: pool.list() == [] and factory.alive() == [])
+    assert factory.runners[0].closing
+    await pool.stop()
+
+
+async def test_unload_waits_for_in_flight_request() -> None:
+    """Unload lets a running request finish before stopping the runner."""
+    factory = FakeFactory(hold=True)
+    pool = await make_pool(factory)
+    task = asyncio.create_task(consume(pool, target("m")))
+    await wait_until(lambda: len(factory.gates) == 1)  # the request is running
+    unload = asyncio.create_task(pool.unload("m"))
+    await wait_until(lambda: pool.list()[0]["state"] == "unloading")
+    assert not task.done()
+    factory.release_all()
+    records = await task
+    await unload
+    assert records[-1]["done"]
+    assert pool.list() == []
+    await pool.stop()
+
+
+async def test_failed_create_reports_runtime_reason() -> None:
+    """The runtime's reason for a failed create reaches the caller as engine_error."""
+    pool = await make_pool(FakeFactory())
+    with pytest.raises(EngineError) as info:
+        await consume(pool, target("m", fake_fail="NOT_FOUND: tf_lite_prefill_decode not found"))
+    assert "tf_lite_prefill_decode" in info.value.message
+    assert pool.used() == 0
+    await pool.stop()
+
+
+async def test_spare_runner_is_counted_and_used() -> None:
+    """The spare runner counts in the budget and becomes the next engine's runner."""
+    factory = FakeFactory(spare_pss=10)
+    pool = await make_pool(factory, spare=True, spare_estimate=10)
+    await wait_until(lambda: pool.spare is not None)
+    assert pool.spare is not None and pool.used() == 10
+    spare_pid = pool.spare.pid
+    await consume(pool, target("m"))
+    assert pool.list()[0]["pid"] == spare_pid
+    # A new spare is started for the next engine.
+    await wait_until(lambda: pool.spare is not None and pool.spare.pid != spare_pid)
+    await pool.stop()
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random loads, requests, releases, unloads and crashes never push use over the budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.factory = FakeFactory(engine_pss=100, spare_pss=10, hold=True)
+        self.budget = 320
+        self.pool = self.loop.run_until_complete(
+            make_pool(
+                self.factory, budget=self.budget, wait_timeout=0.05, spare=True, spare_estimate=10
+            )
+        )
+        self.tasks: list[asyncio.Task[Any]] = []
+        # Honest estimates (>= the fake's 100): then reservations alone keep the invariant.
+        self.targets = [target(f"m{i}", estimate=100 + 10 * i) for i in range(4)]
+
+    def settle(self) -> None:
+        self.loop.run_until_complete(asyncio.sleep(0.01))
+
+    @rule(i=st.integers(0, 3), keep=st.sampled_from([None, 0, -1, 30]))
+    def request(self, i: int, keep: float | None) -> None:
+        self.tasks.append(
+            self.loop.create_task(consume(self.pool, self.targets[i], keep_alive=keep))
+        )
+        self.settle()
+
+    @rule()
+    def release(self) -> None:
+        self.factory.release_all()
+        self.settle()
+
+    @rule(i=st.integers(0, 3), pin=st.booleans())
+    def load(self, i: int, pin: bool) -> None:
+        self.tasks.append(self.loop.create_task(self.pool.load(self.targets[i], pin=pin)))
+        self.settle()
+
+    # Draws never depend on the pool's state (which depends on timing): hypothesis needs
+    # the same draws when it replays an example.
+    @rule(i=st.integers(0, 3))
+    def unload(self, i: int) -> None:
+        model = self.targets[i].model_id
+        if self.pool.find(model):
+            self.tasks.append(self.loop.create_task(self.pool.unload(model, grace=0.02)))
+        self.settle()
+
+    @rule(i=st.integers(0, 7))
+    def crash(self, i: int) -> None:
+        alive = self.factory.alive()
+        if alive:
+            alive[i % len(alive)].crash("SIGKILL")
+        self.settle()
+
+    @invariant()
+    def within_budget(self) -> None:
+        assert self.pool.used() <= self.budget
+        assert sum(r.memory()[0] for r in self.factory.alive()) <= self.budget
+        for key, e in self.pool.engines.items():
+            assert key == e.target.key
+            if e.state in (State.READY, State.BUSY):
+                # A loaded engine has its runner and reserves at least its expected size.
+                assert e.runner is not None
+                assert e.reserved >= e.target.expected
+
+    def teardown(self) -> None:
+        self.factory.release_all()
+        self.loop.run_until_complete(self.pool.stop())
+        for t in self.tasks:
+            t.cancel()
+        with contextlib.suppress(BaseException):
+            self.loop.run_until_complete(asyncio.gather(*self.tasks, return_exceptions=True))
+        assert self.pool.max_used <= self.budget
+        self.loop.close()
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)

@@ -1,0 +1,257 @@
+"""The runner child process on the real LiteRT-LM runtime with the tiny test models."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modeld.engine.runner.client import Runner, RunnerDied, RunnerError, crash_reason
+from modeld.engine.runner.generate import classify_json
+from tests.support.state import MODELS
+
+TINY = MODELS / "tiny-text.litertlm"
+
+
+def spec(tmp: Path, path: Path = TINY, **extra: Any) -> dict[str, Any]:
+    return {"path": str(path), "backend": "cpu", "cache_dir": str(tmp / "cache"), **extra}
+
+
+def ask(text: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": text}], **extra}
+
+
+async def collect(runner: Runner, job: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    text, final = [], {}
+    async for rec in runner.generate(job):
+        if "token" in rec:
+            text.append(rec["token"])
+        else:
+            final = rec
+    return "".join(text), final
+
+
+async def test_create_and_generate_reports_phases_and_memory(short_tmp: Path) -> None:
+    """A real engine streams tokens and ends with finish, token counts, timings and PSS."""
+    runner = await Runner.start()
+    try:
+        created = await runner.create(spec(short_tmp, max_tokens=256))
+        assert created["seconds"] > 0 and created["pss"] > 0
+        text, final = await collect(runner, ask(max_tokens=12, seed=1, top_k=5, temperature=0.7))
+        assert final["done"] and final["finish"] == "length" and final["tokens"] == 12
+        assert text
+        t = final["timings"]
+        assert t["first_token"] > 0 and t["generate"] >= t["first_token"]
+        assert t["decode_tokens_per_second"] > 0 and t["prefill"] is not None
+        assert runner.memory()[0] > 0
+        # No cache next to the model: the runtime wrote it into cache_dir.
+        assert list((short_tmp / "cache").iterdir())
+        assert not list(MODELS.glob("*xnnpack_cache"))
+    finally:
+        await runner.close()
+    assert not runner.alive
+
+
+async def test_multi_turn_system_and_stop_string(short_tmp: Path) -> None:
+    """Messages with a system turn work, and a stop string cuts the reply before it."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp))
+        job = {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "again"},
+            ],
+            "max_tokens": 40,
+            "seed": 3,
+        }
+        full, _ = await collect(runner, job)
+        assert len(full) > 4
+        stop = full[2:4]
+        cut, final = await collect(runner, {**job, "stop": [stop]})
+        assert stop not in cut and full.startswith(cut)
+        assert final["finish"] == "stop"
+    finally:
+        await runner.close()
+
+
+async def test_cancel_mid_generation_then_next_request(short_tmp: Path) -> None:
+    """Leaving a stream cancels it in the child; the same engine then serves the next one."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp))
+        gen = runner.generate(ask(max_tokens=200))
+        async for _ in gen:
+            break
+        await gen.aclose()
+        _, final = await collect(runner, ask(max_tokens=3))
+        assert final["tokens"] == 3
+    finally:
+        await runner.close()
+
+
+async def test_non_streamed_reply_comes_whole_in_the_final_record(short_tmp: Path) -> None:
+    """``stream: false`` sends no token frames: the final record carries the same text."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp, max_tokens=256))
+        job = ask("hello there", max_tokens=8, seed=2)
+        streamed, _ = await collect(runner, job)
+        tokens, final = await collect(runner, {**job, "stream": False})
+        assert tokens == "" and final["text"] == streamed
+        assert final["finish"] == "length" and final["tokens"] == 8
+        t = final["timings"]
+        assert t["first_token"] > 0 and t["generate"] >= t["first_token"]
+        assert t["decode_tokens_per_second"] > 0 and final["prompt_tokens"] > 0
+        # With a stop string the reply is still cut before it, and still sent whole.
+        stop = streamed[2:4]
+        tokens, final = await collect(runner, {**job, "stream": False, "stop": [stop]})
+        assert tokens == "" and streamed.startswith(final["text"]) and stop not in final["text"]
+        assert final["finish"] == "stop"
+    finally:
+        await runner.close()
+
+
+async def test_leaving_a_non_streamed_reply_cancels_it(short_tmp: Path) -> None:
+    """A caller that leaves a non-streamed reply cancels it; the engine serves the next one."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp, max_tokens=4000))
+        for delay in (0.0, 0.002, 0.005):
+            task = asyncio.ensure_future(collect(runner, ask(max_tokens=3000, stream=False)))
+            await asyncio.sleep(delay)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            text, final = await collect(runner, ask(max_tokens=3, stream=False))
+            assert final["tokens"] == 3 and final["finish"] == "length" and text == ""
+    finally:
+        await runner.close()
+
+
+async def test_non_streamed_failure_carries_the_runtime_reason(short_tmp: Path) -> None:
+    """A prompt over the engine's window fails as it does streamed: the runtime's own words."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp, max_tokens=8))
+        reasons = []
+        for stream in (True, False):
+            with pytest.raises(RunnerError) as info:
+                await collect(runner, ask("hello there", stream=stream))
+            reasons.append(info.value.message)
+        assert "too long" in reasons[1] and reasons[0] == reasons[1]
+    finally:
+        await runner.close()
+
+
+async def test_runtime_failure_carries_runtime_reason(short_tmp: Path) -> None:
+    """A damaged file fails create with the runtime's own words, not a generic error."""
+    bad = short_tmp / "trunc.litertlm"
+    bad.write_bytes(TINY.read_bytes()[:100_000])
+    runner = await Runner.start()
+    try:
+        with pytest.raises(RunnerError) as info:
+            await runner.create(spec(short_tmp, path=bad))
+        assert info.value.code == "engine_error"
+        assert "tf_lite_prefill_decode" in info.value.message
+    finally:
+        await runner.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGKILL])
+async def test_signal_mid_request_is_noticed(short_tmp: Path, sig: signal.Signals) -> None:
+    """A runner killed while a request waits on it fails that request with the signal."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp))
+        os.kill(runner.pid, signal.SIGSTOP)  # the request is surely in flight when it dies
+        task = asyncio.ensure_future(collect(runner, ask(max_tokens=50)))
+        await asyncio.sleep(0.1)
+        os.kill(runner.pid, sig)
+        os.kill(runner.pid, signal.SIGCONT)
+        with pytest.raises(RunnerDied) as info:
+            await task
+        assert info.value.signal_name == sig.name
+        # Nobody called kill(): the dead child's socket is closed all the same.
+        assert runner._writer is not None and runner._writer.is_closing()
+    finally:
+        await runner.kill()
+
+
+def test_runner_dies_with_its_parent(short_tmp: Path) -> None:
+    """kill -9 of the process that started a runner leaves no runner behind."""
+    script = (
+        "import asyncio, sys\n"
+        "from modeld.engine.runner.client import Runner\n"
+        "async def main():\n"
+        "    r = await Runner.start()\n"
+        "    print(r.pid, flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    assert Path(f"/proc/{pid}").exists()
+    parent.kill()
+    parent.wait()
+    parent.stdout.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize(
+    ("text", "finish", "status"),
+    [
+        ('{"a": 1}', "stop", "complete"),
+        ("", "stop", "empty"),
+        ('{"a": [1, 2', "length", "truncated"),
+        ("sure! here", "stop", "not_json"),
+        ("", "length", "truncated"),
+    ],
+)
+def test_classify_json(text: str, finish: str, status: str) -> None:
+    """JSON diagnostics tell complete, empty, truncated and not_json apart, keeping the raw text."""
+    result = classify_json(text, finish)
+    assert result["status"] == status and result["raw"] == text
+
+
+def test_crash_reason_keeps_tflite_errors_and_the_first_cause() -> None:
+    """TFLite's ``ERROR: `` lines count, and the first one (the cause) survives a long tail."""
+    tail = [
+        "INFO: Created TensorFlow Lite XNNPACK delegate for CPU.",
+        "ERROR: third_party/tensorflow/lite/delegates/xnnpack/weight_cache.cc:151: could not "
+        "write initial cache header in /x/model.xnnpack_cache: No space left on device.",
+        "ERROR: third_party/tensorflow/lite/delegates/xnnpack/weight_cache.cc:172: could not "
+        "read cache file header.",
+        "ERROR: XNNPack delegate failed to start cache build step.",
+        "W0000 00:00:1796005495.406052    8811 litert_lm_loader.cc:391] Section not found",
+        "F0000 00:00:1730000000.123456   12345 weight_cache.cc:750] Inserting data failed.",
+    ]
+    reason = crash_reason(tail)
+    assert reason is not None
+    parts = reason.split(" | ")
+    assert len(parts) == 3
+    assert "No space left on device" in parts[0]
+    assert parts[1] == "ERROR: XNNPack delegate failed to start cache build step."
+    assert parts[2] == "Inserting data failed."
+    assert crash_reason(["INFO: fine", "W0000 00:00:1.0    1 a.cc:1] warn"]) is None

@@ -1,0 +1,236 @@
+"""Tests for modeld.modelfile.probe: the runtime tried in a child process, on the real tiny
+fixtures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from modeld.modelfile import probe as probe_mod
+from modeld.modelfile.header import read_header
+from modeld.modelfile.probe import ProbeResult, extract_reason, probe
+from tests.support.state import MODELS
+
+TINY = MODELS / "tiny-text.litertlm"
+GEMMA3N_LIKE = MODELS / "gemma3n-like.litertlm"
+# The runtime reaches a GPU through WebGPU (Vulkan or Metal underneath).
+HAS_GPU = Path("/dev/dri").exists() or Path("/dev/nvidia0").exists()
+
+needs_tiny = pytest.mark.skipif(not TINY.exists(), reason="tests/models/tiny-text.litertlm missing")
+
+# Captured from litert-lm 0.18.1 on a host without a GPU.
+GPU_FAILURE_STDERR = "\n".join(
+    [
+        "WARNING: Logging before InitGoogle() is written to STDERR",
+        "WARNING: [npu_registry.cc:34] NPU accelerator could not be loaded and registered: "
+        "kLiteRtStatusErrorNotFound.",
+        "Warning: Couldn't load Vulkan: libvulkan.so.1: cannot open shared object file",
+        "ERROR: [delegate_webgpu.cc:359] Failed to initialize WebGPU environment: INTERNAL: "
+        "No adapters found",
+        "E0000 00:00:1796002975.203557    7420 engine.cc:854] Failed to create engine: UNKNOWN: "
+        "ERROR: [third_party/odml/litert_lm/runtime/executor/"
+        "llm_litert_compiled_model_executor_factory.cc:236]",
+        "\u2514 ERROR: [third_party/odml/litert/litert/runtime/compiled_model.cc:1036]",
+        "=== Source Location Trace: ===",
+        "third_party/odml/litert_lm/runtime/core/engine_advanced_impl.cc:460",
+    ]
+)
+MISMATCH_STDERR = "\n".join(
+    [
+        "W0000 00:00:1796002975.1 12 litert_lm_loader.cc:391] Section not found: SP_Tokenizer",
+        "E0000 00:00:1796002975.350658    7429 engine.cc:854] Failed to create engine: "
+        "INVALID_ARGUMENT: Vision backend constraint mismatch. Model requires one of [gpu] "
+        "but Vision backend is CPU",
+        "=== Source Location Trace: ===",
+        "third_party/odml/litert_lm/runtime/engine/engine_settings.cc:98",
+    ]
+)
+
+
+def test_reason_skips_warnings_and_locations() -> None:
+    """From a GPU failure, the reason keeps the WebGPU error lines, not NPU/Vulkan warnings."""
+    reason = extract_reason(GPU_FAILURE_STDERR)
+    assert reason is not None
+    assert reason.startswith("Failed to initialize WebGPU environment: INTERNAL: No adapters found")
+    assert "Failed to create engine" in reason
+    assert "NPU" not in reason and "Vulkan" not in reason and "Source Location" not in reason
+
+
+def test_reason_puts_mismatch_first() -> None:
+    """A backend constraint mismatch is the reason's first line, without the log prefix."""
+    reason = extract_reason(MISMATCH_STDERR, "RuntimeError: Failed to create LiteRT-LM engine")
+    assert reason is not None
+    assert reason.startswith("Failed to create engine: INVALID_ARGUMENT: Vision backend constraint")
+    assert reason.endswith("RuntimeError: Failed to create LiteRT-LM engine")
+
+
+# What a float32 model printed on an H200 before SIGABRT (main=gpu).
+ABORT_STDERR = "\n".join(
+    [
+        "F0000 00:00:1764470000.000000    12 embedding_lookup.cc:88] EMBEDDING_LOOKUP: "
+        "Unsupported external weights type: 1",
+        "*** Check failure stack trace: ***",
+        "    @     0x7f24bd20dae4  absl::log_internal::LogMessage::SendToLog()",
+        "    @     0x7f24bd20daa8  absl::log_internal::LogMessage::Flush()",
+        "    @     0x7f24bc712a8b  LiteRtCreateCompiledModel",
+    ]
+)
+
+
+def test_reason_of_an_abort_keeps_message_and_signal_not_stack_frames() -> None:
+    """A fatal check's stack frames are dropped and the signal text always stays."""
+    reason = extract_reason(ABORT_STDERR, "probe child killed by SIGABRT")
+    assert reason == (
+        "EMBEDDING_LOOKUP: Unsupported external weights type: 1 | probe child killed by SIGABRT"
+    )
+
+
+def test_reason_falls_back_to_last_line() -> None:
+    """With nothing telling on stderr, the last non-empty line stands in; empty gives None."""
+    assert extract_reason("starting\nsomething odd happened\n\n") == "something odd happened"
+    assert extract_reason("") is None
+    assert extract_reason("", "exit 3") == "exit 3"
+
+
+@needs_tiny
+async def test_cpu_probe_succeeds(tmp_path: Path) -> None:
+    """The tiny fixture creates an engine and answers on cpu."""
+    result = await probe(TINY, "cpu", tmp_path / "cache")
+    assert result == ProbeResult(ok=True, backend="cpu", reason=None, seconds=result.seconds)
+    assert 0 < result.seconds < 30
+
+
+@needs_tiny
+@pytest.mark.skipif(HAS_GPU, reason="this host has a GPU device; the failure case needs none")
+async def test_gpu_probe_fails_without_gpu(tmp_path: Path) -> None:
+    """On a host without a GPU, the gpu probe fails with the runtime's WebGPU reason."""
+    result = await probe(TINY, "gpu", tmp_path / "cache")
+    assert not result.ok
+    assert result.signal is None
+    assert result.reason is not None
+    assert "WebGPU" in result.reason or "adapter" in result.reason
+
+
+@pytest.mark.skipif(not GEMMA3N_LIKE.exists(), reason="tests/models/gemma3n-like.litertlm missing")
+async def test_vision_mismatch_reason(tmp_path: Path) -> None:
+    """vision=cpu on a gpu-only vision encoder fails with the runtime's mismatch message."""
+    result = await probe(GEMMA3N_LIKE, "cpu", tmp_path / "cache", vision="cpu")
+    assert not result.ok
+    assert result.reason is not None
+    assert "Vision backend constraint mismatch" in result.reason
+    assert result.to_dict()["vision"] == "cpu"
+
+
+@needs_tiny
+async def test_corrupted_model_fails_in_the_child(tmp_path: Path) -> None:
+    """Random bytes in the model section make the probe fail, never the test process."""
+    path = tmp_path / "corrupt.litertlm"
+    shutil.copyfile(TINY, path)
+    main = read_header(path).role_section("main")
+    assert main is not None
+    with path.open("r+b") as f:
+        f.seek(main.begin)
+        f.write(random.Random(3).randbytes(main.size))
+    result = await probe(path, "cpu", tmp_path / "cache")
+    assert not result.ok
+    assert result.reason
+
+
+async def test_missing_file_fails_with_reason(tmp_path: Path) -> None:
+    """A path that does not exist is a failed probe naming the open() failure."""
+    result = await probe(tmp_path / "nope.litertlm", "cpu", tmp_path / "cache")
+    assert not result.ok
+    assert result.reason is not None and "No such file" in result.reason
+
+
+async def test_child_killed_by_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that dies of SIGSEGV is reported as a failure with the signal's name."""
+    code = (
+        "import os, signal, sys; print('boom', file=sys.stderr, flush=True); "
+        "os.kill(os.getpid(), signal.SIGSEGV)"
+    )
+    monkeypatch.setattr(probe_mod, "child_argv", lambda *a, **k: [sys.executable, "-c", code])
+    result = await probe(tmp_path / "x.litertlm", "gpu", tmp_path / "cache")
+    assert (result.ok, result.signal) == (False, "SIGSEGV")
+    assert result.reason == "boom | probe child killed by SIGSEGV"
+
+
+async def test_timeout_kills_the_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that hangs is killed at the timeout and reported as timed out."""
+    marker = tmp_path / "alive"
+    code = (
+        f"import time, pathlib; time.sleep(0.2); pathlib.Path({str(marker)!r}).touch(); "
+        "time.sleep(60)"
+    )
+    monkeypatch.setattr(probe_mod, "child_argv", lambda *a, **k: [sys.executable, "-c", code])
+    t = time.monotonic()
+    result = await probe(tmp_path / "x.litertlm", "cpu", tmp_path / "cache", timeout=1.0)
+    assert time.monotonic() - t < 5
+    assert not result.ok
+    assert result.reason == "timed out after 1 s"
+    assert marker.exists()
+
+
+def test_child_dies_with_its_parent(tmp_path: Path) -> None:
+    """A probe child whose parent dies is killed too (PR_SET_PDEATHSIG)."""
+    pid_file = tmp_path / "pid"
+    grandchild = (
+        "from modeld.modelfile.probe import _die_with_parent; _die_with_parent(); "
+        "import time; time.sleep(60)"
+    )
+    middle = (
+        "import subprocess, sys, os, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {grandchild!r}])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(1.0)\n"
+        "os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", middle], check=True, timeout=30)
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        # Reaped by init once killed; until then it may linger as a zombie.
+        if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("the probe child outlived its parent")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def test_cancelled_probe_kills_the_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelling a probe (daemon shutdown) kills its child rather than leaking it."""
+    pid_file = tmp_path / "pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    monkeypatch.setattr(probe_mod, "child_argv", lambda *a, **k: [sys.executable, "-c", code])
+    task = asyncio.create_task(probe(tmp_path / "x.litertlm", "cpu", tmp_path / "cache"))
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        await asyncio.sleep(0.02)
+    pid = int(pid_file.read_text())
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert _gone(pid)

@@ -1,0 +1,205 @@
+"""Real daemons for tests: ``modeld serve`` subprocesses and daemons in the test's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modeld.client import Client
+from modeld.config import Settings
+from tests.support.unix import unix_request
+
+
+def daemon_env(home: Path, **extra: str) -> dict[str, str]:
+    """Environment for a daemon or CLI subprocess bound to ``home``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELD_")}
+    env.pop("XDG_RUNTIME_DIR", None)
+    env.update(
+        MODELD_HOME=str(home),
+        MODELD_SOCKET=str(home / "modeld.sock"),
+        MODELD_MAIN_BACKEND="cpu",
+        MODELD_LOG_LEVEL="debug",
+        XDG_CONFIG_HOME=str(home / "xdg-config"),
+        # Anything that is not loopback goes to a dead proxy: tests never reach a real host,
+        # even when a bundled catalog entry (huggingface.co URLs) is pulled by mistake.
+        HTTP_PROXY="http://127.0.0.1:9",
+        HTTPS_PROXY="http://127.0.0.1:9",
+        NO_PROXY="127.0.0.1,localhost,::1",
+    )
+    env.update(extra)
+    return env
+
+
+@dataclass
+class DaemonProcess:
+    """A real ``modeld serve`` in a subprocess, and a way to run the CLI against it."""
+
+    home: Path
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log_path = self.home / "daemon.log"
+
+    @property
+    def socket(self) -> Path:
+        return Path(self.env["MODELD_SOCKET"])
+
+    def spawn(self) -> None:
+        """Start ``modeld serve`` without waiting for it."""
+        self.proc = spawn_daemon(self.env, self.log_path)
+
+    def start(self, timeout: float = 20.0) -> None:
+        """Start it and wait until ``modeld status --json`` succeeds."""
+        self._start(
+            lambda: self.socket.exists() and self.cli("status", "--json").returncode == 0,
+            timeout,
+            pause=0.05,
+        )
+
+    def start_quick(self, timeout: float = 30.0) -> None:
+        """Start it and wait for ``/api/health`` (no CLI subprocess per poll, unlike ``start``)."""
+
+        def healthy() -> bool:
+            try:
+                return unix_request(self.socket, "GET", "/api/health", timeout=2.0)[0] == 200
+            except OSError:
+                return False
+
+        self._start(healthy, timeout, pause=0.02)
+
+    def _start(self, ready: Callable[[], bool], timeout: float, pause: float) -> None:
+        self.spawn()
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log()[-4000:]}")
+            if ready():
+                return
+            time.sleep(pause)
+        raise RuntimeError(f"daemon did not start in {timeout}s:\n{self.log()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        assert self.proc is not None
+        return stop_process(self.proc, sig, timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_log(self, needle: str, count: int = 1, timeout: float = 30.0) -> str:
+        """Wait until ``needle`` occurs ``count`` times in the daemon's log; return the log."""
+        return wait_log(self.log_path, needle, count=count, timeout=timeout)
+
+    def cli(
+        self, *args: str, timeout: float = 60.0, **extra_env: str
+    ) -> subprocess.CompletedProcess[str]:
+        env = dict(self.env, **extra_env)
+        return subprocess.run(
+            [sys.executable, "-m", "modeld", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def cli_json(self, *args: str, timeout: float = 60.0) -> Any:
+        result = self.cli(*args, "--json", timeout=timeout)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+
+@dataclass
+class InProcessDaemon:
+    settings: Settings
+    task: asyncio.Task[None]
+    stop: asyncio.Event
+
+    def client(self) -> Client:
+        return Client(self.settings.socket_path)
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(settings: Settings) -> AsyncIterator[InProcessDaemon]:
+    """An in-process daemon with the given settings (e.g. a ``registry`` dir), stopped after."""
+    from modeld.daemon import daemon as daemon_mod
+
+    ready, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(daemon_mod.run(settings, ready=ready, stop=stop))
+    waiter = asyncio.create_task(ready.wait())
+    done, _ = await asyncio.wait([task, waiter], timeout=20, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task in done:
+        task.result()
+    try:
+        yield InProcessDaemon(settings, task, stop)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+def spawn_daemon(
+    env: dict[str, str],
+    log_path: Path,
+    argv: Sequence[str] | None = None,
+    pass_fds: Sequence[int] = (),
+) -> subprocess.Popen[bytes]:
+    """Start ``modeld serve`` (or ``argv``) in its own session, output appended to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            list(argv or [sys.executable, "-m", "modeld", "serve"]),
+            env=env,
+            stdout=log,
+            stderr=log,
+            pass_fds=pass_fds,
+            start_new_session=True,
+        )
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30.0
+) -> int:
+    """Send ``sig`` (SIGKILL after ``timeout``) and return the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def wait_log(
+    log_path: Path,
+    needle: str,
+    *,
+    count: int = 1,
+    proc: subprocess.Popen[bytes] | None = None,
+    timeout: float = 30.0,
+) -> str:
+    """Wait until ``needle`` occurs ``count`` times in the log (or ``proc`` exits); the log."""
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        if text.count(needle) >= count:
+            return text
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    raise AssertionError(f"{needle!r} x{count} not in the log:\n{text}")

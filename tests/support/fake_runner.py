@@ -1,0 +1,110 @@
+"""A fake runner for the pool's scheduler tests (test support, not shipped with modeld).
+
+It speaks the pool's ``RunnerLike`` protocol without a process: a fixed PSS, tokens on
+demand, generations that can be held open and released, and crashes on request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from modeld.engine.runner.client import RunnerDied, RunnerError
+
+_PIDS = itertools.count(100_000)
+
+
+class FakeRunner:
+    """One fake engine process."""
+
+    def __init__(self, factory: FakeFactory) -> None:
+        self.factory = factory
+        self.pid = next(_PIDS)
+        self.closing = False
+        self.pss = factory.spare_pss
+        self.spec: dict[str, Any] | None = None
+        self.died: RunnerDied | None = None
+        self._exited = asyncio.Event()
+
+    @property
+    def alive(self) -> bool:
+        return not self._exited.is_set()
+
+    async def create(self, spec: dict[str, Any]) -> dict[str, Any]:
+        self.factory.creates += 1
+        await asyncio.sleep(float(spec.get("fake_create_seconds", 0.0)))
+        if self.died is not None:
+            raise self.died
+        if spec.get("fake_fail"):
+            raise RunnerError("engine_error", str(spec["fake_fail"]))
+        self.spec = spec
+        self.pss = int(spec.get("fake_pss", self.factory.engine_pss))
+        return {"ok": True, "seconds": 0.0, "pss": self.pss, "rss": self.pss}
+
+    async def generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        gate = asyncio.Event()
+        if not self.factory.hold:
+            gate.set()
+        self.factory.gates.append(gate)
+        for token in ("a", "b"):
+            if self.died is not None:
+                raise self.died
+            yield {"token": token}
+        waiter = asyncio.ensure_future(gate.wait())
+        exited = asyncio.ensure_future(self._exited.wait())
+        try:
+            await asyncio.wait([waiter, exited], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            exited.cancel()
+        if self.died is not None:
+            raise self.died
+        yield {"done": True, "finish": "stop", "tokens": 2, "timings": {}, "pss": self.pss}
+
+    def memory(self) -> tuple[int, int]:
+        return (self.pss, self.pss) if self.alive else (0, 0)
+
+    async def wait_exit(self) -> RunnerDied:
+        await self._exited.wait()
+        assert self.died is not None
+        return self.died
+
+    def crash(self, signal_name: str = "SIGSEGV") -> None:
+        self.died = RunnerDied(signal_name, -11, None)
+        self._exited.set()
+
+    async def close(self, grace: float = 5.0) -> None:
+        self.closing = True
+        await self.kill()
+
+    async def kill(self) -> None:
+        self.closing = True
+        if self.died is None:
+            self.died = RunnerDied(None, 0, None)
+        self._exited.set()
+
+
+class FakeFactory:
+    """Makes FakeRunners and remembers them; ``hold=True`` keeps generations open."""
+
+    def __init__(self, *, engine_pss: int = 100, spare_pss: int = 10, hold: bool = False) -> None:
+        self.engine_pss = engine_pss
+        self.spare_pss = spare_pss
+        self.hold = hold
+        self.runners: list[FakeRunner] = []
+        self.gates: list[asyncio.Event] = []
+        self.creates = 0
+
+    async def __call__(self) -> FakeRunner:
+        runner = FakeRunner(self)
+        self.runners.append(runner)
+        return runner
+
+    def alive(self) -> list[FakeRunner]:
+        return [r for r in self.runners if r.alive]
+
+    def release_all(self) -> None:
+        for gate in self.gates:
+            gate.set()
