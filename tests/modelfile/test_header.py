@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import statistics
 import struct
 import tempfile
-import time
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
@@ -215,19 +213,18 @@ def test_section_inside_header_is_refused() -> None:
         parse_bytes(bytes(data))
 
 
-def test_sparse_2gb_file_reads_fast(tmp_path: Path) -> None:
-    """A 2 GB (sparse) file's header reads in well under 5 ms."""
+def test_sparse_2gb_file_reads(tmp_path: Path) -> None:
+    """A 2 GB (sparse) file's header reads with the file's full size.
+
+    How little of the file is read is pinned by the next test (bytes, not seconds: no
+    timed asserts on shared machines); bench/bench_litertlm.py has the timings.
+    """
     path = build_litertlm(tmp_path / "big.litertlm", GEMMA3N_LIKE)
     with path.open("r+b") as f:
         f.truncate(2 * 1024**3)
-    read_header(path)
-    times = []
-    for _ in range(50):
-        t = time.perf_counter()
-        info = read_header(path)
-        times.append(time.perf_counter() - t)
+    info = read_header(path)
     assert info.file_size == 2 * 1024**3
-    assert statistics.median(times) < 0.005, times
+    assert info.role_section("main") is not None
 
 
 def test_reads_only_the_header_and_llm_metadata() -> None:
@@ -318,9 +315,7 @@ def test_fuzz_truncation(cut: int) -> None:
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.name for p in FIXTURES])
 def test_committed_fixtures_read(path: Path) -> None:
     """Every committed fixture has a valid header with a main section inside the file."""
-    t = time.perf_counter()
     info = read_header(path)
-    assert time.perf_counter() - t < 0.05
     assert info.role_section("main") is not None
     assert all(s.end <= path.stat().st_size for s in info.sections)
     if path.name.startswith("gemma3n-like"):
@@ -369,10 +364,13 @@ def test_many_sections_within_limits_parse() -> None:
     assert info.sections[0].items["k4"] == "v"
 
 
-def test_item_flood_is_refused_quickly() -> None:
-    """A header whose sections carry more items in all than any real file is refused fast."""
+@pytest.mark.timeout(30)
+def test_item_flood_is_refused() -> None:
+    """A header whose sections carry more items in all than any real file is refused.
+
+    The refusal comes from the item count, before the items are read; the timeout only
+    catches a parser that walks the whole flood (no timed assert: the machines are shared).
+    """
     data = pack_header(200, 60)
-    t = time.perf_counter()
     with pytest.raises(CorruptModel, match="items in all"):
         parse_bytes(data)
-    assert time.perf_counter() - t < 0.05
