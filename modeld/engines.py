@@ -231,10 +231,9 @@ class Engines:
             "max_images": max_images,
             # Without it the runtime writes its xnnpack cache next to the blob.
             "cache_dir": str(self.store.cache_dir_for(installed.digest)),
-            # Off unless the entry enables it (DESIGN: speculative decoding is opt-in).
-            "speculative": bool(limits.speculative_decoding)
-            if limits.speculative_decoding
-            else None,
+            # The entry's [limits] speculative_decoding as is: true and false reach the
+            # runtime as True and False; absent (None) leaves it to the runtime's default.
+            "speculative": limits.speculative_decoding,
         }
         return Target(
             model_id=model_id,

@@ -233,6 +233,7 @@ class Pool(Admission, Views):
                 raise
             return
         e.create_seconds = float(reply.get("seconds", 0.0))
+        e.options = reply.get("options")
         if self.metrics:
             self.metrics.phase_seconds.labels("engine_create").observe(e.create_seconds)
         e.load_seconds = time.monotonic() - started

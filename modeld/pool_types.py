@@ -111,6 +111,8 @@ class Engine:
     expires_at: float | None = None
     load_seconds: float | None = None
     create_seconds: float | None = None
+    # What the runner created the engine with, read back from the runtime (``runner.py``).
+    options: dict[str, Any] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ready: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
