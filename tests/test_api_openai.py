@@ -139,6 +139,7 @@ async def test_non_streamed_matches_streamed_text_and_keeps_timings(
     assert whole.usage is not None and whole.usage.completion_tokens == 8
     timings = (whole.model_extra or {})["modeld"]["timings"]
     assert 0 < timings["first_token"] <= timings["total"]
+    assert timings["image_prepare"] == 0.0  # no image in this request
     assert timings["prefill"] is not None and timings["decode_tokens_per_second"] > 0
     cut = await oa.chat.completions.create(**kw, stop=[streamed[2:4]])
     text = cut.choices[0].message.content or ""

@@ -114,6 +114,8 @@ def unload(ctx: click.Context, engine_or_model: str, as_json: bool) -> None:
 def _timings_line(final: dict[str, Any]) -> str:
     t = final.get("timings") or {}
     parts = []
+    if t.get("image_prepare"):
+        parts.append(f"image_prepare {t['image_prepare'] * 1000:.1f} ms")
     for key in ("load", "queue", "prefill", "first_token", "total"):
         if t.get(key) is not None:
             parts.append(f"{key} {t[key] * 1000:.1f} ms")
