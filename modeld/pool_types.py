@@ -73,6 +73,8 @@ class Target:
     estimate: int
     max_tokens: int
     learned: int | None = None  # measured peak PSS from earlier runs, if any
+    # The plan's image probe on this file (``Engines._image_probe``); None without vision.
+    image_probe: dict[str, Any] | None = None
 
     @property
     def key(self) -> tuple[str, str]:

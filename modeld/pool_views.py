@@ -31,6 +31,7 @@ def engine_view(e: Engine, now: float, last_eviction: str | None) -> dict[str, A
         "reserved": e.reserved,
         "max_tokens": e.target.max_tokens,
         "engine_options": e.options,
+        "image_probe": e.target.image_probe,
         "idle_seconds": round(now - e.last_used, 3) if idle else None,
         "expires_in": round(e.expires_at - now, 3) if e.expires_at and idle else None,
         "keep_alive": e.keep_alive,

@@ -394,6 +394,7 @@ async def start(
         modalities=["text", "image"] if gen.image_count else ["text"],
         backends=gen.backends,
         allow_unverified=gen.allow_unverified,
+        images=gen.image_count > 0,
     )
     return target.engine_id, pool.generate(
         target, job, keep_alive=keep_alive, image_prepare=prepared
