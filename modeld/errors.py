@@ -119,6 +119,12 @@ class BackendConstraint(Refused):
     code = "backend_constraint"
 
 
+class ImageProbeFailed(Refused):
+    """The plan could not run an image when probed on this host; text still runs."""
+
+    code = "image_probe_failed"
+
+
 class OverBudget(Refused):
     """The engine could never fit in the memory budget, even with everything evicted."""
 

@@ -77,7 +77,9 @@ def _plans(
     model_id: str,
     entry: Entry | None,
     info: litertlm.ModelInfo,
+    *,
     probes: dict[str, dict[str, Any]],
+    image_probes: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
     results: dict[str, bool | None] = {b: p["ok"] for b, p in probes.items()}
     entry_prefs = plan.Prefs.from_mapping(entry.backends.model_dump() if entry else None)
@@ -97,6 +99,9 @@ def _plans(
         else:
             unprobed = sorted(plan.needs_probe(p, results))
             out[name] = {"plan": p.to_dict(), "error": None, "needs_probe": unprobed}
+            if p.vision is not None:
+                # None: not probed with an image yet (the first image request or load does).
+                out[name]["image_probe"] = image_probes.get(p.key)
     return out
 
 
@@ -114,6 +119,7 @@ async def show_model(services: Services, model_id: str) -> dict[str, Any]:
     doc["entry"] = entry.to_dict() if entry else None
     doc["header"] = doc["header_error"] = None
     doc["probes"] = {}
+    doc["image_probes"] = {}
     if inst is None:
         why = ModelNotInstalled(
             f"model {model_id} is not installed, so its file's sections are unknown; "
@@ -122,6 +128,8 @@ async def show_model(services: Services, model_id: str) -> dict[str, Any]:
         doc["plans"] = {m: {"plan": None, "error": _error(why)} for m in ("text", "vision")}
         return doc
     doc["probes"] = await store.probes(inst.digest)
+    # plan key -> one small image run through that plan on this host (``modeld.modelfile.probe``).
+    doc["image_probes"] = await store.image_probes(inst.digest)
     try:
         info = await asyncio.to_thread(litertlm.read_header, inst.path, model_id=model_id)
     except ModeldError as e:
@@ -137,7 +145,9 @@ async def show_model(services: Services, model_id: str) -> dict[str, Any]:
         doc["plans"] = {m: {"plan": None, "error": _error(err)} for m in ("text", "vision")}
         return doc
     doc["header"] = info.to_dict()
-    doc["plans"] = _plans(services, model_id, entry, info, doc["probes"])
+    doc["plans"] = _plans(
+        services, model_id, entry, info, probes=doc["probes"], image_probes=doc["image_probes"]
+    )
     return doc
 
 

@@ -14,6 +14,7 @@ import base64
 import binascii
 import io
 import json
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
@@ -245,13 +246,18 @@ async def read_body(request: web.Request, model: type[B], *, optional: bool = Fa
 
 
 def prepare_image(data: bytes) -> bytes:
-    """Downscale to at most 640 px on the long side and re-encode as JPEG quality 88."""
-    from PIL import Image, UnidentifiedImageError
+    """Turn upright, downscale to at most 640 px on the long side, re-encode as JPEG 88.
+
+    The EXIF orientation is applied first: a phone photo stored sideways reaches the model
+    upright, and the 640 px bound applies to its upright long side. The output carries no
+    EXIF, so nothing downstream turns it a second time.
+    """
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as img:
             img.load()
-            rgb = img.convert("RGB")
+            rgb = ImageOps.exif_transpose(img).convert("RGB")
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as e:
         raise BadRequest(f"an image could not be decoded ({e}); send PNG or JPEG bytes") from e
     rgb.thumbnail((IMAGE_LONG_SIDE, IMAGE_LONG_SIDE))
@@ -373,9 +379,12 @@ async def start(
     if gen.image_count > limit:
         raise TooLarge(f"{gen.image_count} images sent; model {gen.model} takes at most {limit}")
     keep_alive = validate_keep_alive(gen.keep_alive)
+    prepared = 0.0
     if gen.image_count:
         # Decoding and re-encoding takes tens of ms per image: keep it off the event loop.
+        began = time.perf_counter()
         job = await asyncio.to_thread(gen.job, prepare_image)
+        prepared = time.perf_counter() - began
     else:
         job = gen.job(bytes)
     # The plan is resolved with the vision modality before any runner starts, so a file
@@ -385,5 +394,8 @@ async def start(
         modalities=["text", "image"] if gen.image_count else ["text"],
         backends=gen.backends,
         allow_unverified=gen.allow_unverified,
+        images=gen.image_count > 0,
     )
-    return target.engine_id, pool.generate(target, job, keep_alive=keep_alive)
+    return target.engine_id, pool.generate(
+        target, job, keep_alive=keep_alive, image_prepare=prepared
+    )

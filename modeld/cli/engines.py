@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import quote
 
 import click
+from rich.markup import escape
 
 from modeld.cli.common import call, console, emit, err_console, json_option, table
 from modeld.client import Client
@@ -85,14 +86,20 @@ def load(  # noqa: PLR0917 (click passes every option positionally by name)
     if keep_alive is not None:
         body["keep_alive"] = keep_alive
     view = call(ctx, lambda c: c.request("POST", "/api/engines", body))
-    emit(
-        as_json,
-        view,
-        lambda v: console.print(
-            f"loaded {v['id']} ({v['plan']['key']}) in {format_duration(v['load_seconds'] or 0)}, "
-            f"PSS {_size(v['pss'])}"
-        ),
+    emit(as_json, view, _print_loaded)
+
+
+def _print_loaded(v: dict[str, Any]) -> None:
+    console.print(
+        f"loaded {v['id']} ({v['plan']['key']}) in {format_duration(v['load_seconds'] or 0)}, "
+        f"PSS {_size(v['pss'])}"
     )
+    probe = v.get("image_probe")
+    if probe is not None and not probe["ok"]:
+        err_console.print(
+            f"[yellow]! images will be refused with this plan: its image probe failed at "
+            f"{probe['stage'] or '?'}: {escape(str(probe['reason']))}[/]"
+        )
 
 
 @click.command()
@@ -114,6 +121,8 @@ def unload(ctx: click.Context, engine_or_model: str, as_json: bool) -> None:
 def _timings_line(final: dict[str, Any]) -> str:
     t = final.get("timings") or {}
     parts = []
+    if t.get("image_prepare"):
+        parts.append(f"image_prepare {t['image_prepare'] * 1000:.1f} ms")
     for key in ("load", "queue", "prefill", "first_token", "total"):
         if t.get(key) is not None:
             parts.append(f"{key} {t[key] * 1000:.1f} ms")

@@ -73,6 +73,12 @@ def _print_plan(name: str, p: dict[str, Any]) -> None:
             text += " [yellow](fell back to cpu: the GPU probe failed)[/]"
         if p.get("needs_probe"):
             text += f" [dim](not probed yet: {', '.join(p['needs_probe'])})[/]"
+        if "image_probe" in p:
+            img = p["image_probe"]
+            if img is None:
+                text += " [dim](not probed with an image yet)[/]"
+            elif not img["ok"]:
+                text += " [red](images refused: its image probe failed)[/]"
         console.print(f"    {name:<8} {text}")
     else:
         console.print(f"    {name:<8} [red]none[/]: {escape(p['error']['message'])}")
@@ -121,11 +127,23 @@ def _print_show(m: dict[str, Any]) -> None:
     console.print("  plans")
     for name, p in m["plans"].items():
         _print_plan(name, p)
+    _print_probes(m)
+
+
+def _print_probes(m: dict[str, Any]) -> None:
     if m["probes"]:
         console.print("  probes")
         for backend, p in m["probes"].items():
             result = "ok" if p["ok"] else f"[red]failed[/]: {escape(str(p['reason']))}"
             console.print(f"    {backend:<4} {result} ({_ago(p['at'])})")
+    if m.get("image_probes"):
+        console.print("  image probes")
+        for key, p in m["image_probes"].items():
+            if p["ok"]:
+                result = "ok"
+            else:
+                result = f"[red]failed[/] at {p['stage'] or '?'}: {escape(str(p['reason']))}"
+            console.print(f"    {key} {result} ({_ago(p['at'])})")
 
 
 @click.command()

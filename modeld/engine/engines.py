@@ -17,7 +17,7 @@ from typing import Any
 from modeld import logs
 from modeld.engine.pool import Pool, PoolConfig, Target
 from modeld.engine.runner.client import Runner
-from modeld.errors import CorruptModel, ModelNotInstalled, Unverified
+from modeld.errors import CorruptModel, ImageProbeFailed, ModelNotInstalled, Unverified
 from modeld.modelfile.header import ModelInfo, read_header
 from modeld.modelfile.plan import Plan, Prefs, needs_probe, resolve
 from modeld.store.store import Installed
@@ -41,6 +41,10 @@ _KV_FRACTION_PER_TOKEN = 1 / 40_000
 _KV_MIN_PER_TOKEN = 2048
 DEFAULT_MAX_TOKENS = 4096
 TOUCH_INTERVAL = 30.0  # seconds between last_used writes
+# An image probe creates a whole engine and encodes an image: on a CPU plan of a
+# multi-GB model the first run also builds the XNNPACK cache, which takes far longer
+# than a GPU probe's text reply. A timeout is recorded as a failure, so be generous.
+IMAGE_PROBE_TIMEOUT = 300.0
 
 
 def estimate_memory(info: ModelInfo, plan: Plan, max_tokens: int, base: int = RUNNER_BASE) -> int:
@@ -77,6 +81,9 @@ class Engines:
         # header parsing off the warm request path.
         self._headers: dict[str, ModelInfo] = {}
         self._probe_cache: dict[str, dict[str, bool | None]] = {}
+        # digest -> plan key -> the image probe's row (``Store.image_probes``).
+        self._image_probes: dict[str, dict[str, dict[str, Any]]] = {}
+        self._image_probing: dict[tuple[str, str], asyncio.Task[dict[str, Any]]] = {}
         self._learned: dict[tuple[str, str, int], int | None] = {}
         # Installed rows, valid while the store's write generation is unchanged: any write
         # (install, remove, verify, scan, touch) invalidates them, so they are never stale.
@@ -156,6 +163,82 @@ class Engines:
             task.add_done_callback(lambda _: self._probing.pop(digest, None))
         return await asyncio.shield(task)
 
+    async def _image_probe(self, digest: str, blob: Path, plan: Plan) -> dict[str, Any]:
+        """This file's image probe row for ``plan``: the recorded one, else run once.
+
+        Every plan with a vision backend is probed, not only vision=gpu: the first image
+        prefill is where a vision plan fails (a GPU delegate can abort the process there,
+        and on either backend a vision encoder that does not fit the decoder fails only
+        then). A throwaway child keeps such a failure out of a runner, and image requests
+        get a clear refusal instead of a failed generation. The cost is one extra engine
+        creation per (file, plan), once: the result is kept in the store.
+        """
+        if digest not in self._image_probes:
+            self._image_probes[digest] = await self.store.image_probes(digest)
+        row = self._image_probes[digest].get(plan.key)
+        if row is not None:
+            return row
+        key = (digest, plan.key)
+        task = self._image_probing.get(key)
+        if task is None:
+
+            async def go() -> dict[str, Any]:
+                from modeld.modelfile.probe import probe
+
+                result = await probe(
+                    self._runtime_path(digest, blob),
+                    plan.main,
+                    self.store.cache_dir_for(digest),
+                    IMAGE_PROBE_TIMEOUT,
+                    vision=plan.vision,
+                    audio=plan.audio,
+                    image=True,
+                )
+                await self.store.record_image_probe(
+                    digest,
+                    plan.key,
+                    ok=result.ok,
+                    stage=result.stage,
+                    reason=result.reason,
+                    signal=result.signal,
+                    seconds=result.seconds,
+                )
+                logs.event(
+                    "image_probe",
+                    digest=digest[:12],
+                    plan=plan.key,
+                    ok=result.ok,
+                    stage=result.stage,
+                    reason=result.reason,
+                )
+                self._image_probes[digest] = await self.store.image_probes(digest)
+                return self._image_probes[digest][plan.key]
+
+            task = asyncio.ensure_future(go())
+            self._image_probing[key] = task
+            task.add_done_callback(lambda _: self._image_probing.pop(key, None))
+        return await asyncio.shield(task)
+
+    @staticmethod
+    def _image_refusal(
+        model_id: str, info: ModelInfo, plan: Plan, row: dict[str, Any], gpu_ok: bool | None
+    ) -> ImageProbeFailed:
+        where = "at the image prefill" if row["stage"] == "image" else "creating its engine"
+        fix = "Send a text-only request"
+        other = "cpu" if plan.vision == "gpu" else "gpu"
+        allowed = info.constraint_for("vision")
+        # Only a backend the file allows and this host has not already failed on.
+        if (allowed is None or other in allowed) and (other == "cpu" or gpu_ok is not False):
+            fix += f" or ask for vision backend {other}"
+        return ImageProbeFailed(
+            f"model {model_id}: plan {plan.key} failed {where} when probed with an image on "
+            f"this host: {row['reason']}. Images are refused with this plan; text still runs. "
+            f"{fix} (`modeld show {model_id}` lists the image probes).",
+            model=model_id,
+            plan=plan.key,
+            stage=row["stage"],
+        )
+
     async def target(
         self,
         model_id: str,
@@ -163,8 +246,14 @@ class Engines:
         modalities: Iterable[str] = ("text",),
         backends: dict[str, Any] | None = None,
         allow_unverified: bool = False,
+        images: bool = False,
     ) -> Target:
-        """The engine target for ``model_id``, or a clear refusal (before any runner starts)."""
+        """The engine target for ``model_id``, or a clear refusal (before any runner starts).
+
+        A plan with a vision backend is probed with an image first (``_image_probe``);
+        with ``images`` (the request carries some) a failed image probe refuses it. An
+        explicit load is not refused: its view shows the probe.
+        """
         entry = self.catalog.get(model_id)
         installed = await self._installed_row(model_id)
         if installed is None:
@@ -206,6 +295,11 @@ class Engines:
         if needs_probe(plan, probes):
             probes = await self._probe_gpu(installed.digest, path)
             plan = plan_with(probes)
+        image_probe = None
+        if plan.vision is not None:
+            image_probe = await self._image_probe(installed.digest, path, plan)
+            if images and not image_probe["ok"]:
+                raise self._image_refusal(model_id, info, plan, image_probe, probes.get("gpu"))
         limits = entry.limits
         max_tokens = (
             (limits.vision_max_tokens if plan.vision else None)
@@ -231,10 +325,9 @@ class Engines:
             "max_images": max_images,
             # Without it the runtime writes its xnnpack cache next to the blob.
             "cache_dir": str(self.store.cache_dir_for(installed.digest)),
-            # Off unless the entry enables it (speculative decoding is opt-in).
-            "speculative": bool(limits.speculative_decoding)
-            if limits.speculative_decoding
-            else None,
+            # The entry's [limits] speculative_decoding as is: true and false reach the
+            # runtime as True and False; absent (None) leaves it to the runtime's default.
+            "speculative": limits.speculative_decoding,
         }
         return Target(
             model_id=model_id,
@@ -244,6 +337,7 @@ class Engines:
             estimate=estimate_memory(info, plan, max_tokens, base or RUNNER_BASE),
             max_tokens=max_tokens,
             learned=learned,
+            image_probe=image_probe,
         )
 
     def _runtime_path(self, digest: str, blob: Path) -> Path:

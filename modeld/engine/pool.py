@@ -233,6 +233,7 @@ class Pool(Admission, Views):
                 raise
             return
         e.create_seconds = float(reply.get("seconds", 0.0))
+        e.options = reply.get("options")
         if self.metrics:
             self.metrics.phase_seconds.labels("engine_create").observe(e.create_seconds)
         e.load_seconds = time.monotonic() - started
@@ -375,9 +376,18 @@ class Pool(Admission, Views):
         return engine_view(e, time.monotonic(), self.last_eviction.get(e.target.key))
 
     async def generate(
-        self, target: Target, job: dict[str, Any], *, keep_alive: float | None = None
+        self,
+        target: Target,
+        job: dict[str, Any],
+        *,
+        keep_alive: float | None = None,
+        image_prepare: float = 0.0,
     ) -> AsyncGenerator[dict[str, Any], None]:
-        """Token records, then a final record with phase timings; see ``runner_generate``."""
+        """Token records, then a final record with phase timings; see ``runner_generate``.
+
+        ``image_prepare`` is the time the caller spent preparing the job's images (it comes
+        before the request reaches the pool); it is reported as its own phase.
+        """
         arrived = time.monotonic()
         for attempt in range(2):
             e = await self._engine_for(target, keep_alive)
@@ -394,7 +404,7 @@ class Pool(Admission, Views):
                     self._set_state(e, State.BUSY)
                     self._note_queue(target.model_id)
                     e.served += 1
-                    async for rec in self._run(e, job, arrived, loaded_at):
+                    async for rec in self._run(e, job, arrived, loaded_at, prepare=image_prepare):
                         yield rec
                     return
             except RunnerError as err:
@@ -416,7 +426,7 @@ class Pool(Admission, Views):
                 self._release(e)
 
     async def _run(
-        self, e: Engine, job: dict[str, Any], arrived: float, loaded_at: float
+        self, e: Engine, job: dict[str, Any], arrived: float, loaded_at: float, *, prepare: float
     ) -> AsyncIterator[dict[str, Any]]:
         assert e.runner is not None
         began = time.monotonic()
@@ -432,7 +442,13 @@ class Pool(Admission, Views):
                     # A non-streamed reply sends no token frames: the runner's own figure.
                     first = began + ttft
                 yield self._final(
-                    e, rec, arrived=arrived, loaded_at=loaded_at, began=began, first=first
+                    e,
+                    rec,
+                    arrived=arrived,
+                    loaded_at=loaded_at,
+                    began=began,
+                    first=first,
+                    image_prepare=prepare,
                 )
         if not e.measured_at or time.monotonic() - e.measured_at >= self.config.watch_interval:
             self._spawn(self._measure_after(e))

@@ -73,6 +73,8 @@ class Target:
     estimate: int
     max_tokens: int
     learned: int | None = None  # measured peak PSS from earlier runs, if any
+    # The plan's image probe on this file (``Engines._image_probe``); None without vision.
+    image_probe: dict[str, Any] | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -111,6 +113,8 @@ class Engine:
     expires_at: float | None = None
     load_seconds: float | None = None
     create_seconds: float | None = None
+    # What the runner created the engine with, read back from the runtime (``runner.py``).
+    options: dict[str, Any] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ready: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()

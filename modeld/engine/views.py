@@ -30,6 +30,8 @@ def engine_view(e: Engine, now: float, last_eviction: str | None) -> dict[str, A
         "peak_pss": e.peak or None,
         "reserved": e.reserved,
         "max_tokens": e.target.max_tokens,
+        "engine_options": e.options,
+        "image_probe": e.target.image_probe,
         "idle_seconds": round(now - e.last_used, 3) if idle else None,
         "expires_in": round(e.expires_at - now, 3) if e.expires_at and idle else None,
         "keep_alive": e.keep_alive,
@@ -75,11 +77,15 @@ class Views:
         loaded_at: float,
         began: float,
         first: float | None,
+        image_prepare: float = 0.0,
     ) -> dict[str, Any]:
         now = time.monotonic()
         inner = rec.get("timings") or {}
         waited_load = loaded_at - arrived
         timings = {
+            # Decoding, downscaling and re-encoding the request's images (0 without images);
+            # done before the request reaches the pool, so not part of "total".
+            "image_prepare": image_prepare,
             "load": waited_load,
             "engine_create": e.create_seconds if waited_load > 0.001 else 0.0,
             "queue": began - loaded_at,
@@ -95,6 +101,8 @@ class Views:
                     self._phase(phase).observe(float(value))
             if first is not None:
                 self._phase("decode").observe(now - first)
+            if image_prepare:
+                self._phase("image_prepare").observe(image_prepare)
             self.metrics.generated_tokens.labels(e.target.model_id).inc(rec.get("tokens") or 0)
         fields: dict[str, Any] = {k: v for k, v in timings.items() if v is not None}
         logs.event(

@@ -2,8 +2,11 @@
 
 A GPU that the runtime cannot use can abort the process (SIGABRT) and a damaged file
 can crash it (SIGSEGV), so the runtime is never tried in the daemon itself: the child
-(``python -m modeld.modelfile.probe PATH BACKEND CACHE_DIR [--vision B] [--audio B]``) creates an
-engine and a conversation, asks for a few tokens and prints one JSON line. The
+(``python -m modeld.modelfile.probe PATH BACKEND CACHE_DIR [--vision B] [--audio B] [--image]``)
+creates an engine and a conversation, asks for a few tokens and prints one JSON line.
+With ``--image`` the message also carries one small image: a vision plan fails at the
+first image prefill (a GPU delegate, an encoder that does not fit the decoder), not at
+``Engine()``, so only an image finds it. The
 runtime writes its real reason for a failure only to fd 2 (Python sees a generic
 ``RuntimeError: Failed to create LiteRT-LM engine``), so the parent keeps the child's
 stderr and picks the meaningful lines out of it.
@@ -26,7 +29,11 @@ from pathlib import Path
 from typing import Any
 
 PROBE_PROMPT = "Hi"
+PROBE_IMAGE_PROMPT = "Describe this image."
 PROBE_MAX_TOKENS = 4
+# The image probe's picture: small, so the probe stays cheap, and a JPEG like the ones
+# requests send (``modeld.api.requests.prepare_image``); vision encoders resize it anyway.
+PROBE_IMAGE_SIDE = 64
 _STDERR_CAP = 256 * 1024
 # glog/absl prefix: "E0000 00:00:1730000000.123456   12345 engine_impl.cc:123] ".
 _LOG_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:. ]+\s+\d+ [\w./-]+:\d+\] ")
@@ -53,13 +60,18 @@ class ProbeResult:
     signal: str | None = None
     vision: str | None = None
     audio: str | None = None
+    image: bool = False
+    # Where the child failed: "engine" (Engine()), "image" (the image prefill) or "reply".
+    stage: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
+            "stage": self.stage,
             "backend": self.backend,
             "vision": self.vision,
             "audio": self.audio,
+            "image": self.image,
             "reason": self.reason,
             "seconds": round(self.seconds, 3),
             "signal": self.signal,
@@ -108,7 +120,13 @@ def extract_reason(stderr: str, fallback: str | None = None) -> str | None:
 
 
 def child_argv(
-    path: Path, backend: str, cache_dir: Path, vision: str | None = None, audio: str | None = None
+    path: Path,
+    backend: str,
+    cache_dir: Path,
+    vision: str | None = None,
+    audio: str | None = None,
+    *,
+    image: bool = False,
 ) -> list[str]:
     argv = [sys.executable, "-m", "modeld.modelfile.probe", str(path), backend, str(cache_dir)]
     argv += ["--parent", str(os.getpid())]
@@ -116,6 +134,8 @@ def child_argv(
         argv += ["--vision", vision]
     if audio:
         argv += ["--audio", audio]
+    if image:
+        argv.append("--image")
     return argv
 
 
@@ -127,11 +147,15 @@ async def probe(
     *,
     vision: str | None = None,
     audio: str | None = None,
+    image: bool = False,
 ) -> ProbeResult:
-    """Try ``backend`` (and optionally vision/audio backends) on ``path`` in a child."""
+    """Try ``backend`` (and optionally vision/audio backends) on ``path`` in a child.
+
+    With ``image`` the child also sends one small image (it needs a ``vision`` backend).
+    """
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *child_argv(path, backend, cache_dir, vision, audio),
+        *child_argv(path, backend, cache_dir, vision, audio, image=image),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -140,15 +164,19 @@ async def probe(
         start_new_session=True,
     )
 
+    report: dict[str, Any] = {}
+
     def result(ok: bool, reason: str | None, sig: str | None = None) -> ProbeResult:
         return ProbeResult(
             ok=ok,
+            stage=None if ok else report.get("stage"),
             backend=backend,
             reason=reason,
             seconds=time.monotonic() - start,
             signal=sig,
             vision=vision,
             audio=audio,
+            image=image,
         )
 
     try:
@@ -165,7 +193,6 @@ async def probe(
         raise
 
     stderr = err[-_STDERR_CAP:].decode("utf-8", "replace")
-    report: dict[str, Any] = {}
     for line in reversed(out.decode("utf-8", "replace").splitlines()):
         if line.startswith("{"):
             with contextlib.suppress(ValueError):
@@ -212,11 +239,43 @@ def _report(doc: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def probe_image() -> bytes:
+    """A small JPEG with some structure (a gradient), for the image probe."""
+    import io
+
+    from PIL import Image
+
+    side = PROBE_IMAGE_SIDE
+    img = Image.new("RGB", (side, side))
+    img.putdata([(x * 4 % 256, y * 4 % 256, 128) for y in range(side) for x in range(side)])
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=88)
+    return out.getvalue()
+
+
+def _message(image: bool) -> Any:
+    if not image:
+        return PROBE_PROMPT
+    import base64
+
+    blob = base64.b64encode(probe_image()).decode()
+    # The runner sends images in this same form (``runner_generate``).
+    content = [{"type": "text", "text": PROBE_IMAGE_PROMPT}, {"type": "image", "blob": blob}]
+    return {"role": "user", "content": content}
+
+
 def run_child(
-    path: str, backend: str, cache_dir: str, vision: str | None, audio: str | None
+    path: str,
+    backend: str,
+    cache_dir: str,
+    vision: str | None,
+    audio: str | None,
+    *,
+    image: bool = False,
 ) -> int:
     """Create an engine, a conversation and one short reply; print one JSON line."""
     start = time.monotonic()
+    stage = "engine"
     try:
         # The runtime refuses a cache dir that does not exist yet.
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
@@ -227,12 +286,18 @@ def run_child(
             backend=_backend(backend),
             vision_backend=_backend(vision) if vision else None,
             audio_backend=_backend(audio) if audio else None,
+            # One image, as a runner for a vision plan gets by default.
+            max_num_images=1 if image else None,
             cache_dir=cache_dir,
         )
+        stage = "image" if image else "reply"
+        # Said before it starts: a child killed from here on (a GPU delegate's SIGABRT at
+        # the first image prefill) leaves this as its last line.
+        _report({"stage": stage})
         conversation = engine.create_conversation(max_output_tokens=PROBE_MAX_TOKENS)
-        reply = conversation.send_message(PROBE_PROMPT, max_output_tokens=PROBE_MAX_TOKENS)
+        reply = conversation.send_message(_message(image), max_output_tokens=PROBE_MAX_TOKENS)
     except Exception as e:
-        _report({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        _report({"ok": False, "stage": stage, "error": f"{type(e).__name__}: {e}"})
         return 1
     _report({"ok": True, "seconds": time.monotonic() - start, "reply_chars": len(str(reply))})
     # Engine teardown has crashed in some runtime builds; the answer is already out.
@@ -246,10 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("cache_dir")
     parser.add_argument("--vision", choices=["cpu", "gpu"])
     parser.add_argument("--audio", choices=["cpu", "gpu"])
+    parser.add_argument("--image", action="store_true", help="also send one small image")
     parser.add_argument("--parent", type=int, help="the pid that must stay our parent")
     args = parser.parse_args(argv)
     _die_with_parent(args.parent)
-    return run_child(args.path, args.backend, args.cache_dir, args.vision, args.audio)
+    return run_child(
+        args.path, args.backend, args.cache_dir, args.vision, args.audio, image=args.image
+    )
 
 
 if __name__ == "__main__":

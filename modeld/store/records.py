@@ -74,6 +74,48 @@ class StoreRecords:
             r["backend"]: {"ok": bool(r["ok"]), "reason": r["reason"], "at": r["at"]} for r in rows
         }
 
+    async def record_image_probe(
+        self: _Db,
+        digest: str,
+        plan_key: str,
+        *,
+        ok: bool,
+        stage: str | None,
+        reason: str | None,
+        signal: str | None,
+        seconds: float,
+    ) -> None:
+        now = time.time()
+        await self.write(
+            lambda c: c.execute(
+                "INSERT OR REPLACE INTO image_probes "
+                "(digest, plan_key, ok, stage, reason, signal, seconds, at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (digest, plan_key, int(ok), stage, reason, signal, seconds, now),
+            )
+        )
+
+    async def image_probes(self: _Db, digest: str) -> dict[str, dict[str, Any]]:
+        """plan key -> {"ok", "stage", "reason", "signal", "seconds", "at"} for this blob."""
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT plan_key, ok, stage, reason, signal, seconds, at FROM image_probes "
+                "WHERE digest = ? ORDER BY plan_key",
+                (digest,),
+            ).fetchall()
+        )
+        return {
+            r["plan_key"]: {
+                "ok": bool(r["ok"]),
+                "stage": r["stage"],
+                "reason": r["reason"],
+                "signal": r["signal"],
+                "seconds": r["seconds"],
+                "at": r["at"],
+            }
+            for r in rows
+        }
+
     async def probe_status(self: _Db) -> dict[str, Any]:
         """The ``probes`` section of ``/api/status``: every backend probe result, by blob."""
         rows = await self.read(

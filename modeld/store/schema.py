@@ -127,6 +127,24 @@ def create_schema(conn: sqlite3.Connection) -> None:
         not_null={"ok", "at"},
         if_not_exists=True,
     )
+    # One small image run through a vision plan (``modeld.modelfile.probe --image``), per file and
+    # plan. A table of its own, created where missing: a state dir from before it exists
+    # opens unchanged.
+    db.table("image_probes").create(
+        {
+            "digest": str,
+            "plan_key": str,
+            "ok": int,
+            "stage": str,
+            "reason": str,
+            "signal": str,
+            "seconds": float,
+            "at": float,
+        },
+        pk=("digest", "plan_key"),
+        not_null={"ok", "at"},
+        if_not_exists=True,
+    )
     db.table("events").create(
         {"seq": int, "at": float, "kind": str, "fields": str},
         pk="seq",

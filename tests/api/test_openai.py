@@ -138,6 +138,7 @@ async def test_non_streamed_matches_streamed_text_and_keeps_timings(
     assert whole.usage is not None and whole.usage.completion_tokens == 8
     timings = (whole.model_extra or {})["modeld"]["timings"]
     assert 0 < timings["first_token"] <= timings["total"]
+    assert timings["image_prepare"] == 0.0  # no image in this request
     assert timings["prefill"] is not None and timings["decode_tokens_per_second"] > 0
     cut = await oa.chat.completions.create(**kw, stop=[streamed[2:4]])
     text = cut.choices[0].message.content or ""
@@ -180,9 +181,9 @@ async def test_image_data_url_takes_the_image_path(
 ) -> None:
     """An ``image_url`` data URL takes the native image path: vision plan, same outcome.
 
-    The tiny fixtures' random vision weights make the runtime fail the image step
-    ("Failed to invoke the compiled model") on both paths, so the test compares the two
-    outcomes and checks the engine was created with a vision backend.
+    vision-cpu-ok cannot take an image (no embedder for image tokens): the plan's image
+    probe fails on the first image request, so both paths get the same 422 with the
+    runtime's reason, before any runner starts.
     """
     url = png_data_url()
     message = {
@@ -205,12 +206,13 @@ async def test_image_data_url_takes_the_image_path(
             "max_tokens": 3,
         },
     )
-    assert oa_resp.status_code == native.status_code, (oa_resp.text, native.text)
-    if oa_resp.status_code != 200:
-        assert oa_resp.json()["error"]["code"] == native.json()["error"]["code"]
-        assert oa_resp.json()["error"]["type"] == "server_error"
+    assert (oa_resp.status_code, native.status_code) == (422, 422), (oa_resp.text, native.text)
+    assert oa_resp.json()["error"]["code"] == native.json()["error"]["code"]
+    assert oa_resp.json()["error"]["code"] == "image_probe_failed"
+    assert oa_resp.json()["error"]["type"] == "invalid_request_error"
+    assert oa_resp.json()["error"]["message"] == native.json()["error"]["message"]
     engines = (await http.get("/api/engines")).json()["engines"]
-    assert "vision-cpu-ok:cpu+vision-cpu" in {e["id"] for e in engines}
+    assert engines == []
     # A file whose vision encoder needs gpu is refused before any runner starts.
     with pytest.raises(openai.UnprocessableEntityError) as refused:
         await oa.chat.completions.create(model="gemma3n-like", messages=[message])  # type: ignore[list-item]

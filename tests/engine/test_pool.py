@@ -277,3 +277,23 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+async def test_image_prepare_is_its_own_phase_in_the_final_record() -> None:
+    """The caller's image preparation time is reported as ``image_prepare`` and observed."""
+    from modeld.metrics import Metrics
+
+    metrics = Metrics()
+    pool = Pool(PoolConfig(budget=1000, spare=False), FakeFactory(), metrics=metrics)
+    await pool.start()
+    try:
+        with_images = (await consume(pool, target("m"), image_prepare=0.125))[-1]
+        without = (await consume(pool, target("m")))[-1]
+    finally:
+        await pool.stop()
+    assert with_images["timings"]["image_prepare"] == 0.125
+    assert without["timings"]["image_prepare"] == 0.0
+    observed = metrics.registry.get_sample_value(
+        "modeld_generate_phase_seconds_sum", {"phase": "image_prepare"}
+    )
+    assert observed == 0.125  # once: a request without images adds nothing

@@ -5,6 +5,7 @@ fixtures.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import random
 import shutil
@@ -22,6 +23,7 @@ from tests.support.state import MODELS
 
 TINY = MODELS / "tiny-text.litertlm"
 GEMMA3N_LIKE = MODELS / "gemma3n-like.litertlm"
+VISION_CPU_OK = MODELS / "vision-cpu-ok.litertlm"
 # The runtime reaches a GPU through WebGPU (Vulkan or Metal underneath).
 HAS_GPU = Path("/dev/dri").exists() or Path("/dev/nvidia0").exists()
 
@@ -128,6 +130,57 @@ async def test_vision_mismatch_reason(tmp_path: Path) -> None:
     assert result.reason is not None
     assert "Vision backend constraint mismatch" in result.reason
     assert result.to_dict()["vision"] == "cpu"
+
+
+@pytest.mark.skipif(not VISION_CPU_OK.exists(), reason="tests/models/vision-cpu-ok missing")
+async def test_image_probe_records_the_runtime_reason_of_a_failed_image_prefill(
+    tmp_path: Path,
+) -> None:
+    """A file that loads with vision but cannot take an image fails at the image stage.
+
+    vision-cpu-ok has a vision encoder and adapter but no embedder for image tokens: its
+    engine is created and answers text, and the first image prefill fails in the runtime.
+    """
+    text = await probe(VISION_CPU_OK, "cpu", tmp_path / "cache", vision="cpu")
+    assert text.ok, text.reason
+    result = await probe(VISION_CPU_OK, "cpu", tmp_path / "cache", vision="cpu", image=True)
+    assert (result.ok, result.stage, result.signal, result.image) == (False, "image", None, True)
+    assert result.reason is not None
+    # The runtime's own words from its stderr first, then what Python saw.
+    *runtime, python = result.reason.split(" | ")
+    assert runtime, result.reason
+    assert python.startswith("RuntimeError: litert_lm_conversation_send_message failed")
+    assert result.to_dict()["stage"] == "image"
+
+
+async def test_a_child_killed_at_the_image_prefill_is_reported_at_that_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child that dies (SIGABRT) after saying it reached the image names that stage."""
+    code = (
+        "import json, os, signal, sys; print(json.dumps({'stage': 'image'}), flush=True); "
+        "print('F0000 00:00:1.0 1 delegate.cc:1] GPU delegate failed', file=sys.stderr, "
+        "flush=True); os.kill(os.getpid(), signal.SIGABRT)"
+    )
+    monkeypatch.setattr(probe_mod, "child_argv", lambda *a, **k: [sys.executable, "-c", code])
+    result = await probe(tmp_path / "x.litertlm", "gpu", tmp_path / "cache", vision="gpu")
+    assert (result.ok, result.signal, result.stage) == (False, "SIGABRT", "image")
+    assert result.reason == "GPU delegate failed | probe child killed by SIGABRT"
+
+
+def test_image_flag_reaches_the_child_command_line(tmp_path: Path) -> None:
+    """``--image`` is passed only when asked, and the child's parser takes it."""
+    argv = probe_mod.child_argv(tmp_path / "m.litertlm", "cpu", tmp_path, "gpu", image=True)
+    assert argv[-3:] == ["--vision", "gpu", "--image"]
+    assert "--image" not in probe_mod.child_argv(tmp_path / "m.litertlm", "cpu", tmp_path)
+
+
+def test_probe_image_is_a_small_jpeg() -> None:
+    """The image the probe sends is a decodable 64 px JPEG."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(probe_mod.probe_image())) as img:
+        assert (img.format, img.size, img.mode) == ("JPEG", (64, 64), "RGB")
 
 
 @needs_tiny

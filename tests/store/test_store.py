@@ -41,8 +41,48 @@ async def test_open_creates_layout_and_wal_db(store: Store) -> None:
     conn = sqlite3.connect(store.db_path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert {"installed", "memory", "probes", "events"} <= tables
+    assert {"installed", "memory", "probes", "image_probes", "events"} <= tables
     conn.close()
+
+
+async def test_image_probes_table_is_added_to_an_older_state_dir(tmp_path: Path) -> None:
+    """A db from before the image probes opens, gains the table, and keeps one row per plan."""
+    home = tmp_path / "home"
+    first = Store(home)
+    await first.open()
+    await first.close()
+    with sqlite3.connect(home / "modeld.db") as conn:
+        conn.execute("DROP TABLE image_probes")
+    store = Store(home)
+    await store.open()
+    try:
+        digest = "ab" * 32
+        await store.record_image_probe(
+            digest,
+            "main=cpu,vision=cpu,audio=none",
+            ok=False,
+            stage="image",
+            reason="Embedding Lookup: index out of bounds",
+            signal=None,
+            seconds=0.3,
+        )
+        await store.record_image_probe(
+            digest,
+            "main=gpu,vision=gpu,audio=none",
+            ok=True,
+            stage=None,
+            reason=None,
+            signal=None,
+            seconds=0.8,
+        )
+        rows = await store.image_probes(digest)
+    finally:
+        await store.close()
+    assert set(rows) == {"main=cpu,vision=cpu,audio=none", "main=gpu,vision=gpu,audio=none"}
+    failed = rows["main=cpu,vision=cpu,audio=none"]
+    assert (failed["ok"], failed["stage"], failed["seconds"]) == (False, "image", 0.3)
+    assert failed["reason"] == "Embedding Lookup: index out of bounds"
+    assert rows["main=gpu,vision=gpu,audio=none"]["ok"] is True
 
 
 async def test_install_moves_file_into_blobs_read_only(store: Store) -> None:

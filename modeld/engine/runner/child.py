@@ -9,7 +9,9 @@ Protocol (one socketpair, both ways): frames of a 4-byte big-endian length and a
 JSON object. Parent -> child ops, each with an ``id``:
 
 - ``create``: path, backend, vision, audio, max_tokens, max_images, cache_dir, speculative
-  -> ``{"id", "ok": true, "seconds", "pss", "rss"}``
+  (None: the runtime's default) -> ``{"id", "ok": true, "seconds", "pss", "rss", "options"}``;
+  ``options`` are the settings the engine was created with, read back from the runtime's
+  ``Engine`` object (``engine_options``)
 - ``generate``: messages (role/content, last one is sent), max_tokens, sampler, stop,
   format, stream -> token frames... then ``{"id", "done": true, "finish", "timings"...}``;
   with ``"stream": false`` no token frames, and the final record carries ``text``
@@ -195,6 +197,29 @@ class _TokenBatcher:
                     self._flush_locked(time.monotonic())
 
 
+def _backend_name(backend: Any) -> str | None:
+    return str(backend.get_name()) if backend is not None else None
+
+
+def engine_options(engine: Any) -> dict[str, Any]:
+    """The settings a ``litert_lm.Engine`` was created with, in the runtime's own names.
+
+    Read from the engine object, which is what the binding hands to the runtime's engine
+    settings (litert-lm 0.18.1 ``Engine.__init__``), so a value that got lost on the way
+    from the registry entry shows here as what the engine really has.
+    """
+    return {
+        "model_path": engine.model_path,
+        "backend": _backend_name(engine.backend),
+        "vision_backend": _backend_name(engine.vision_backend),
+        "audio_backend": _backend_name(engine.audio_backend),
+        "max_num_tokens": engine.max_num_tokens,
+        "max_num_images": engine.max_num_images,
+        "cache_dir": engine.cache_dir,
+        "enable_speculative_decoding": engine.enable_speculative_decoding,
+    }
+
+
 class _Child:
     """The runner's state: one socket, at most one engine, one generation thread."""
 
@@ -271,14 +296,12 @@ class _Child:
 
         started = time.perf_counter()
         self.clear_error()
+        speculative = msg.get("speculative")
         try:
             cache_dir = msg.get("cache_dir")
             if cache_dir:
                 # The runtime refuses a cache dir that does not exist yet.
                 Path(cache_dir).mkdir(parents=True, exist_ok=True)
-            kwargs: dict[str, Any] = {}
-            if msg.get("speculative") is not None:
-                kwargs["enable_speculative_decoding"] = bool(msg["speculative"])
             self.engine = litert_lm.Engine(
                 str(msg["path"]),
                 backend=backend(msg.get("backend", "cpu")),
@@ -289,16 +312,34 @@ class _Child:
                 cache_dir=cache_dir,
                 # Prefill/decode counts and speeds for the phase timings.
                 enable_benchmark=True,
-                **kwargs,
+                # None leaves it to the runtime (the file's default); False turns it off.
+                enable_speculative_decoding=None if speculative is None else bool(speculative),
             )
         except Exception as e:
             reason = self.runtime_reason(e)
+            if speculative:
+                # 0.18.1 fails deep in executor creation (e.g. "embedding_lookup !=
+                # nullptr") without naming the option that asked for it.
+                reason += (
+                    "; the engine was asked for speculative decoding (speculative_decoding ="
+                    " true in the entry's [limits]), which this file may not support: remove"
+                    " it or set it to false"
+                )
             self.error(rid, self._code_for(reason), reason)
             return
         self.max_tokens = msg.get("max_tokens")
         pss, rss = read_memory(os.getpid())
         seconds = time.perf_counter() - started
-        self.send({"id": rid, "ok": True, "seconds": seconds, "pss": pss, "rss": rss})
+        self.send(
+            {
+                "id": rid,
+                "ok": True,
+                "seconds": seconds,
+                "pss": pss,
+                "rss": rss,
+                "options": engine_options(self.engine),
+            }
+        )
 
     def cancel(self, target: int) -> None:
         self.cancelled.add(target)

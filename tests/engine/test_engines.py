@@ -1,0 +1,225 @@
+"""Entry limits and image probes through a real daemon, real runners and the tiny real models.
+
+What the runner created its engine with is read back from the runtime's ``Engine`` object
+(``engine_options`` in ``GET /api/engines`` and ``ps --json``), so these tests check what
+reached the runtime, not what the daemon meant to send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from modeld.client import Client
+from modeld.config import load_settings
+from modeld.errors import EngineError, ImageProbeFailed
+from modeld.store.store import sha256_file
+from tests.support.daemon import InProcessDaemon, running_daemon
+from tests.support.state import MODELS, install_fixture, open_store, write_entry
+
+VISION_PLAN = "main=cpu,vision=cpu,audio=none"
+
+
+def _entry(registry: Path, model_id: str, fixture: str, limits: str = "") -> None:
+    digest, size = sha256_file(MODELS / f"{fixture}.litertlm")
+    write_entry(registry, model_id, size=size, sha256=digest, extra=limits)
+
+
+@pytest.fixture
+async def limited(clean_env: Path) -> AsyncIterator[InProcessDaemon]:
+    """A daemon whose entries set (or leave out) each [limits] key the runtime takes."""
+    home, registry = clean_env / "home", clean_env / "registry"
+    models = {
+        "spec-off": ("tiny-text", "[limits]\nmax_tokens = 200\nspeculative_decoding = false\n"),
+        "spec-default": ("tiny-text-b", ""),
+        "spec-on": ("tiny-text", "[limits]\nspeculative_decoding = true\n"),
+        "vision": (
+            "vision-cpu-ok",
+            "[limits]\nmax_tokens = 200\nvision_max_tokens = 128\nmax_images = 2\n"
+            "speculative_decoding = false\n",
+        ),
+    }
+    for model_id, (fixture, limits) in models.items():
+        install_fixture(home, model_id, MODELS / f"{fixture}.litertlm")
+        _entry(registry, model_id, fixture, limits)
+    settings = load_settings(
+        home=home, socket=home / "modeld.sock", registry=[registry], main_backend="cpu"
+    )
+    async with running_daemon(settings) as d:
+        yield d
+
+
+async def _load(c: Client, model: str, **backends: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model}
+    if backends:
+        body["backends"] = backends
+    view: dict[str, Any] = await c.request("POST", "/api/engines", body)
+    return view
+
+
+async def _ps_json(d: InProcessDaemon) -> dict[str, Any]:
+    """``modeld ps --json`` in a subprocess (not blocking the daemon's event loop)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "modeld",
+        "--socket",
+        str(d.settings.socket_path),
+        "ps",
+        "--json",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    doc: dict[str, Any] = json.loads(out)
+    return doc
+
+
+async def test_entry_limits_reach_the_runtime(limited: InProcessDaemon) -> None:
+    """false stays False, absent stays the runtime's default, vision limits reach the engine."""
+    async with limited.client() as c:
+        off = (await _load(c, "spec-off"))["engine_options"]
+        default = (await _load(c, "spec-default"))["engine_options"]
+        vision_view = await _load(c, "vision", vision="cpu")
+        text_view = await _load(c, "vision")
+        ps = await _ps_json(limited)
+    assert off["enable_speculative_decoding"] is False
+    assert off["max_num_tokens"] == 200
+    assert (off["backend"], off["vision_backend"], off["max_num_images"]) == ("cpu", None, None)
+    assert off["model_path"].endswith("/model.litertlm")
+    store_cache = limited.settings.home / "cache"
+    assert Path(off["cache_dir"]).parent == store_cache
+    # No [limits]: nothing forced on the runtime; the window comes from the file's header.
+    assert default["enable_speculative_decoding"] is None
+    assert default["max_num_tokens"] == 256
+    # With vision in the plan, vision_max_tokens is the engine's window and max_images counts.
+    vision = vision_view["engine_options"]
+    assert (vision["vision_backend"], vision["max_num_tokens"], vision["max_num_images"]) == (
+        "cpu",
+        128,
+        2,
+    )
+    assert vision["enable_speculative_decoding"] is False
+    assert vision_view["max_tokens"] == 128
+    # The same entry's text plan: max_tokens, no image slots.
+    text = text_view["engine_options"]
+    assert (text["vision_backend"], text["max_num_tokens"], text["max_num_images"]) == (
+        None,
+        200,
+        None,
+    )
+    by_id = {e["id"]: e["engine_options"] for e in ps["engines"]}
+    assert by_id["vision:cpu+vision-cpu"] == vision
+    assert by_id["spec-off:cpu"] == off
+
+
+async def test_speculative_true_reaches_the_runtime(limited: InProcessDaemon) -> None:
+    """speculative_decoding = true is passed as True: a file without a drafter fails to load."""
+    async with limited.client() as c:
+        with pytest.raises(EngineError) as info:
+            await _load(c, "spec-on")
+        # The same file loads without the flag (spec-off above shares its digest).
+        assert (await _load(c, "spec-off"))["state"] == "ready"
+    message = info.value.message
+    assert "speculative decoding" in message and "speculative_decoding" in message
+    assert "could not create its engine" in message
+
+
+def _png(width: int = 300, height: int = 200) -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (20, 160, 90)).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+async def _generate(c: Client, **body: Any) -> dict[str, Any]:
+    body.setdefault("max_tokens", 4)
+    final: dict[str, Any] = {}
+    async for rec in c.stream("POST", "/api/generate", body):
+        if "token" not in rec:
+            final = rec
+    return final
+
+
+async def test_failed_image_probe_refuses_images_and_text_still_runs(clean_env: Path) -> None:
+    """The first image request probes its plan; the runtime's failure is kept and refuses it."""
+    home, registry = clean_env / "home", clean_env / "registry"
+    install_fixture(home, "vision-cpu-ok", MODELS / "vision-cpu-ok.litertlm", registry=registry)
+    settings = load_settings(
+        home=home, socket=home / "modeld.sock", registry=[registry], main_backend="cpu"
+    )
+    async with running_daemon(settings) as d, d.client() as c:
+        with pytest.raises(ImageProbeFailed) as info:
+            await _generate(c, model="vision-cpu-ok", prompt="what is it?", images=[_png()])
+        assert (await c.request("GET", "/api/engines"))["engines"] == []
+        final = await _generate(c, model="vision-cpu-ok", prompt="hello")
+        assert final["done"] and final["engine"] == "vision-cpu-ok:cpu"
+        assert final["timings"]["image_prepare"] == 0.0
+        shown = await c.model("vision-cpu-ok")
+        # Refused again from the stored result, without a second probe.
+        with pytest.raises(ImageProbeFailed) as again:
+            await _generate(c, model="vision-cpu-ok", prompt="and now?", images=[_png()])
+        assert (await c.model("vision-cpu-ok"))["image_probes"] == shown["image_probes"]
+    err = info.value
+    assert (err.code, err.status) == ("image_probe_failed", 422)
+    assert again.value.message == err.message
+    probe = shown["image_probes"][VISION_PLAN]
+    assert (probe["ok"], probe["stage"], probe["signal"]) == (False, "image", None)
+    # The runtime's own words reach both the record and the refusal.
+    assert probe["reason"] and probe["reason"] in err.message
+    assert "text still runs" in err.message and "`modeld show vision-cpu-ok`" in err.message
+    assert err.details["plan"] == VISION_PLAN
+    assert shown["plans"]["vision"]["image_probe"] == probe
+    assert "image_probe" not in shown["plans"]["text"]
+    # Kept in the store, per (digest, plan).
+    async with open_store(home) as store:
+        inst = await store.installed("vision-cpu-ok")
+        assert inst is not None
+        assert await store.image_probes(inst.digest) == shown["image_probes"]
+
+
+async def test_loading_a_vision_plan_shows_its_failed_image_probe(
+    limited: InProcessDaemon,
+) -> None:
+    """An explicit load is not refused: the engine loads and its view carries the probe."""
+    async with limited.client() as c:
+        view = await _load(c, "vision", vision="cpu")
+        with pytest.raises(ImageProbeFailed):
+            await _generate(c, model="vision", prompt="x", images=[_png()])
+        text_view = await _load(c, "vision")
+    assert view["state"] == "ready"
+    assert view["image_probe"]["ok"] is False and view["image_probe"]["stage"] == "image"
+    assert text_view["image_probe"] is None
+
+
+def test_cli_show_and_load_print_the_image_probe(short_tmp: Path) -> None:
+    """``modeld show`` lists image probes per plan; ``modeld load --vision`` warns."""
+    from tests.support.daemon import DaemonProcess, daemon_env
+
+    home, registry = short_tmp / "home", short_tmp / "registry"
+    install_fixture(home, "vision-cpu-ok", MODELS / "vision-cpu-ok.litertlm", registry=registry)
+    d = DaemonProcess(home=home, env=daemon_env(home, MODELD_REGISTRY=str(registry)))
+    d.start()
+    try:
+        before = d.cli("show", "vision-cpu-ok")
+        loaded = d.cli("load", "vision-cpu-ok", "--vision", "cpu")
+        after = d.cli("show", "vision-cpu-ok")
+    finally:
+        d.stop()
+    assert before.returncode == 0, before.stderr
+    assert "not probed with an image yet" in before.stdout
+    assert loaded.returncode == 0, loaded.stderr
+    assert "images will be refused with this plan" in loaded.stderr
+    assert after.returncode == 0, after.stderr
+    assert "image probes" in after.stdout
+    assert VISION_PLAN in after.stdout and "failed at image" in after.stdout
+    assert "images refused" in after.stdout
