@@ -195,6 +195,44 @@ class _TokenBatcher:
                     self._flush_locked(time.monotonic())
 
 
+def create_engine(spec: dict[str, Any]) -> Any:
+    """The ``litert_lm.Engine`` that a ``create`` spec describes.
+
+    The runner's ``create`` op and the GPU probe child (``modeld.probe``) both call this
+    with the same spec, so a probe opens the model exactly as a runner will: same path
+    (the ``.litertlm`` link: the runtime picks the format by extension), cache dir and
+    engine options.
+    """
+    import litert_lm
+
+    def backend(name: str | None) -> Any:
+        if name is None:
+            return None
+        if name not in ("cpu", "gpu"):
+            raise ValueError(f"unknown backend {name!r}; use cpu or gpu")
+        return litert_lm.Backend.GPU() if name == "gpu" else litert_lm.Backend.CPU()
+
+    cache_dir = spec.get("cache_dir")
+    if cache_dir:
+        # The runtime refuses a cache dir that does not exist yet.
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = {}
+    if spec.get("speculative") is not None:
+        kwargs["enable_speculative_decoding"] = bool(spec["speculative"])
+    return litert_lm.Engine(
+        str(spec["path"]),
+        backend=backend(spec.get("backend", "cpu")),
+        vision_backend=backend(spec.get("vision")),
+        audio_backend=backend(spec.get("audio")),
+        max_num_tokens=spec.get("max_tokens"),
+        max_num_images=spec.get("max_images"),
+        cache_dir=cache_dir,
+        # Prefill/decode counts and speeds for the phase timings.
+        enable_benchmark=True,
+        **kwargs,
+    )
+
+
 class _Child:
     """The runner's state: one socket, at most one engine, one generation thread."""
 
@@ -262,35 +300,10 @@ class _Child:
         if self.engine is not None:
             self.error(rid, "conflict", "this runner already has an engine")
             return
-        import litert_lm
-
-        def backend(name: str | None) -> Any:
-            if name is None:
-                return None
-            return litert_lm.Backend.GPU() if name == "gpu" else litert_lm.Backend.CPU()
-
         started = time.perf_counter()
         self.clear_error()
         try:
-            cache_dir = msg.get("cache_dir")
-            if cache_dir:
-                # The runtime refuses a cache dir that does not exist yet.
-                Path(cache_dir).mkdir(parents=True, exist_ok=True)
-            kwargs: dict[str, Any] = {}
-            if msg.get("speculative") is not None:
-                kwargs["enable_speculative_decoding"] = bool(msg["speculative"])
-            self.engine = litert_lm.Engine(
-                str(msg["path"]),
-                backend=backend(msg.get("backend", "cpu")),
-                vision_backend=backend(msg.get("vision")),
-                audio_backend=backend(msg.get("audio")),
-                max_num_tokens=msg.get("max_tokens"),
-                max_num_images=msg.get("max_images"),
-                cache_dir=cache_dir,
-                # Prefill/decode counts and speeds for the phase timings.
-                enable_benchmark=True,
-                **kwargs,
-            )
+            self.engine = create_engine(msg)
         except Exception as e:
             reason = self.runtime_reason(e)
             self.error(rid, self._code_for(reason), reason)

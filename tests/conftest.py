@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -413,3 +414,38 @@ async def open_store(home: Path) -> AsyncIterator[Store]:
         yield store
     finally:
         await store.close()
+
+
+# --- the `gpu` marker: tests that need a GPU adapter the runtime can use --------------------
+
+
+@functools.cache
+def gpu_probe() -> tuple[bool, str]:
+    """Run the real GPU probe once on tiny-text: ``(usable, why not / the adapter)``."""
+    from modeld.probe import probe
+
+    cache = Path(tempfile.mkdtemp(prefix="md-gpu-", dir="/tmp"))
+    try:
+        result = asyncio.run(probe(MODELS / "tiny-text.litertlm", "gpu", cache))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    if result.ok:
+        return True, result.adapter or "an unnamed adapter"
+    return False, result.reason or "the GPU probe failed without a reason"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip ``@pytest.mark.gpu`` tests where the runtime finds no GPU adapter, saying why."""
+    if item.get_closest_marker("gpu") is None:
+        return
+    usable, detail = gpu_probe()
+    if not usable:
+        pytest.skip(f"no GPU adapter the LiteRT-LM runtime can use here: {detail}")
+
+
+def default_backend_env(home: Path, **extra: str) -> dict[str, str]:
+    """``daemon_env`` with the daemon's default backends (main=gpu), as a user has them."""
+    env = daemon_env(home, **extra)
+    env.pop("MODELD_MAIN_BACKEND")
+    return env

@@ -9,7 +9,9 @@ from aiohttp import web
 
 from modeld import litertlm, plan
 from modeld.catalog import Catalog, Entry, outdated
+from modeld.engines import check_runtime
 from modeld.errors import ModeldError, ModelNotFound, ModelNotInstalled
+from modeld.hostinfo import RUNTIME_PACKAGE, runtime_version
 from modeld.services import Services
 from modeld.store import Installed, Store
 
@@ -78,7 +80,12 @@ def _plans(
     info: litertlm.ModelInfo,
     probes: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
-    results: dict[str, bool | None] = {b: p["ok"] for b, p in probes.items()}
+    # Only current results decide (a stale one is probed again at the next load).
+    results: dict[str, bool | None] = {b: p["ok"] for b, p in probes.items() if p["current"]}
+    try:
+        check_runtime(model_id, entry, info, runtime_version())
+    except ModeldError as e:
+        return {name: {"plan": None, "error": _error(e)} for name in ("text", "vision")}
     entry_prefs = plan.Prefs.from_mapping(entry.backends.model_dump() if entry else None)
     out: dict[str, Any] = {}
     for name, modalities in (("text", ("text",)), ("vision", ("text", "image"))):
@@ -113,6 +120,7 @@ async def show_model(services: Services, model_id: str) -> dict[str, Any]:
     doc["entry"] = entry.to_dict() if entry else None
     doc["header"] = doc["header_error"] = None
     doc["probes"] = {}
+    doc["runtime"] = {"package": RUNTIME_PACKAGE, "version": runtime_version(), "adapter": None}
     if inst is None:
         why = ModelNotInstalled(
             f"model {model_id} is not installed, so its file's sections are unknown; "
@@ -121,6 +129,9 @@ async def show_model(services: Services, model_id: str) -> dict[str, Any]:
         doc["plans"] = {m: {"plan": None, "error": _error(why)} for m in ("text", "vision")}
         return doc
     doc["probes"] = await store.probes(inst.digest)
+    gpu = doc["probes"].get("gpu")
+    if gpu is not None and gpu["ok"] and gpu["current"]:
+        doc["runtime"]["adapter"] = gpu["adapter"]
     try:
         info = await asyncio.to_thread(litertlm.read_header, inst.path, model_id=model_id)
     except ModeldError as e:
