@@ -47,7 +47,8 @@ _STACK_FRAME = re.compile(r"^@\s+0x[0-9a-f]+|^\*\*\* Check failure stack trace")
 _MAX_REASON_LINES = 3
 _MAX_LINE = 400
 # Dawn, once it has picked a device: "Selected adapter: NVIDIA H200 ... backend=Vulkan".
-_ADAPTER = re.compile(r"Selected adapter\s*[:=]\s*(?P<adapter>\S.*)$", re.I)
+# The wording around the name has varied; anything after "Selected adapter" is the name.
+_ADAPTER = re.compile(r"Selected (?:GPU )?adapter\b[\s:=]*(?P<adapter>\S.*)$", re.I)
 _MAX_ADAPTER = 200
 # How a probe is run. Results recorded by an older method (or another runtime version) are
 # not trusted: before method 2 the probe opened the blob without its ``.litertlm`` name,

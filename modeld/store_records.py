@@ -93,17 +93,18 @@ class StoreRecords:
         return {r["backend"]: _probe_row(r, with_log) for r in rows}
 
     async def latest_adapter(self: _Db) -> dict[str, Any] | None:
-        """The newest current GPU probe (adapter, ok, reason, at), or None if none ran."""
+        """The host's GPU as the probes saw it: the newest current GPU probe that passed.
+
+        A file can fail on a GPU that works (float32 weights abort the runtime), so a
+        failure only stands for the host when no current GPU probe passed; then the
+        newest failure is returned (its reason says why). None if none ran.
+        """
         rows = await self.read(
             lambda c: c.execute(
-                "SELECT * FROM probes WHERE backend = 'gpu' ORDER BY at DESC"
+                "SELECT * FROM probes WHERE backend = 'gpu' ORDER BY ok DESC, at DESC"
             ).fetchall()
         )
-        for r in rows:
-            row = _probe_row(r, False)
-            if row["current"]:
-                return row
-        return None
+        return next((row for r in rows if (row := _probe_row(r, False))["current"]), None)
 
     async def probe_status(self: _Db) -> dict[str, Any]:
         """The ``probes`` section of ``/api/status``: every backend probe result, by blob."""

@@ -95,6 +95,9 @@ def test_float32_model_falls_back_to_cpu_with_its_sigabrt_recorded(
     gpu = d.cli_json("show", "tiny-text-f32")["probes"]["gpu"]
     assert (gpu["ok"], gpu["current"], gpu["adapter"]) == (False, True, None)
     assert "SIGABRT" in gpu["reason"], gpu["reason"]
+    # One file's failure does not hide the host's adapter (int8 tiny-text passed on it).
+    int8 = d.cli_json("load", "tiny-text")
+    assert d.cli_json("status")["runtime"]["adapter"] == int8["adapter"]
     # Asked for explicitly, gpu is refused with the probe's verdict, never swapped for cpu.
     status, body = unix_request(
         d.socket, "POST", "/api/engines", {"model": "tiny-text-f32", "backends": {"main": "gpu"}}

@@ -15,7 +15,7 @@ import pytest
 
 from modeld import probe as probe_mod
 from modeld.litertlm import read_header
-from modeld.probe import ProbeResult, extract_reason, probe
+from modeld.probe import ProbeResult, extract_adapter, extract_reason, probe
 
 MODELS = Path(__file__).parent / "models"
 TINY = MODELS / "tiny-text.litertlm"
@@ -90,6 +90,22 @@ def test_reason_of_an_abort_keeps_message_and_signal_not_stack_frames() -> None:
     assert reason == (
         "EMBEDDING_LOOKUP: Unsupported external weights type: 1 | probe child killed by SIGABRT"
     )
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "INFO: [delegate_webgpu.cc:401] Selected adapter: NVIDIA H200 (discrete) backend=Vulkan",
+        "I0000 00:00:1796002975.1  12 delegate_webgpu.cc:401] Selected adapter: "
+        "NVIDIA H200 (discrete) backend=Vulkan",
+        "Selected adapter = NVIDIA H200 (discrete) backend=Vulkan",
+    ],
+)
+def test_adapter_is_read_from_the_runtime_log(line: str) -> None:
+    """The adapter the runtime selected is the text after "Selected adapter", prefix gone."""
+    stderr = "\n".join([GPU_FAILURE_STDERR.splitlines()[1], line, "INFO: [x.cc:1] done"])
+    assert extract_adapter(stderr) == "NVIDIA H200 (discrete) backend=Vulkan"
+    assert extract_adapter(GPU_FAILURE_STDERR) is None
 
 
 def test_reason_falls_back_to_last_line() -> None:

@@ -330,5 +330,9 @@ async def test_version_1_probe_rows_migrate_and_are_not_trusted(tmp_path: Path) 
         )
         latest = await store.latest_adapter()
         assert latest is not None and latest["adapter"] == "Some GPU (Vulkan)"
+        # A later failure of another file (float32 weights abort) does not hide the GPU.
+        await store.record_probe("f" * 64, "gpu", False, "killed by SIGABRT")
+        latest = await store.latest_adapter()
+        assert latest is not None and latest["adapter"] == "Some GPU (Vulkan)"
     finally:
         await store.close()
