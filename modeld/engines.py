@@ -225,7 +225,7 @@ class Engines:
         return await asyncio.shield(task)
 
     async def runtime_info(self) -> dict[str, Any]:
-        """The runtime's version and the GPU adapter of the newest current GPU probe."""
+        """The runtime's version and the host's GPU adapter (``Store.latest_adapter``)."""
         latest = await self.store.latest_adapter()
         return {
             "package": RUNTIME_PACKAGE,
