@@ -110,6 +110,13 @@ class Client:
         )
         return result
 
+    async def bug_report(self, model_id: str) -> dict[str, Any]:
+        """``GET /api/models/{id}/bug-report``: host, runtime, file, probes, stderr, events."""
+        result: dict[str, Any] = await self.request(
+            "GET", f"/api/models/{quote(model_id, safe='')}/bug-report"
+        )
+        return result
+
     async def verify(self, model_id: str) -> dict[str, Any]:
         """``POST /api/models/{id}/verify``: re-hash the installed file."""
         result: dict[str, Any] = await self.request(

@@ -149,6 +149,12 @@ class IntegrityError(Refused):
     code = "integrity"
 
 
+class RuntimeTooOld(Refused):
+    """The entry's ``min_runtime_version`` is newer than the installed LiteRT-LM runtime."""
+
+    code = "runtime_too_old"
+
+
 class HeldBack(Refused):
     """A model crashed its engine repeatedly and is held back for a while."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 import tempfile
@@ -13,6 +14,7 @@ import pytest
 
 from modeld.config import load_settings
 from tests.support.daemon import DaemonProcess, InProcessDaemon, daemon_env
+from tests.support.state import MODELS
 
 
 @pytest.fixture
@@ -61,3 +63,31 @@ async def daemon(clean_env: Path) -> AsyncIterator[InProcessDaemon]:
     yield InProcessDaemon(settings, task, stop)
     stop.set()
     await asyncio.wait_for(task, 30)
+
+
+# --- the `gpu` marker: tests that need a GPU adapter the runtime can use --------------------
+
+
+@functools.cache
+def gpu_probe() -> tuple[bool, str]:
+    """Run the real GPU probe once on tiny-text: ``(usable, why not / the adapter)``."""
+    from modeld.modelfile.probe import probe
+
+    cache = Path(tempfile.mkdtemp(prefix="md-gpu-", dir="/tmp"))
+    try:
+        result = asyncio.run(probe(MODELS / "tiny-text.litertlm", "gpu", cache))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    if result.ok:
+        return True, result.adapter or "an unnamed adapter"
+    return False, result.reason or "the GPU probe failed without a reason"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip ``@pytest.mark.gpu`` tests where the runtime finds no GPU adapter, saying why."""
+    if item.get_closest_marker("gpu") is None:
+        return
+    usable, detail = gpu_probe()
+    if not usable:
+        pytest.skip(f"no GPU adapter the LiteRT-LM runtime can use here: {detail}")

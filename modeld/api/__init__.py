@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from modeld import logs
-from modeld.api import admin, downloads, engines, guards, models, openai, system
+from modeld.api import admin, downloads, engines, guards, models, openai, report, system
 from modeld.api.peers import enforce as enforce_peer
 from modeld.errors import Busy, ModeldError
 from modeld.services.parts import Services
@@ -26,7 +26,7 @@ MAX_BODY = 64 * 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-ROUTE_MODULES = [system, models, downloads, engines, admin, openai, guards]
+ROUTE_MODULES = [system, models, downloads, engines, admin, openai, report, guards]
 
 
 def error_response(err: ModeldError) -> web.Response:

@@ -21,8 +21,9 @@ def add_routes(app: web.Application, services: Services) -> None:
         return services.parts["engines"], services.parts["pool"]
 
     async def list_engines(_: web.Request) -> web.Response:
-        pool = parts()[1]
-        return web.json_response({"engines": pool.list(), **pool.status()})
+        engines, pool = parts()
+        runtime = await engines.runtime_info()
+        return web.json_response({"engines": pool.list(), **pool.status(), "runtime": runtime})
 
     async def load(request: web.Request) -> web.Response:
         engines, pool = parts()

@@ -8,7 +8,9 @@ from typing import Any
 from aiohttp import web
 
 from modeld.catalog.catalog import Catalog, Entry, outdated
+from modeld.engine.engines import check_runtime
 from modeld.errors import ModeldError, ModelNotFound, ModelNotInstalled
+from modeld.hostinfo import RUNTIME_PACKAGE, runtime_version
 from modeld.modelfile import header as litertlm
 from modeld.modelfile import plan
 from modeld.services.parts import Services
@@ -81,7 +83,12 @@ def _plans(
     probes: dict[str, dict[str, Any]],
     image_probes: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
-    results: dict[str, bool | None] = {b: p["ok"] for b, p in probes.items()}
+    # Only current results decide (a stale one is probed again at the next load).
+    results: dict[str, bool | None] = {b: p["ok"] for b, p in probes.items() if p["current"]}
+    try:
+        check_runtime(model_id, entry, info, runtime_version())
+    except ModeldError as e:
+        return {name: {"plan": None, "error": _error(e)} for name in ("text", "vision")}
     entry_prefs = plan.Prefs.from_mapping(entry.backends.model_dump() if entry else None)
     out: dict[str, Any] = {}
     for name, modalities in (("text", ("text",)), ("vision", ("text", "image"))):
@@ -120,6 +127,7 @@ async def show_model(services: Services, model_id: str) -> dict[str, Any]:
     doc["header"] = doc["header_error"] = None
     doc["probes"] = {}
     doc["image_probes"] = {}
+    doc["runtime"] = {"package": RUNTIME_PACKAGE, "version": runtime_version(), "adapter": None}
     if inst is None:
         why = ModelNotInstalled(
             f"model {model_id} is not installed, so its file's sections are unknown; "
@@ -130,6 +138,9 @@ async def show_model(services: Services, model_id: str) -> dict[str, Any]:
     doc["probes"] = await store.probes(inst.digest)
     # plan key -> one small image run through that plan on this host (``modeld.modelfile.probe``).
     doc["image_probes"] = await store.image_probes(inst.digest)
+    gpu = doc["probes"].get("gpu")
+    if gpu is not None and gpu["ok"] and gpu["current"]:
+        doc["runtime"]["adapter"] = gpu["adapter"]
     try:
         info = await asyncio.to_thread(litertlm.read_header, inst.path, model_id=model_id)
     except ModeldError as e:

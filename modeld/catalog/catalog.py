@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from modeld import logs
 from modeld.errors import ModelNotFound
+from modeld.hostinfo import VERSION_PATTERN
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 ID_RE = re.compile(ID_PATTERN)
@@ -67,6 +68,9 @@ class Entry(_Strict):
     urls: list[str] = Field(min_length=1)
     size: int = Field(gt=0)
     sha256: str | None = Field(default=None, pattern=SHA256_RE.pattern)
+    # The oldest litert-lm release that can run this file (e.g. a newer model type);
+    # a load on an older runtime is refused (runtime_too_old) before any runner starts.
+    min_runtime_version: str | None = Field(default=None, pattern=VERSION_PATTERN)
     limits: Limits = Field(default_factory=Limits)
     backends: Backends = Field(default_factory=Backends)
 

@@ -11,11 +11,11 @@ import sys
 import click
 
 from modeld import __version__
-from modeld.cli import admin, downloads, engines, models, system
+from modeld.cli import admin, downloads, engines, models, report, system
 from modeld.cli.common import err_console
 from modeld.errors import ModeldError, SettingsError
 
-VERB_MODULES = [system, models, downloads, engines, admin]
+VERB_MODULES = [system, models, downloads, engines, admin, report]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -47,7 +47,16 @@ def _print_ps(doc: dict[str, Any]) -> None:
                 e["last_eviction"] or "-",
             )
         console.print(t)
+        for e in engines:
+            if e["adapter"]:
+                console.print(f"{e['id']}: GPU adapter {e['adapter']}", highlight=False)
     console.print(f"budget: {_size(doc['used'])} of {_size(doc['budget'])} in use")
+    runtime = doc["runtime"]
+    console.print(
+        f"runtime: {runtime['package']} {runtime['version'] or '(not installed)'}, "
+        f"GPU adapter {runtime['adapter'] or 'none'}",
+        highlight=False,
+    )
 
 
 @click.command()

@@ -84,20 +84,35 @@ def _print_plan(name: str, p: dict[str, Any]) -> None:
         console.print(f"    {name:<8} [red]none[/]: {escape(p['error']['message'])}")
 
 
+def _print_probe(backend: str, p: dict[str, Any]) -> None:
+    result = "ok" if p["ok"] else f"[red]failed[/]: {escape(str(p['reason']))}"
+    if p["adapter"]:
+        result += f", adapter {escape(p['adapter'])}"
+    when = f"{_ago(p['at'])}, {p['runtime'] or 'unknown runtime'}"
+    stale = "" if p["current"] else " [yellow]stale: probed again at the next load[/]"
+    console.print(f"    {backend:<4} {result} ({when}){stale}")
+
+
+def _print_entry(m: dict[str, Any]) -> None:
+    entry = m["entry"]
+    if not entry:
+        console.print("  [yellow]not in the catalog[/]")
+        return
+    console.print(f"  file      {entry['file_name']} ({format_size(entry['size'])})")
+    console.print(f"  sha256    {entry['sha256'] or '(none: the server vouches)'}")
+    for url in entry["urls"]:
+        console.print(f"  url       {escape(url)}", overflow="ignore", crop=False)
+    limits = {k: v for k, v in entry["limits"].items() if v is not None}
+    if limits:
+        console.print("  limits    " + " ".join(f"{k}={v}" for k, v in limits.items()))
+    if entry.get("min_runtime_version"):
+        console.print(f"  needs     litert-lm >= {entry['min_runtime_version']}")
+    console.print(f"  registry  {escape(str(m['source']))}")
+
+
 def _print_show(m: dict[str, Any]) -> None:
     console.print(f"[bold]{m['id']}[/] {escape(m['display_name'])}  {_state(m)}")
-    entry = m["entry"]
-    if entry:
-        console.print(f"  file      {entry['file_name']} ({format_size(entry['size'])})")
-        console.print(f"  sha256    {entry['sha256'] or '(none: the server vouches)'}")
-        for url in entry["urls"]:
-            console.print(f"  url       {escape(url)}", overflow="ignore", crop=False)
-        limits = {k: v for k, v in entry["limits"].items() if v is not None}
-        if limits:
-            console.print("  limits    " + " ".join(f"{k}={v}" for k, v in limits.items()))
-        console.print(f"  registry  {escape(str(m['source']))}")
-    else:
-        console.print("  [yellow]not in the catalog[/]")
+    _print_entry(m)
     inst = m["installed"]
     if inst:
         console.print(f"  installed {escape(inst['path'])} ({format_size(inst['size'])})")
@@ -124,6 +139,11 @@ def _print_show(m: dict[str, Any]) -> None:
             console.print(f"    {s['index']:>2} {kind:<28} {format_size(s['size']):>10}{where}")
     elif m["header_error"]:
         console.print(f"  [red]header: {escape(m['header_error']['message'])}[/]")
+    runtime = m["runtime"]
+    console.print(
+        f"  runtime   {runtime['package']} {runtime['version'] or '(not installed)'}, "
+        f"GPU adapter {escape(runtime['adapter'] or 'none')}"
+    )
     console.print("  plans")
     for name, p in m["plans"].items():
         _print_plan(name, p)
@@ -134,8 +154,7 @@ def _print_probes(m: dict[str, Any]) -> None:
     if m["probes"]:
         console.print("  probes")
         for backend, p in m["probes"].items():
-            result = "ok" if p["ok"] else f"[red]failed[/]: {escape(str(p['reason']))}"
-            console.print(f"    {backend:<4} {result} ({_ago(p['at'])})")
+            _print_probe(backend, p)
     if m.get("image_probes"):
         console.print("  image probes")
         for key, p in m["image_probes"].items():

@@ -15,9 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from modeld import logs
+from modeld.catalog.catalog import Entry
 from modeld.engine.pool import Pool, PoolConfig, Target
 from modeld.engine.runner.client import Runner
-from modeld.errors import CorruptModel, ImageProbeFailed, ModelNotInstalled, Unverified
+from modeld.errors import (
+    CorruptModel,
+    ImageProbeFailed,
+    ModelNotInstalled,
+    RuntimeTooOld,
+    Unverified,
+)
+from modeld.hostinfo import RUNTIME_PACKAGE, at_least, runtime_version
 from modeld.modelfile.header import ModelInfo, read_header
 from modeld.modelfile.plan import Plan, Prefs, needs_probe, resolve
 from modeld.store.store import Installed
@@ -45,6 +53,19 @@ TOUCH_INTERVAL = 30.0  # seconds between last_used writes
 # multi-GB model the first run also builds the XNNPACK cache, which takes far longer
 # than a GPU probe's text reply. A timeout is recorded as a failure, so be generous.
 IMAGE_PROBE_TIMEOUT = 300.0
+# A probe child's stderr kept with its result (head and tail): the runtime's GPU set-up
+# and its failure both fit; a bug report quotes it.
+PROBE_LOG_LIMIT = 64 * 1024
+
+
+def clip_log(text: str, limit: int) -> str:
+    """``text`` whole up to ``limit`` characters, else its head and tail with a marker."""
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    tail = limit - head
+    dropped = len(text) - head - tail
+    return f"{text[:head]}\n[... {dropped} characters left out ...]\n{text[-tail:]}"
 
 
 def estimate_memory(info: ModelInfo, plan: Plan, max_tokens: int, base: int = RUNNER_BASE) -> int:
@@ -67,6 +88,30 @@ def estimate_memory(info: ModelInfo, plan: Plan, max_tokens: int, base: int = RU
     return base + ENGINE_OVERHEAD + weights + kv
 
 
+def check_runtime(model_id: str, entry: Entry | None, info: ModelInfo, runtime: str | None) -> None:
+    """Refuse a file that needs a newer runtime than ``runtime`` (the installed one).
+
+    Both the registry entry's ``min_runtime_version`` and the file's own LlmMetadata
+    field count; the refusal names which one asked, and what to do.
+    """
+    file_needs = info.llm_metadata.min_runtime_version if info.llm_metadata else None
+    for needed, where in (
+        (entry.min_runtime_version if entry else None, "its registry entry's min_runtime_version"),
+        (file_needs, "the file's own LlmMetadata"),
+    ):
+        if needed and not at_least(runtime, needed):
+            have = f"{RUNTIME_PACKAGE} {runtime}" if runtime else f"no {RUNTIME_PACKAGE}"
+            raise RuntimeTooOld(
+                f"model {model_id} needs {RUNTIME_PACKAGE} >= {needed} ({where}); this host "
+                f"has {have}. Upgrade it in modeld's environment (`pip install -U "
+                f"'{RUNTIME_PACKAGE}>={needed}'`) and restart the daemon, or choose another "
+                "model",
+                model=model_id,
+                installed=runtime,
+                needed=needed,
+            )
+
+
 class Engines:
     """Resolves requests to targets and hands them to the pool."""
 
@@ -76,11 +121,13 @@ class Engines:
         self.store = services.parts["store"]
         self.pool = pool
         self._probing: dict[str, asyncio.Task[dict[str, bool | None]]] = {}
+        self.runtime = runtime_version()
         # Blobs are content-addressed and only this daemon writes probes and measurements
         # (one daemon per state dir), so these caches cannot go stale; they keep SQLite and
         # header parsing off the warm request path.
         self._headers: dict[str, ModelInfo] = {}
-        self._probe_cache: dict[str, dict[str, bool | None]] = {}
+        # digest -> backend -> the current probe row (ok, reason, adapter, ...).
+        self._probe_cache: dict[str, dict[str, dict[str, Any]]] = {}
         # digest -> plan key -> the image probe's row (``Store.image_probes``).
         self._image_probes: dict[str, dict[str, dict[str, Any]]] = {}
         self._image_probing: dict[tuple[str, str], asyncio.Task[dict[str, Any]]] = {}
@@ -138,24 +185,51 @@ class Engines:
                 await task
         await self._write_touches()
 
-    async def _probes(self, digest: str) -> dict[str, bool | None]:
+    async def _probe_rows(self, digest: str) -> dict[str, dict[str, Any]]:
         if digest not in self._probe_cache:
             rows = await self.store.probes(digest)
-            self._probe_cache[digest] = {b: bool(row["ok"]) for b, row in rows.items()}
+            # A result of an older probe method or runtime decides nothing: probe again.
+            self._probe_cache[digest] = {b: r for b, r in rows.items() if r["current"]}
         return self._probe_cache[digest]
 
-    async def _probe_gpu(self, digest: str, path: Any) -> dict[str, bool | None]:
-        """Run the GPU probe for this file once (single-flight) and record it."""
+    async def _probes(self, digest: str) -> dict[str, bool | None]:
+        return {b: bool(r["ok"]) for b, r in (await self._probe_rows(digest)).items()}
+
+    async def _probe_gpu(
+        self, model_id: str, digest: str, spec: dict[str, Any]
+    ) -> dict[str, bool | None]:
+        """Run the GPU probe for this file once (single-flight) and record it.
+
+        ``spec`` is the very ``create`` spec a runner would get for the plan that wants
+        the GPU: the child opens the same ``.litertlm`` link with the same options.
+        """
         task = self._probing.get(digest)
         if task is None:
 
             async def go() -> dict[str, bool | None]:
-                from modeld.modelfile.probe import probe
+                from modeld.modelfile.probe import probe_spec
 
-                result = await probe(path, "gpu", self.store.cache_dir_for(digest))
-                await self.store.record_probe(digest, "gpu", result.ok, result.reason)
+                result = await probe_spec(spec)
+                await self.store.record_probe(
+                    digest,
+                    "gpu",
+                    result.ok,
+                    result.reason,
+                    adapter=result.adapter,
+                    log=clip_log(result.log, PROBE_LOG_LIMIT),
+                    runtime=self.runtime,
+                )
                 self._probe_cache.pop(digest, None)
-                logs.event("gpu_probe", digest=digest[:12], ok=result.ok, reason=result.reason)
+                await self.store.event(
+                    "gpu_probe",
+                    model=model_id,
+                    digest=digest,
+                    ok=result.ok,
+                    reason=result.reason,
+                    signal=result.signal,
+                    adapter=result.adapter,
+                    seconds=round(result.seconds, 3),
+                )
                 return await self._probes(digest)
 
             task = asyncio.ensure_future(go())
@@ -163,7 +237,7 @@ class Engines:
             task.add_done_callback(lambda _: self._probing.pop(digest, None))
         return await asyncio.shield(task)
 
-    async def _image_probe(self, digest: str, blob: Path, plan: Plan) -> dict[str, Any]:
+    async def _image_probe(self, digest: str, plan: Plan, spec: dict[str, Any]) -> dict[str, Any]:
         """This file's image probe row for ``plan``: the recorded one, else run once.
 
         Every plan with a vision backend is probed, not only vision=gpu: the first image
@@ -183,17 +257,11 @@ class Engines:
         if task is None:
 
             async def go() -> dict[str, Any]:
-                from modeld.modelfile.probe import probe
+                from modeld.modelfile.probe import IMAGE_KEY, probe_spec
 
-                result = await probe(
-                    self._runtime_path(digest, blob),
-                    plan.main,
-                    self.store.cache_dir_for(digest),
-                    IMAGE_PROBE_TIMEOUT,
-                    vision=plan.vision,
-                    audio=plan.audio,
-                    image=True,
-                )
+                # The runner's own create spec, plus one image: same path, cache dir,
+                # max_tokens and max_images as the engine that will serve the requests.
+                result = await probe_spec({**spec, IMAGE_KEY: True}, IMAGE_PROBE_TIMEOUT)
                 await self.store.record_image_probe(
                     digest,
                     plan.key,
@@ -238,6 +306,32 @@ class Engines:
             plan=plan.key,
             stage=row["stage"],
         )
+
+    async def runtime_info(self) -> dict[str, Any]:
+        """The runtime's version and the host's GPU adapter (``Store.latest_adapter``)."""
+        latest = await self.store.latest_adapter()
+        return {
+            "package": RUNTIME_PACKAGE,
+            "version": self.runtime,
+            "adapter": latest["adapter"] if latest and latest["ok"] else None,
+            "gpu_probe": latest,
+        }
+
+    async def runtime_status(self) -> dict[str, Any]:
+        """The ``runtime`` section of ``/api/status``."""
+        doc = await self.runtime_info()
+        latest = doc["gpu_probe"]
+        if doc["adapter"]:
+            gpu = f"GPU adapter {doc['adapter']}"
+        elif latest is None:
+            gpu = "GPU not probed yet"
+        else:
+            # The first line of the reason says it; show and bug-report have all of it.
+            why = (latest["reason"] or "probe failed").split(" | ", 1)[0]
+            gpu = f"no usable GPU ({why})"
+        version = doc["version"] or "not installed"
+        problems = [] if doc["version"] else [f"{RUNTIME_PACKAGE} is not installed"]
+        return {**doc, "summary": f"{RUNTIME_PACKAGE} {version}; {gpu}", "problems": problems}
 
     async def target(
         self,
@@ -290,16 +384,45 @@ class Engines:
                 probes=probes,
             )
 
+        check_runtime(model_id, entry, info, self.runtime)
         probes = await self._probes(installed.digest)
         plan = plan_with(probes)
         if needs_probe(plan, probes):
-            probes = await self._probe_gpu(installed.digest, path)
+            probe_spec, _ = self._spec(entry, info, installed, plan)
+            probes = await self._probe_gpu(model_id, installed.digest, probe_spec)
             plan = plan_with(probes)
+        spec, max_tokens = self._spec(entry, info, installed, plan)
+        base = self.pool.spare_reserved if self.pool.spare is not None else RUNNER_BASE
+        mkey = (installed.digest, plan.key, max_tokens)
+        if mkey not in self._learned:
+            self._learned[mkey] = await self.store.measured_memory(*mkey)
+        learned = self._learned[mkey]
+        adapter = None
+        if "gpu" in plan.backends():
+            adapter = (await self._probe_rows(installed.digest)).get("gpu", {}).get("adapter")
         image_probe = None
         if plan.vision is not None:
-            image_probe = await self._image_probe(installed.digest, path, plan)
+            image_probe = await self._image_probe(installed.digest, plan, spec)
             if images and not image_probe["ok"]:
                 raise self._image_refusal(model_id, info, plan, image_probe, probes.get("gpu"))
+        self.touch(model_id)
+        return Target(
+            model_id=model_id,
+            digest=installed.digest,
+            plan=plan.to_dict(),
+            spec=spec,
+            estimate=estimate_memory(info, plan, max_tokens, base or RUNNER_BASE),
+            max_tokens=max_tokens,
+            learned=learned,
+            runtime=self.runtime,
+            adapter=adapter,
+            image_probe=image_probe,
+        )
+
+    def _spec(
+        self, entry: Entry, info: ModelInfo, installed: Installed, plan: Plan
+    ) -> tuple[dict[str, Any], int]:
+        """The runner's ``create`` spec for ``plan`` (the GPU probe gets the same one)."""
         limits = entry.limits
         max_tokens = (
             (limits.vision_max_tokens if plan.vision else None)
@@ -310,14 +433,8 @@ class Engines:
         max_images = (
             (limits.max_images if limits.max_images is not None else 1) if plan.vision else None
         )
-        base = self.pool.spare_reserved if self.pool.spare is not None else RUNNER_BASE
-        mkey = (installed.digest, plan.key, max_tokens)
-        if mkey not in self._learned:
-            self._learned[mkey] = await self.store.measured_memory(*mkey)
-        learned = self._learned[mkey]
-        self.touch(model_id)
         spec: dict[str, Any] = {
-            "path": str(self._runtime_path(installed.digest, path)),
+            "path": str(self._runtime_path(installed.digest, installed.path)),
             "backend": plan.main,
             "vision": plan.vision,
             "audio": plan.audio,
@@ -329,16 +446,7 @@ class Engines:
             # runtime as True and False; absent (None) leaves it to the runtime's default.
             "speculative": limits.speculative_decoding,
         }
-        return Target(
-            model_id=model_id,
-            digest=installed.digest,
-            plan=plan.to_dict(),
-            spec=spec,
-            estimate=estimate_memory(info, plan, max_tokens, base or RUNNER_BASE),
-            max_tokens=max_tokens,
-            learned=learned,
-            image_probe=image_probe,
-        )
+        return spec, max_tokens
 
     def _runtime_path(self, digest: str, blob: Path) -> Path:
         """A ``.litertlm`` name for the blob: the runtime picks the format by file extension."""
@@ -375,17 +483,27 @@ def register(services: Any, *, spare: bool = True) -> Engines:
     async def on_learned(target: Target, pss: int) -> None:
         await engines_ref[0].learned(target, pss)
 
+    store = services.parts["store"]
+
+    async def journal(kind: str, fields: dict[str, Any]) -> None:
+        try:
+            await store.event(kind, **fields)
+        except Exception as e:  # the journal is for reports: never fail a load over it
+            logs.event("journal_failed", kind=kind, error=str(e))
+
     pool = Pool(
         PoolConfig(budget=s.memory_budget, keep_alive=s.keep_alive, spare=spare),
         Runner.start,
         metrics=services.metrics,
         on_learned=on_learned,
+        journal=journal,
     )
     engines = Engines(services, pool)
     engines_ref.append(engines)
     services.parts["pool"] = pool
     services.parts["engines"] = engines
     services.status_sections["pool"] = pool.status
+    services.status_sections["runtime"] = engines.runtime_status
     services.start_hooks.append(pool.start)
     # Registered after the store, so (reverse order) runners stop before the store closes.
     services.stop_hooks.append(pool.stop)

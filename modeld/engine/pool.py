@@ -26,6 +26,7 @@ from modeld.engine.runner.client import RunnerDied, RunnerError
 from modeld.engine.types import (
     ALLOWED,
     Engine,
+    Journal,
     Learned,
     PoolConfig,
     RunnerFactory,
@@ -51,6 +52,7 @@ from modeld.metrics import Metrics
 __all__ = [
     "ALLOWED",
     "Engine",
+    "Journal",
     "Learned",
     "Pool",
     "PoolConfig",
@@ -63,6 +65,10 @@ __all__ = [
 ]
 
 
+# Models whose latest runner (and its stderr, up to runner_client.STDERR_LIMIT) is kept.
+LAST_RUNNERS = 16
+
+
 class Pool(Admission, Views):
     """Owns every engine and runner of one daemon; see the module docstring."""
 
@@ -73,8 +79,10 @@ class Pool(Admission, Views):
         *,
         metrics: Metrics | None = None,
         on_learned: Learned | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.config = config
+        self.journal = journal
         self.factory = runner_factory
         self.metrics = metrics
         self.on_learned = on_learned
@@ -84,6 +92,11 @@ class Pool(Admission, Views):
         self.last_eviction: dict[tuple[str, str], str] = {}
         self.recent_evictions: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
         self.crashes: dict[tuple[str, str], collections.deque[float]] = {}
+        # model id -> (engine id, its latest runner, when it was given the engine): the
+        # runner object keeps its stderr after it exits, for `modeld bug-report`.
+        self.last_runners: collections.OrderedDict[str, tuple[str, RunnerLike, float]] = (
+            collections.OrderedDict()
+        )
         self.held_until: dict[tuple[str, str], float] = {}
         self.max_used = 0
         self.stopping = False
@@ -223,9 +236,18 @@ class Pool(Admission, Views):
             if runner is None:
                 runner = await self.factory()
             e.runner = runner
+            self._note_runner(t, runner)
             reply = await runner.create(t.spec)
         except BaseException as exc:
             err = load_error(t, exc)
+            if not isinstance(exc, asyncio.CancelledError):
+                self._record(
+                    "engine_load_failed",
+                    model=t.model_id,
+                    engine=t.engine_id,
+                    code=err.code,
+                    message=err.message,
+                )
             await self._finish_failed_load(e, err)
             if self.metrics:
                 self.metrics.engine_loads.labels(t.model_id, "failed").inc()
@@ -251,19 +273,51 @@ class Pool(Admission, Views):
         e.ready.set_result(None)
         if self.metrics:
             self.metrics.engine_loads.labels(t.model_id, "ok").inc()
-        logs.event(
+        self._record(
             "engine_loaded",
+            model=t.model_id,
             engine=t.engine_id,
             pid=runner.pid,
             seconds=e.load_seconds,
             create=e.create_seconds,
             pss=e.measured,
             estimate=t.expected,
+            adapter=t.adapter,
         )
         # The estimate may have been low: real PSS counts, so make room now if needed.
         await self._enforce_budget(keep=e)
         self._refill_spare()
         self._wake()
+
+    def _record(self, kind: str, **fields: Any) -> None:
+        """An event for the store's journal (which logs it too), or only the log."""
+        if self.journal is None:
+            logs.event(kind, **fields)
+        else:
+            self._spawn(self.journal(kind, fields))
+
+    def _note_runner(self, t: Target, runner: RunnerLike) -> None:
+        self.last_runners.pop(t.model_id, None)
+        self.last_runners[t.model_id] = (t.engine_id, runner, time.time())
+        while len(self.last_runners) > LAST_RUNNERS:
+            self.last_runners.popitem(last=False)
+
+    def runner_log(self, model_id: str) -> dict[str, Any] | None:
+        """The latest runner of ``model_id`` (alive or not) and its whole stderr, or None."""
+        found = self.last_runners.get(model_id)
+        if found is None:
+            return None
+        engine_id, runner, since = found
+        died = runner.died if not runner.alive else None
+        return {
+            "engine": engine_id,
+            "pid": runner.pid,
+            "alive": runner.alive,
+            "since": since,
+            "exit": str(died) if died is not None else None,
+            "signal": died.signal_name if died is not None else None,
+            "stderr": runner.stderr_text(),
+        }
 
     async def _finish_failed_load(self, e: Engine, err: ModeldError) -> None:
         if e.state is State.LOADING:
@@ -306,7 +360,13 @@ class Pool(Admission, Views):
         died = await runner.wait_exit()
         if runner.closing or e.state in (State.FAILED,):
             return
-        logs.event("engine_crashed", engine=e.target.engine_id, how=died.how, reason=died.reason)
+        self._record(
+            "engine_crashed",
+            model=e.target.model_id,
+            engine=e.target.engine_id,
+            how=died.how,
+            reason=died.reason,
+        )
         if self.metrics:
             self.metrics.engine_crashes.labels(e.target.model_id, died.signal_name or "exit").inc()
         self._count_crash(e.target)

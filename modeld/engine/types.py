@@ -30,9 +30,11 @@ class RunnerLike(Protocol):
 
     pid: int
     closing: bool
+    died: RunnerDied | None
 
     @property
     def alive(self) -> bool: ...
+    def stderr_text(self) -> str: ...
     async def create(self, spec: dict[str, Any]) -> dict[str, Any]: ...
     def generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]: ...
     def memory(self) -> tuple[int, int]: ...
@@ -43,6 +45,8 @@ class RunnerLike(Protocol):
 
 RunnerFactory = Callable[[], Awaitable[RunnerLike]]
 Learned = Callable[["Target", int], Awaitable[None]]
+# Appends one event (kind, fields) to the store's journal; see ``Store.event``.
+Journal = Callable[[str, dict[str, Any]], Awaitable[None]]
 
 
 class State(enum.Enum):
@@ -75,6 +79,8 @@ class Target:
     learned: int | None = None  # measured peak PSS from earlier runs, if any
     # The plan's image probe on this file (``Engines._image_probe``); None without vision.
     image_probe: dict[str, Any] | None = None
+    runtime: str | None = None  # the litert-lm version the runner loads
+    adapter: str | None = None  # the GPU adapter its GPU probe saw (gpu plans only)
 
     @property
     def key(self) -> tuple[str, str]:

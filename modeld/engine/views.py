@@ -20,6 +20,8 @@ def engine_view(e: Engine, now: float, last_eviction: str | None) -> dict[str, A
         "model": e.target.model_id,
         "digest": e.target.digest,
         "plan": e.target.plan,
+        "runtime": e.target.runtime,
+        "adapter": e.target.adapter,
         "state": e.state.value,
         "pid": e.runner.pid if e.runner else None,
         "pss_estimate": e.target.expected,
@@ -39,6 +41,9 @@ def engine_view(e: Engine, now: float, last_eviction: str | None) -> dict[str, A
         "requests": e.served,
         "queued": max(0, e.users - (1 if e.state is State.BUSY else 0)),
         "load_seconds": e.load_seconds,
+        # The runner's own time in litert_lm.Engine() (load_seconds adds admission, the
+        # runner's start when no spare was ready, and the round trip).
+        "create_seconds": e.create_seconds,
         "loaded_at": e.created_at,
         "last_eviction": last_eviction,
     }

@@ -2,14 +2,20 @@
 
 A GPU that the runtime cannot use can abort the process (SIGABRT) and a damaged file
 can crash it (SIGSEGV), so the runtime is never tried in the daemon itself: the child
-(``python -m modeld.modelfile.probe PATH BACKEND CACHE_DIR [--vision B] [--audio B] [--image]``)
-creates an engine and a conversation, asks for a few tokens and prints one JSON line.
-With ``--image`` the message also carries one small image: a vision plan fails at the
-first image prefill (a GPU delegate, an encoder that does not fit the decoder), not at
-``Engine()``, so only an image finds it. The
-runtime writes its real reason for a failure only to fd 2 (Python sees a generic
+(``python -m modeld.modelfile.probe --spec JSON``, or ``PATH BACKEND CACHE_DIR [--vision B]
+[--audio B] [--image]`` by hand) creates an engine and a conversation, asks for a few tokens and
+prints one JSON line. The daemon hands the child the very ``create`` spec a runner would
+get, and the child creates its engine with the runner's own ``create_engine``: a probe
+that passes means a runner's engine is created the same way (the same ``.litertlm``
+path, since the runtime picks the format by extension; the same cache dir and options).
+With ``--image`` (``probe_image`` in the spec) the message also carries one small image: a
+vision plan fails at the first image prefill (a GPU delegate, an encoder that does not fit
+the decoder), not at ``Engine()``, so only an image finds it.
+
+The runtime writes its real reason for a failure only to fd 2 (Python sees a generic
 ``RuntimeError: Failed to create LiteRT-LM engine``), so the parent keeps the child's
-stderr and picks the meaningful lines out of it.
+stderr, picks the meaningful lines out of it, and reads the GPU adapter the runtime
+selected (``Selected adapter: ...``) for bug reports.
 """
 
 from __future__ import annotations
@@ -24,16 +30,18 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 PROBE_PROMPT = "Hi"
-PROBE_IMAGE_PROMPT = "Describe this image."
 PROBE_MAX_TOKENS = 4
+PROBE_IMAGE_PROMPT = "Describe this image."
 # The image probe's picture: small, so the probe stays cheap, and a JPEG like the ones
 # requests send (``modeld.api.requests.prepare_image``); vision encoders resize it anyway.
 PROBE_IMAGE_SIDE = 64
+# The key of a ``create`` spec that asks the probe child to send one image too.
+IMAGE_KEY = "probe_image"
 _STDERR_CAP = 256 * 1024
 # glog/absl prefix: "E0000 00:00:1730000000.123456   12345 engine_impl.cc:123] ".
 _LOG_PREFIX = re.compile(r"^[IWEF]\d{4} [\d:. ]+\s+\d+ [\w./-]+:\d+\] ")
@@ -47,6 +55,10 @@ _STATUS_CODE = re.compile(r"\bINTERNAL\b")
 _STACK_FRAME = re.compile(r"^@\s+0x[0-9a-f]+|^\*\*\* Check failure stack trace")
 _MAX_REASON_LINES = 3
 _MAX_LINE = 400
+# Dawn, once it has picked a device: "Selected adapter: NVIDIA H200 ... backend=Vulkan".
+# The wording around the name has varied; anything after "Selected adapter" is the name.
+_ADAPTER = re.compile(r"Selected (?:GPU )?adapter\b[\s:=]*(?P<adapter>\S.*)$", re.I)
+_MAX_ADAPTER = 200
 
 
 @dataclass(frozen=True)
@@ -63,19 +75,34 @@ class ProbeResult:
     image: bool = False
     # Where the child failed: "engine" (Engine()), "image" (the image prefill) or "reply".
     stage: str | None = None
+    # The GPU adapter the runtime selected (only for a probe that passed on gpu).
+    adapter: str | None = None
+    # The child's stderr (the last ``_STDERR_CAP`` bytes): what a bug report quotes.
+    log: str = field(default="", compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
-            "stage": self.stage,
             "backend": self.backend,
             "vision": self.vision,
             "audio": self.audio,
-            "image": self.image,
             "reason": self.reason,
             "seconds": round(self.seconds, 3),
             "signal": self.signal,
+            "stage": self.stage,
+            "image": self.image,
+            "adapter": self.adapter,
         }
+
+
+def extract_adapter(stderr: str) -> str | None:
+    """The GPU adapter the runtime reports having selected, from its stderr, or None."""
+    for line in stderr.splitlines():
+        text = _LOG_PREFIX.sub("", line.strip())
+        m = _ADAPTER.search(text)
+        if m is not None:
+            return m.group("adapter").strip()[:_MAX_ADAPTER] or None
+    return None
 
 
 def _rank(line: str) -> int | None:
@@ -119,24 +146,23 @@ def extract_reason(stderr: str, fallback: str | None = None) -> str | None:
     return " | ".join(picked) or None
 
 
-def child_argv(
-    path: Path,
-    backend: str,
-    cache_dir: Path,
-    vision: str | None = None,
-    audio: str | None = None,
-    *,
-    image: bool = False,
-) -> list[str]:
-    argv = [sys.executable, "-m", "modeld.modelfile.probe", str(path), backend, str(cache_dir)]
-    argv += ["--parent", str(os.getpid())]
-    if vision:
-        argv += ["--vision", vision]
-    if audio:
-        argv += ["--audio", audio]
-    if image:
-        argv.append("--image")
-    return argv
+def child_argv(spec: dict[str, Any]) -> list[str]:
+    """The probe child's command line for a runner ``create`` spec."""
+    argv = [sys.executable, "-m", "modeld.modelfile.probe", "--spec", json.dumps(spec)]
+    return [*argv, "--parent", str(os.getpid())]
+
+
+def spec_for(
+    path: Path, backend: str, cache_dir: Path, vision: str | None = None, audio: str | None = None
+) -> dict[str, Any]:
+    """A minimal ``create`` spec: the file, the backends, the cache dir."""
+    return {
+        "path": str(path),
+        "backend": backend,
+        "vision": vision,
+        "audio": audio,
+        "cache_dir": str(cache_dir),
+    }
 
 
 async def probe(
@@ -153,23 +179,38 @@ async def probe(
 
     With ``image`` the child also sends one small image (it needs a ``vision`` backend).
     """
+    spec = spec_for(path, backend, cache_dir, vision, audio)
+    if image:
+        spec[IMAGE_KEY] = True
+    return await probe_spec(spec, timeout)
+
+
+async def probe_spec(
+    spec: dict[str, Any],
+    timeout: float = 60,  # noqa: ASYNC109 - a timeout is a result (ok False), not an error
+    *,
+    env: dict[str, str] | None = None,
+) -> ProbeResult:
+    """Create the engine of a runner ``create`` spec in a child, and ask it for a reply."""
+    backend = str(spec.get("backend") or "cpu")
+    vision, audio = spec.get("vision"), spec.get("audio")
+    image = bool(spec.get(IMAGE_KEY))
+    report: dict[str, Any] = {}
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *child_argv(path, backend, cache_dir, vision, audio, image=image),
+        *child_argv(spec),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        env=env,
         # Its own session: a terminal's Ctrl-C reaches the daemon, not the probe, so a
         # foreground `modeld serve` stopped mid-probe never records a false GPU failure.
         start_new_session=True,
     )
 
-    report: dict[str, Any] = {}
-
-    def result(ok: bool, reason: str | None, sig: str | None = None) -> ProbeResult:
+    def result(ok: bool, reason: str | None, sig: str | None = None, log: str = "") -> ProbeResult:
         return ProbeResult(
             ok=ok,
-            stage=None if ok else report.get("stage"),
             backend=backend,
             reason=reason,
             seconds=time.monotonic() - start,
@@ -177,6 +218,9 @@ async def probe(
             vision=vision,
             audio=audio,
             image=image,
+            stage=None if ok else report.get("stage"),
+            adapter=extract_adapter(log) if ok and "gpu" in (backend, vision, audio) else None,
+            log=log,
         )
 
     try:
@@ -201,10 +245,12 @@ async def probe(
     rc = proc.returncode if proc.returncode is not None else -1
     if rc < 0:
         sig = signal.Signals(-rc).name if -rc in signal.valid_signals() else str(-rc)
-        return result(False, extract_reason(stderr, f"probe child killed by {sig}"), sig)
+        reason = extract_reason(stderr, f"probe child killed by {sig}")
+        return result(False, reason, sig, stderr)
     if rc == 0 and report.get("ok") is True:
-        return result(True, None)
-    return result(False, extract_reason(stderr, report.get("error") or f"probe exited with {rc}"))
+        return result(True, None, log=stderr)
+    fallback = report.get("error") or f"probe exited with {rc}"
+    return result(False, extract_reason(stderr, fallback), log=stderr)
 
 
 # --- the child ---------------------------------------------------------------------------
@@ -222,16 +268,6 @@ def _die_with_parent(parent: int | None = None) -> None:
     # than with 1 keeps this right under a subreaper or when the daemon is PID 1.
     if os.getppid() != expected:
         os._exit(1)
-
-
-def _backend(name: str) -> Any:
-    import litert_lm
-
-    if name == "gpu":
-        return litert_lm.Backend.GPU()
-    if name == "cpu":
-        return litert_lm.Backend.CPU()
-    raise SystemExit(f"unknown backend {name!r}; use cpu or gpu")
 
 
 def _report(doc: dict[str, Any]) -> None:
@@ -259,42 +295,29 @@ def _message(image: bool) -> Any:
     import base64
 
     blob = base64.b64encode(probe_image()).decode()
-    # The runner sends images in this same form (``runner_generate``).
+    # The runner sends images in this same form (``engine.runner.generate``).
     content = [{"type": "text", "text": PROBE_IMAGE_PROMPT}, {"type": "image", "blob": blob}]
     return {"role": "user", "content": content}
 
 
-def run_child(
-    path: str,
-    backend: str,
-    cache_dir: str,
-    vision: str | None,
-    audio: str | None,
-    *,
-    image: bool = False,
-) -> int:
-    """Create an engine, a conversation and one short reply; print one JSON line."""
+def run_child(spec: dict[str, Any]) -> int:
+    """Create the spec's engine, a conversation and one short reply; print one JSON line."""
     start = time.monotonic()
+    image = bool(spec.get(IMAGE_KEY))
+    if image and not spec.get("max_images"):
+        # One image, as a runner for a vision plan gets by default.
+        spec = {**spec, "max_images": 1}
     stage = "engine"
     try:
-        # The runtime refuses a cache dir that does not exist yet.
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        import litert_lm
+        # The runner's own engine creation: same path, cache dir and options.
+        from modeld.modelfile.runtime import create_engine
 
-        engine = litert_lm.Engine(
-            path,
-            backend=_backend(backend),
-            vision_backend=_backend(vision) if vision else None,
-            audio_backend=_backend(audio) if audio else None,
-            # One image, as a runner for a vision plan gets by default.
-            max_num_images=1 if image else None,
-            cache_dir=cache_dir,
-        )
+        engine = create_engine(spec)
+        conversation = engine.create_conversation(max_output_tokens=PROBE_MAX_TOKENS)
         stage = "image" if image else "reply"
         # Said before it starts: a child killed from here on (a GPU delegate's SIGABRT at
         # the first image prefill) leaves this as its last line.
         _report({"stage": stage})
-        conversation = engine.create_conversation(max_output_tokens=PROBE_MAX_TOKENS)
         reply = conversation.send_message(_message(image), max_output_tokens=PROBE_MAX_TOKENS)
     except Exception as e:
         _report({"ok": False, "stage": stage, "error": f"{type(e).__name__}: {e}"})
@@ -306,18 +329,27 @@ def run_child(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m modeld.modelfile.probe")
-    parser.add_argument("path")
-    parser.add_argument("backend", choices=["cpu", "gpu"])
-    parser.add_argument("cache_dir")
+    parser.add_argument("path", nargs="?")
+    parser.add_argument("backend", nargs="?", choices=["cpu", "gpu"])
+    parser.add_argument("cache_dir", nargs="?")
     parser.add_argument("--vision", choices=["cpu", "gpu"])
     parser.add_argument("--audio", choices=["cpu", "gpu"])
     parser.add_argument("--image", action="store_true", help="also send one small image")
+    parser.add_argument("--spec", help="a runner create spec as JSON (what the daemon passes)")
     parser.add_argument("--parent", type=int, help="the pid that must stay our parent")
     args = parser.parse_args(argv)
+    if args.spec is not None:
+        spec = json.loads(args.spec)
+    elif args.path and args.backend and args.cache_dir:
+        spec = spec_for(
+            Path(args.path), args.backend, Path(args.cache_dir), args.vision, args.audio
+        )
+    else:
+        parser.error("give --spec JSON, or PATH BACKEND CACHE_DIR")
+    if args.image:
+        spec[IMAGE_KEY] = True
     _die_with_parent(args.parent)
-    return run_child(
-        args.path, args.backend, args.cache_dir, args.vision, args.audio, image=args.image
-    )
+    return run_child(spec)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from modeld import logs
+from modeld.hostinfo import PROBE_METHOD, runtime_version
 
 __all__ = ["StoreRecords"]
 
@@ -52,27 +53,57 @@ class StoreRecords:
         return int(row["pss"]) if row is not None else None
 
     async def record_probe(
-        self: _Db, digest: str, backend: str, ok: bool, reason: str | None
+        self: _Db,
+        digest: str,
+        backend: str,
+        ok: bool,
+        reason: str | None,
+        *,
+        adapter: str | None = None,
+        log: str | None = None,
+        runtime: str | None = None,
+        method: int = PROBE_METHOD,
     ) -> None:
+        """Keep a probe's result; ``runtime`` defaults to the installed runtime's version."""
         now = time.time()
+        runtime = runtime or runtime_version()
         await self.write(
             lambda c: c.execute(
-                "INSERT OR REPLACE INTO probes VALUES (?, ?, ?, ?, ?)",
-                (digest, backend, int(ok), reason, now),
+                "INSERT OR REPLACE INTO probes (digest, backend, ok, reason, at, adapter, "
+                "runtime, method, log) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (digest, backend, int(ok), reason, now, adapter, runtime, method, log),
             )
         )
 
-    async def probes(self: _Db, digest: str) -> dict[str, dict[str, Any]]:
-        """backend -> {"ok", "reason", "at"} for this blob."""
+    async def probes(
+        self: _Db, digest: str, *, with_log: bool = False
+    ) -> dict[str, dict[str, Any]]:
+        """backend -> {"ok", "reason", "at", "adapter", "runtime", "current"} for this blob.
+
+        ``current`` is False for a result of an older probe method or another runtime
+        version: it is shown, but the file is probed again before it decides a plan.
+        ``with_log`` adds each probe child's stderr (``log``).
+        """
         rows = await self.read(
             lambda c: c.execute(
-                "SELECT backend, ok, reason, at FROM probes WHERE digest = ? ORDER BY backend",
-                (digest,),
+                "SELECT * FROM probes WHERE digest = ? ORDER BY backend", (digest,)
             ).fetchall()
         )
-        return {
-            r["backend"]: {"ok": bool(r["ok"]), "reason": r["reason"], "at": r["at"]} for r in rows
-        }
+        return {r["backend"]: _probe_row(r, with_log) for r in rows}
+
+    async def latest_adapter(self: _Db) -> dict[str, Any] | None:
+        """The host's GPU as the probes saw it: the newest current GPU probe that passed.
+
+        A file can fail on a GPU that works (float32 weights abort the runtime), so a
+        failure only stands for the host when no current GPU probe passed; then the
+        newest failure is returned (its reason says why). None if none ran.
+        """
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT * FROM probes WHERE backend = 'gpu' ORDER BY ok DESC, at DESC"
+            ).fetchall()
+        )
+        return next((row for r in rows if (row := _probe_row(r, False))["current"]), None)
 
     async def record_image_probe(
         self: _Db,
@@ -120,8 +151,7 @@ class StoreRecords:
         """The ``probes`` section of ``/api/status``: every backend probe result, by blob."""
         rows = await self.read(
             lambda c: c.execute(
-                "SELECT p.digest, p.backend, p.ok, p.reason, p.at, "
-                "group_concat(i.id) AS ids FROM probes p "
+                "SELECT p.*, group_concat(i.id) AS ids FROM probes p "
                 "LEFT JOIN installed i ON i.digest = p.digest "
                 "GROUP BY p.digest, p.backend ORDER BY p.digest, p.backend"
             ).fetchall()
@@ -130,10 +160,7 @@ class StoreRecords:
             {
                 "digest": r["digest"],
                 "models": sorted(r["ids"].split(",")) if r["ids"] else [],
-                "backend": r["backend"],
-                "ok": bool(r["ok"]),
-                "reason": r["reason"],
-                "at": r["at"],
+                **_probe_row(r, False),
             }
             for r in rows
         ]
@@ -165,3 +192,18 @@ class StoreRecords:
             {"seq": r["seq"], "at": r["at"], "kind": r["kind"], "fields": json.loads(r["fields"])}
             for r in rows
         ]
+
+
+def _probe_row(r: sqlite3.Row, with_log: bool) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "backend": r["backend"],
+        "ok": bool(r["ok"]),
+        "reason": r["reason"],
+        "at": r["at"],
+        "adapter": r["adapter"],
+        "runtime": r["runtime"],
+        "current": r["method"] == PROBE_METHOD and r["runtime"] == runtime_version(),
+    }
+    if with_log:
+        row["log"] = r["log"]
+    return row

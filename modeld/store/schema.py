@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 BUSY_TIMEOUT_MS = 10_000
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,13 @@ def create_schema(conn: sqlite3.Connection) -> None:
         not_null={"ok", "at"},
         if_not_exists=True,
     )
+    # Version 2: what a bug report needs of a probe (the GPU adapter, the runtime version
+    # and probe method it ran with, the child's stderr). A version 1 row has no method:
+    # it is shown but not trusted, so the file is probed again (see modeld.probe).
+    probes = db.table("probes")
+    for column, kind in (("adapter", str), ("runtime", str), ("method", int), ("log", str)):
+        if column not in probes.columns_dict:
+            probes.add_column(column, kind)
     db.table("events").create(
         {"seq": int, "at": float, "kind": str, "fields": str},
         pk="seq",

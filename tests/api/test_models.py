@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from modeld.errors import ModelNotFound
+from modeld.hostinfo import runtime_version
 from modeld.store.store import sha256_file
 from tests.support.daemon import DaemonProcess, daemon_env, running_daemon
 from tests.support.state import MODELS, install_fixture, open_store, registry_settings, write_entry
@@ -229,5 +230,8 @@ async def test_status_shows_probe_results(clean_env: Path) -> None:
             "ok": False,
             "reason": "No adapters found",
             "at": section["results"][0]["at"],
+            "adapter": None,
+            "runtime": runtime_version(),
+            "current": True,
         }
     ]

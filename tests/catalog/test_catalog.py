@@ -30,6 +30,7 @@ file_name = "m1.litertlm"
 urls = ["https://example.org/m1.litertlm", "http://127.0.0.1:9/m1.litertlm"]
 size = 1234
 sha256 = "{sha}"
+min_runtime_version = "0.18.1"
 
 [limits]
 max_tokens = 4096
@@ -112,6 +113,7 @@ def test_good_entry_parses_every_field(tmp_path: Path) -> None:
     assert entry.sha256 == "a" * 64
     assert entry.backends.main == "gpu"
     assert entry.limits.max_images == 1
+    assert entry.min_runtime_version == "0.18.1"
 
 
 @pytest.mark.parametrize(
@@ -135,6 +137,9 @@ def test_good_entry_parses_every_field(tmp_path: Path) -> None:
         ("max_tokens = 4096", "max_tokens = 0", "limits.max_tokens"),
         ('display_name = "Model one"\n', "", "display_name"),
         ("urls = [", "urls = []\nx = [", "urls"),
+        ('"0.18.1"', '"latest"', "min_runtime_version"),
+        ('"0.18.1"', '">=0.18"', "min_runtime_version"),
+        ('"0.18.1"', "0.18", "min_runtime_version"),
     ],
 )
 def test_bad_entry_is_reported_with_its_key(tmp_path: Path, old: str, new: str, key: str) -> None:

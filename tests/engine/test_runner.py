@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from modeld.engine.runner.client import Runner, RunnerDied, RunnerError, crash_reason
+from modeld.engine.runner.client import Runner, RunnerDied, RunnerError, StderrLog, crash_reason
 from modeld.engine.runner.generate import classify_json
 from tests.support.state import MODELS
 
@@ -255,3 +255,22 @@ def test_crash_reason_keeps_tflite_errors_and_the_first_cause() -> None:
     assert parts[1] == "ERROR: XNNPack delegate failed to start cache build step."
     assert parts[2] == "Inserting data failed."
     assert crash_reason(["INFO: fine", "W0000 00:00:1.0    1 a.cc:1] warn"]) is None
+
+
+def test_stderr_log_keeps_everything_up_to_its_limit_then_head_and_tail() -> None:
+    """A runner's stderr is kept whole while small; past the limit, its start and its end."""
+    log = StderrLog(limit=400)
+    lines = [f"line {i:03d} " + "x" * 10 for i in range(5)]
+    for line in lines:
+        log.append(line)
+    assert log.text() == "\n".join(lines)
+    for i in range(5, 200):
+        log.append(f"line {i:03d} " + "x" * 10)
+    text = log.text()
+    assert len(text) <= 450
+    assert text.startswith("line 000 ")
+    assert text.endswith("line 199 " + "x" * 10)
+    kept = text.splitlines()
+    marker = next(ln for ln in kept if ln.startswith("[..."))
+    dropped = int(marker.split()[1])
+    assert len(kept) - 1 + dropped == 200

@@ -18,7 +18,7 @@ import pytest
 
 from modeld.modelfile import probe as probe_mod
 from modeld.modelfile.header import read_header
-from modeld.modelfile.probe import ProbeResult, extract_reason, probe
+from modeld.modelfile.probe import ProbeResult, extract_adapter, extract_reason, probe
 from tests.support.state import MODELS
 
 TINY = MODELS / "tiny-text.litertlm"
@@ -96,6 +96,22 @@ def test_reason_of_an_abort_keeps_message_and_signal_not_stack_frames() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        "INFO: [delegate_webgpu.cc:401] Selected adapter: NVIDIA H200 (discrete) backend=Vulkan",
+        "I0000 00:00:1796002975.1  12 delegate_webgpu.cc:401] Selected adapter: "
+        "NVIDIA H200 (discrete) backend=Vulkan",
+        "Selected adapter = NVIDIA H200 (discrete) backend=Vulkan",
+    ],
+)
+def test_adapter_is_read_from_the_runtime_log(line: str) -> None:
+    """The adapter the runtime selected is the text after "Selected adapter", prefix gone."""
+    stderr = "\n".join([GPU_FAILURE_STDERR.splitlines()[1], line, "INFO: [x.cc:1] done"])
+    assert extract_adapter(stderr) == "NVIDIA H200 (discrete) backend=Vulkan"
+    assert extract_adapter(GPU_FAILURE_STDERR) is None
+
+
 def test_reason_falls_back_to_last_line() -> None:
     """With nothing telling on stderr, the last non-empty line stands in; empty gives None."""
     assert extract_reason("starting\nsomething odd happened\n\n") == "something odd happened"
@@ -168,11 +184,22 @@ async def test_a_child_killed_at_the_image_prefill_is_reported_at_that_stage(
     assert result.reason == "GPU delegate failed | probe child killed by SIGABRT"
 
 
-def test_image_flag_reaches_the_child_command_line(tmp_path: Path) -> None:
-    """``--image`` is passed only when asked, and the child's parser takes it."""
-    argv = probe_mod.child_argv(tmp_path / "m.litertlm", "cpu", tmp_path, "gpu", image=True)
-    assert argv[-3:] == ["--vision", "gpu", "--image"]
-    assert "--image" not in probe_mod.child_argv(tmp_path / "m.litertlm", "cpu", tmp_path)
+async def test_image_flag_reaches_the_child_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``image=True`` puts ``probe_image`` in the child's spec only when asked."""
+    seen: list[dict[str, object]] = []
+
+    def argv(spec: dict[str, object]) -> list[str]:
+        seen.append(spec)
+        return [sys.executable, "-c", "print('{\"ok\": true}')"]
+
+    monkeypatch.setattr(probe_mod, "child_argv", argv)
+    await probe(tmp_path / "m.litertlm", "cpu", tmp_path, vision="gpu", image=True)
+    await probe(tmp_path / "m.litertlm", "cpu", tmp_path)
+    assert seen[0][probe_mod.IMAGE_KEY] is True
+    assert seen[0]["vision"] == "gpu"
+    assert probe_mod.IMAGE_KEY not in seen[1]
 
 
 def test_probe_image_is_a_small_jpeg() -> None:

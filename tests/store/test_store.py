@@ -329,3 +329,50 @@ async def test_rm_racing_an_install_of_the_same_bytes_never_orphans_a_row(store:
         row = await store.installed("b")
         assert row is not None and row.path.exists(), f"round {i}: row without its blob"
         await store.remove("b")
+
+
+async def test_version_1_probe_rows_migrate_and_are_not_trusted(tmp_path: Path) -> None:
+    """A state dir from before the probe fix opens; its old probe rows show but are stale."""
+    home = tmp_path / "home"
+    install_fixture(home, "tiny", TINY)
+    d = sha256_file(TINY)[0]
+    conn = sqlite3.connect(home / "modeld.db")
+    with conn:
+        conn.execute("DROP TABLE probes")
+        conn.execute(
+            "CREATE TABLE probes (digest TEXT, backend TEXT, ok INTEGER NOT NULL, reason TEXT, "
+            "at FLOAT NOT NULL, PRIMARY KEY (digest, backend))"
+        )
+        conn.execute(
+            "INSERT INTO probes VALUES (?, 'gpu', 0, 'Unsupported or unknown file format', 1.0)",
+            (d,),
+        )
+        conn.execute("PRAGMA user_version = 1")
+    conn.close()
+    store = Store(home)
+    await store.open()
+    try:
+        old = (await store.probes(d))["gpu"]
+        assert (old["ok"], old["current"], old["adapter"], old["runtime"]) == (
+            False,
+            False,
+            None,
+            None,
+        )
+        assert await store.latest_adapter() is None
+        await store.record_probe(d, "gpu", True, None, adapter="Some GPU (Vulkan)", log="x")
+        new = (await store.probes(d, with_log=True))["gpu"]
+        assert (new["ok"], new["current"], new["adapter"], new["log"]) == (
+            True,
+            True,
+            "Some GPU (Vulkan)",
+            "x",
+        )
+        latest = await store.latest_adapter()
+        assert latest is not None and latest["adapter"] == "Some GPU (Vulkan)"
+        # A later failure of another file (float32 weights abort) does not hide the GPU.
+        await store.record_probe("f" * 64, "gpu", False, "killed by SIGABRT")
+        latest = await store.latest_adapter()
+        assert latest is not None and latest["adapter"] == "Some GPU (Vulkan)"
+    finally:
+        await store.close()

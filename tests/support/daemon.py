@@ -203,3 +203,10 @@ def wait_log(
         time.sleep(0.05)
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     raise AssertionError(f"{needle!r} x{count} not in the log:\n{text}")
+
+
+def default_backend_env(home: Path, **extra: str) -> dict[str, str]:
+    """``daemon_env`` with the daemon's default backends (main=gpu), as a user has them."""
+    env = daemon_env(home, **extra)
+    env.pop("MODELD_MAIN_BACKEND")
+    return env

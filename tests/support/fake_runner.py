@@ -66,6 +66,9 @@ class FakeRunner:
     def memory(self) -> tuple[int, int]:
         return (self.pss, self.pss) if self.alive else (0, 0)
 
+    def stderr_text(self) -> str:
+        return f"fake runner {self.pid}: created with {self.spec}" if self.spec else ""
+
     async def wait_exit(self) -> RunnerDied:
         await self._exited.wait()
         assert self.died is not None

@@ -197,29 +197,6 @@ class _TokenBatcher:
                     self._flush_locked(time.monotonic())
 
 
-def _backend_name(backend: Any) -> str | None:
-    return str(backend.get_name()) if backend is not None else None
-
-
-def engine_options(engine: Any) -> dict[str, Any]:
-    """The settings a ``litert_lm.Engine`` was created with, in the runtime's own names.
-
-    Read from the engine object, which is what the binding hands to the runtime's engine
-    settings (litert-lm 0.18.1 ``Engine.__init__``), so a value that got lost on the way
-    from the registry entry shows here as what the engine really has.
-    """
-    return {
-        "model_path": engine.model_path,
-        "backend": _backend_name(engine.backend),
-        "vision_backend": _backend_name(engine.vision_backend),
-        "audio_backend": _backend_name(engine.audio_backend),
-        "max_num_tokens": engine.max_num_tokens,
-        "max_num_images": engine.max_num_images,
-        "cache_dir": engine.cache_dir,
-        "enable_speculative_decoding": engine.enable_speculative_decoding,
-    }
-
-
 class _Child:
     """The runner's state: one socket, at most one engine, one generation thread."""
 
@@ -287,34 +264,13 @@ class _Child:
         if self.engine is not None:
             self.error(rid, "conflict", "this runner already has an engine")
             return
-        import litert_lm
-
-        def backend(name: str | None) -> Any:
-            if name is None:
-                return None
-            return litert_lm.Backend.GPU() if name == "gpu" else litert_lm.Backend.CPU()
-
         started = time.perf_counter()
         self.clear_error()
         speculative = msg.get("speculative")
         try:
-            cache_dir = msg.get("cache_dir")
-            if cache_dir:
-                # The runtime refuses a cache dir that does not exist yet.
-                Path(cache_dir).mkdir(parents=True, exist_ok=True)
-            self.engine = litert_lm.Engine(
-                str(msg["path"]),
-                backend=backend(msg.get("backend", "cpu")),
-                vision_backend=backend(msg.get("vision")),
-                audio_backend=backend(msg.get("audio")),
-                max_num_tokens=msg.get("max_tokens"),
-                max_num_images=msg.get("max_images"),
-                cache_dir=cache_dir,
-                # Prefill/decode counts and speeds for the phase timings.
-                enable_benchmark=True,
-                # None leaves it to the runtime (the file's default); False turns it off.
-                enable_speculative_decoding=None if speculative is None else bool(speculative),
-            )
+            from modeld.modelfile.runtime import create_engine
+
+            self.engine = create_engine(msg)
         except Exception as e:
             reason = self.runtime_reason(e)
             if speculative:
@@ -337,9 +293,14 @@ class _Child:
                 "seconds": seconds,
                 "pss": pss,
                 "rss": rss,
-                "options": engine_options(self.engine),
+                "options": self._options(),
             }
         )
+
+    def _options(self) -> dict[str, Any]:
+        from modeld.modelfile.runtime import engine_options
+
+        return engine_options(self.engine)
 
     def cancel(self, target: int) -> None:
         self.cancelled.add(target)

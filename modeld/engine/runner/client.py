@@ -24,6 +24,9 @@ from typing import Any
 from modeld.engine.runner.child import ProtocolError, encode_frame, read_memory, split_frames
 
 _STDERR_LINES = 200
+# A runner's whole stderr is kept up to this many characters (a bug report quotes it);
+# past it, the first quarter and the latest lines stay, with a marker between.
+STDERR_LIMIT = 256 * 1024
 START_TIMEOUT = 60.0
 CANCEL_DRAIN_TIMEOUT = 10.0
 _READ_SIZE = 1 << 18
@@ -87,6 +90,38 @@ def _signal_name(returncode: int | None) -> str | None:
         return f"signal {-returncode}"
 
 
+class StderrLog:
+    """A process's stderr lines: all of them up to ``limit`` characters, then head and tail.
+
+    The head holds the runtime's set-up (accelerators, the GPU adapter it selected), the
+    tail what it said last (the reason it died): a bug report needs both.
+    """
+
+    def __init__(self, limit: int = STDERR_LIMIT) -> None:
+        self.head_limit = limit // 4
+        self.tail_limit = limit - self.head_limit
+        self.head: list[str] = []
+        self.head_size = 0
+        self.tail: collections.deque[str] = collections.deque()
+        self.tail_size = 0
+        self.dropped = 0  # lines left out between head and tail
+
+    def append(self, line: str) -> None:
+        if not self.tail and self.head_size + len(line) <= self.head_limit:
+            self.head.append(line)
+            self.head_size += len(line) + 1
+            return
+        self.tail.append(line)
+        self.tail_size += len(line) + 1
+        while self.tail_size > self.tail_limit and len(self.tail) > 1:
+            self.tail_size -= len(self.tail.popleft()) + 1
+            self.dropped += 1
+
+    def text(self) -> str:
+        middle = [f"[... {self.dropped} lines left out ...]"] if self.dropped else []
+        return "\n".join([*self.head, *middle, *self.tail])
+
+
 class Runner:
     """One runner child process and its protocol; create with ``await Runner.start()``."""
 
@@ -95,6 +130,7 @@ class Runner:
         self.pid: int = 0
         self.preload_seconds: float = 0.0
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
+        self.stderr_log = StderrLog()
         self.died: RunnerDied | None = None
         self.closing = False
         self._writer: asyncio.StreamWriter | None = None
@@ -176,7 +212,9 @@ class Runner:
     async def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
         async for raw in self.proc.stderr:
-            self.stderr_tail.append(raw.decode("utf-8", "replace").rstrip())
+            line = raw.decode("utf-8", "replace").rstrip()
+            self.stderr_tail.append(line)
+            self.stderr_log.append(line)
 
     async def _on_exit(self) -> None:
         assert self.proc is not None
@@ -209,6 +247,10 @@ class Runner:
     @property
     def alive(self) -> bool:
         return not self._exited.is_set()
+
+    def stderr_text(self) -> str:
+        """Everything the child wrote to stderr so far (bounded: see ``StderrLog``)."""
+        return self.stderr_log.text()
 
     async def wait_exit(self) -> RunnerDied:
         await self._exited.wait()

@@ -1,0 +1,71 @@
+"""Creating a LiteRT-LM engine from a runner ``create`` spec, and reading back its options.
+
+One function for the runner child and the probe child, so a probe opens the model exactly
+as a runner will. ``litert_lm`` is imported when an engine is made, never at import time:
+processes that never create an engine do not pay for the 131 MB runtime.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def create_engine(spec: dict[str, Any]) -> Any:
+    """The ``litert_lm.Engine`` that a ``create`` spec describes.
+
+    The runner's ``create`` op and the GPU probe child (``modeld.modelfile.probe``) both call this
+    with the same spec, so a probe opens the model exactly as a runner will: same path
+    (the ``.litertlm`` link: the runtime picks the format by extension), cache dir and
+    engine options.
+    """
+    import litert_lm
+
+    def backend(name: str | None) -> Any:
+        if name is None:
+            return None
+        if name not in ("cpu", "gpu"):
+            raise ValueError(f"unknown backend {name!r}; use cpu or gpu")
+        return litert_lm.Backend.GPU() if name == "gpu" else litert_lm.Backend.CPU()
+
+    cache_dir = spec.get("cache_dir")
+    if cache_dir:
+        # The runtime refuses a cache dir that does not exist yet.
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    speculative = spec.get("speculative")
+    return litert_lm.Engine(
+        str(spec["path"]),
+        backend=backend(spec.get("backend", "cpu")),
+        vision_backend=backend(spec.get("vision")),
+        audio_backend=backend(spec.get("audio")),
+        max_num_tokens=spec.get("max_tokens"),
+        max_num_images=spec.get("max_images"),
+        cache_dir=cache_dir,
+        # Prefill/decode counts and speeds for the phase timings.
+        enable_benchmark=True,
+        # None leaves it to the runtime (the file's default); False turns it off.
+        enable_speculative_decoding=None if speculative is None else bool(speculative),
+    )
+
+
+def _backend_name(backend: Any) -> str | None:
+    return str(backend.get_name()) if backend is not None else None
+
+
+def engine_options(engine: Any) -> dict[str, Any]:
+    """The settings a ``litert_lm.Engine`` was created with, in the runtime's own names.
+
+    Read from the engine object, which is what the binding hands to the runtime's engine
+    settings (litert-lm 0.18.1 ``Engine.__init__``), so a value that got lost on the way
+    from the registry entry shows here as what the engine really has.
+    """
+    return {
+        "model_path": engine.model_path,
+        "backend": _backend_name(engine.backend),
+        "vision_backend": _backend_name(engine.vision_backend),
+        "audio_backend": _backend_name(engine.audio_backend),
+        "max_num_tokens": engine.max_num_tokens,
+        "max_num_images": engine.max_num_images,
+        "cache_dir": engine.cache_dir,
+        "enable_speculative_decoding": engine.enable_speculative_decoding,
+    }
