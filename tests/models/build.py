@@ -13,12 +13,14 @@ The build needs torch and litert-torch, which the daemon does not; use a
 separate virtual environment (install the CPU torch wheel FIRST, explicitly,
 so pip never pulls a multi-GB CUDA build)::
 
-    python3.11 -m venv /work/venv-models
-    /work/venv-models/bin/pip install torch==2.13.0
-    /work/venv-models/bin/pip install -r tests/models/requirements.txt
-    /work/venv-models/bin/python tests/models/build.py            # all fixtures
-    /work/venv-models/bin/python tests/models/build.py --only tiny-text
-    /work/venv-models/bin/python tests/models/build.py --large    # ~40 MB model
+    python3.11 -m venv .venv-models
+    .venv-models/bin/pip install torch==2.13.0
+    .venv-models/bin/pip install -r tests/models/requirements.txt
+    .venv-models/bin/python tests/models/build.py            # all fixtures
+    .venv-models/bin/python tests/models/build.py --only tiny-text
+    .venv-models/bin/python tests/models/build.py --large    # ~40 MB model
+
+(``.venv-models`` at the repository root is ignored by git; any other folder will do.)
 
 Fixtures go to ``--out`` (default: this folder) together with
 ``fixtures.json``, the manifest (file, sha256, size, sections, constraints,
