@@ -77,6 +77,12 @@ def test_fixture_matches_manifest(name: str) -> None:
     assert hashlib.sha256(data).hexdigest() == entry["sha256"]
 
 
+def test_every_committed_model_is_in_the_manifest() -> None:
+    """Each .litertlm in tests/models has a manifest entry, so the tests below cover it."""
+    on_disk = sorted(p.name for p in MODELS.glob("*.litertlm"))
+    assert on_disk == sorted(e["file"] for e in MANIFEST.values())
+
+
 def test_fixture_digests_are_distinct() -> None:
     """No two fixtures are the same file, so digest-keyed code can tell them apart."""
     digests = [e["sha256"] for e in MANIFEST.values()]

@@ -1,11 +1,11 @@
 """Build small but real ``.litertlm`` test models offline.
 
 The fixtures in this folder are random-weight Llama-style decoders exported
-with litert-torch's ``export_hf`` pipeline (int8 weights, a locally trained
-byte-level BPE tokenizer, a Gemma-style chat template) and packed with
-``litert_lm_builder``. The real LiteRT-LM runtime loads them and generates
-(meaningless) tokens. No hub, no network: configs, tokenizer and weights are
-made here from fixed seeds.
+with litert-torch's ``export_hf`` pipeline (int8 weights, except
+``tiny-text-f32`` whose weights stay float32; a locally trained byte-level BPE
+tokenizer, a Gemma-style chat template) and packed with ``litert_lm_builder``.
+The real LiteRT-LM runtime loads them and generates (meaningless) tokens. No
+hub, no network: configs, tokenizer and weights are made here from fixed seeds.
 
 Rebuilding
 ----------
@@ -128,6 +128,9 @@ class FixtureSpec:
     description: str
     vision_constraint: str | None = None  # None: no vision sections at all.
     large: bool = False
+    quantize: bool = True  # False: float32 weights (no int8 quantization).
+    backends: tuple[str, ...] = ("cpu", "gpu")  # main backends the runtime accepts.
+    note: str | None = None  # expected runtime behaviour worth recording.
 
 
 FIXTURES: dict[str, FixtureSpec] = {
@@ -142,6 +145,16 @@ FIXTURES: dict[str, FixtureSpec] = {
             "tiny-text-b",
             TextSpec(seed=2),
             "same shape as tiny-text, other seed (other digest)",
+        ),
+        FixtureSpec(
+            "tiny-text-f32",
+            TextSpec(seed=6),
+            "same shape as tiny-text, float32 weights (not quantized)",
+            quantize=False,
+            backends=("cpu",),
+            note="its EMBEDDING_LOOKUP reads float32 external weights: on an NVIDIA GPU"
+            " (litert-lm 0.18.1) the runtime aborts the process (SIGABRT) while creating"
+            " a gpu engine; cpu loads and generates",
         ),
         FixtureSpec(
             "gemma3n-like",
@@ -232,8 +245,12 @@ def make_source_model(spec: TextSpec, out_dir: Path) -> None:
     model.save_pretrained(str(out_dir))
 
 
-def export_text(spec: TextSpec, work: Path) -> Path:
-    """Run litert-torch export_hf; return the folder with its artifacts."""
+def export_text(spec: TextSpec, work: Path, *, quantize: bool) -> Path:
+    """Run litert-torch export_hf; return the folder with its artifacts.
+
+    The decoder is ``model_quantized.tflite`` (int8 weights) when ``quantize``,
+    else ``model.tflite`` (float32 weights).
+    """
     from litert_torch.generative.export_hf import export as export_lib
 
     src = work / "hf"
@@ -246,6 +263,7 @@ def export_text(spec: TextSpec, work: Path) -> Path:
         prefill_lengths=[spec.prefill],
         cache_length=spec.cache,
         keep_temporary_files=True,
+        **({} if quantize else {"quantization_recipe": "none"}),
     )
     return out
 
@@ -341,9 +359,8 @@ def package(spec: FixtureSpec, export_dir: Path, work: Path, dest: Path) -> list
     builder.add_llm_metadata(str(meta_path))
     builder.add_executor_metadata(str(export_dir / "executor_metadata.pb"))
     builder.add_hf_tokenizer(str(export_dir / "tokenizer.json"))
-    builder.add_tflite_model(
-        str(export_dir / "model_quantized.tflite"), lb.TfLiteModelType.PREFILL_DECODE
-    )
+    decoder = "model_quantized.tflite" if spec.quantize else "model.tflite"
+    builder.add_tflite_model(str(export_dir / decoder), lb.TfLiteModelType.PREFILL_DECODE)
     sections: list[dict[str, Any]] = [
         {"type": "LlmMetadata"},
         {"type": "ExecutorMetadata"},
@@ -382,7 +399,7 @@ def build_one(spec: FixtureSpec, dest: Path) -> dict[str, Any]:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"modeld-{spec.name}-") as tmp:
         work = Path(tmp)
-        export_dir = export_text(spec.text, work)
+        export_dir = export_text(spec.text, work, quantize=spec.quantize)
         sections = package(spec, export_dir, work, dest)
     seconds = time.monotonic() - start
     vision = spec.vision_constraint
@@ -395,10 +412,13 @@ def build_one(spec: FixtureSpec, dest: Path) -> dict[str, Any]:
         "shape": dataclasses.asdict(spec.text),
         "llm_model_type": "generic_model" if vision is None else "gemma3n",
         "max_num_tokens": spec.text.cache,
-        "backends": ["cpu", "gpu"],
+        "weights": "int8" if spec.quantize else "float32",
+        "backends": list(spec.backends),
         "vision_backends": ([] if vision is None else [b.strip() for b in vision.split(",")]),
         "vision_backend_constraint": vision,
     }
+    if spec.note is not None:
+        entry["note"] = spec.note
     print(f"built {dest} ({entry['size']} bytes, {seconds:.1f} s)", flush=True)
     return entry
 
