@@ -184,7 +184,8 @@ def _large_model() -> Path:
     if importlib.util.find_spec("torch") is None:
         pytest.skip(
             f"{LARGE} is not cached and torch is not installed to build it; run "
-            "`/work/venv-models/bin/python tests/models/build.py --large` (see its docstring)"
+            "`.venv-models/bin/python tests/models/build.py --large` with the build venv "
+            "that tests/models/build.py's docstring sets up"
         )
     subprocess.run([sys.executable, str(MODELS / "build.py"), "--large"], check=True)
     return LARGE

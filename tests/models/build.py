@@ -1,11 +1,21 @@
 """Build small but real ``.litertlm`` test models offline.
 
 The fixtures in this folder are random-weight Llama-style decoders exported
-with litert-torch's ``export_hf`` pipeline (int8 weights, a locally trained
-byte-level BPE tokenizer, a Gemma-style chat template) and packed with
-``litert_lm_builder``. The real LiteRT-LM runtime loads them and generates
-(meaningless) tokens. No hub, no network: configs, tokenizer and weights are
-made here from fixed seeds.
+with litert-torch's ``export_hf`` pipeline (int8 weights, except
+``tiny-text-f32`` whose weights stay float32; a locally trained byte-level BPE
+tokenizer, a Gemma-style chat template) and packed with ``litert_lm_builder``.
+The real LiteRT-LM runtime loads them and generates (meaningless) tokens. No
+hub, no network: configs, tokenizer and weights are made here from fixed seeds.
+
+``tiny-vision`` is the one fixture that takes images: a random Gemma-3-style
+image-text model (the same tiny decoder, a 1-layer SigLIP vision tower on
+32x32 images and the Gemma-3 projector) exported with ``export_hf``'s
+``image_text_to_text`` task, which externalizes the token embedder. The
+runtime needs that ``tf_lite_embedder`` section to place image embeddings in
+the prompt. ``gemma3n-like`` and ``vision-cpu-ok`` only carry a vision encoder
+and adapter for the backend constraints: they have no embedder, so an image
+sent to them fails at prefill on cpu (and on an NVIDIA GPU is answered with
+output that never saw it).
 
 Rebuilding
 ----------
@@ -13,12 +23,14 @@ The build needs torch and litert-torch, which the daemon does not; use a
 separate virtual environment (install the CPU torch wheel FIRST, explicitly,
 so pip never pulls a multi-GB CUDA build)::
 
-    python3.11 -m venv /work/venv-models
-    /work/venv-models/bin/pip install torch==2.13.0
-    /work/venv-models/bin/pip install -r tests/models/requirements.txt
-    /work/venv-models/bin/python tests/models/build.py            # all fixtures
-    /work/venv-models/bin/python tests/models/build.py --only tiny-text
-    /work/venv-models/bin/python tests/models/build.py --large    # ~40 MB model
+    python3.11 -m venv .venv-models
+    .venv-models/bin/pip install torch==2.13.0
+    .venv-models/bin/pip install -r tests/models/requirements.txt
+    .venv-models/bin/python tests/models/build.py            # all fixtures
+    .venv-models/bin/python tests/models/build.py --only tiny-text
+    .venv-models/bin/python tests/models/build.py --large    # ~40 MB model
+
+(``.venv-models`` at the repository root is ignored by git; any other folder will do.)
 
 Fixtures go to ``--out`` (default: this folder) together with
 ``fixtures.json``, the manifest (file, sha256, size, sections, constraints,
@@ -63,7 +75,9 @@ MANIFEST = "fixtures.json"
 LARGE_CACHE_ENV = "MODELD_TEST_MODEL_CACHE"
 DEFAULT_LARGE_CACHE = Path.home() / ".cache" / "modeld-test-models"
 FIXED_TIMESTAMP = "2026-01-01T00:00:00+00:00"
-IMAGE_SIZE = 32  # the tiny vision encoder takes [1, 32, 32, 3] images
+IMAGE_SIZE = 32  # the tiny vision encoders take [1, 32, 32, 3] images
+PATCH_SIZE = 8  # tiny-vision: 4x4 patches per image ...
+IMAGE_TOKENS = 4  # ... pooled 2x2 into 4 soft tokens (plus <end_of_image>)
 
 SPECIAL_TOKENS = [
     "<pad>",
@@ -101,6 +115,12 @@ CORPUS = [
     "Translate to German: good morning, good night, thank you.",
 ]
 
+NO_EMBEDDER_NOTE = (
+    "no tf_lite_embedder section, so an image is never placed in the prompt: on cpu its"
+    " prefill fails (EMBEDDING_LOOKUP index -1 out of bounds); on an NVIDIA GPU (an H200,"
+    " litert-lm 0.18.1) vision-cpu-ok answered an image anyway, with output that never saw it"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class TextSpec:
@@ -126,6 +146,12 @@ class FixtureSpec:
     description: str
     vision_constraint: str | None = None  # None: no vision sections at all.
     large: bool = False
+    quantize: bool = True  # False: float32 weights (no int8 quantization).
+    # True: a Gemma-3-style image-text model whose sections take an image
+    # (embedder + vision encoder + adapter); vision_constraint must be set.
+    image: bool = False
+    backends: tuple[str, ...] = ("cpu", "gpu")  # main backends the runtime accepts.
+    note: str | None = None  # expected runtime behaviour worth recording.
 
 
 FIXTURES: dict[str, FixtureSpec] = {
@@ -142,17 +168,40 @@ FIXTURES: dict[str, FixtureSpec] = {
             "same shape as tiny-text, other seed (other digest)",
         ),
         FixtureSpec(
+            "tiny-text-f32",
+            TextSpec(seed=6),
+            "same shape as tiny-text, float32 weights (not quantized)",
+            quantize=False,
+            backends=("cpu",),
+            note="its EMBEDDING_LOOKUP reads float32 external weights: on an NVIDIA GPU"
+            " (an H200, litert-lm 0.18.1) the runtime aborts the process (SIGABRT) while"
+            " creating a gpu engine; cpu loads and generates",
+        ),
+        FixtureSpec(
             "gemma3n-like",
             TextSpec(seed=3),
             "text decoder + tiny vision encoder (backend_constraint=gpu)"
             " + vision adapter, like Gemma-3n",
             vision_constraint="gpu",
+            note=NO_EMBEDDER_NOTE,
         ),
         FixtureSpec(
             "vision-cpu-ok",
             TextSpec(seed=4),
             "like gemma3n-like but the vision encoder allows cpu,gpu",
             vision_constraint="cpu,gpu",
+            note=NO_EMBEDDER_NOTE,
+        ),
+        FixtureSpec(
+            "tiny-vision",
+            TextSpec(seed=7),
+            "Gemma-3-style image-text model: 2-layer decoder (hidden 64) with an external"
+            " embedder, a 1-layer SigLIP vision encoder (32x32 images,"
+            " backend_constraint=cpu,gpu) and adapter (4 soft tokens per image); accepts images",
+            vision_constraint="cpu,gpu",
+            image=True,
+            note="answers an image with main and vision on cpu or gpu, each pairing"
+            " (cpu here; gpu seen on an NVIDIA H200, litert-lm 0.18.1)",
         ),
         FixtureSpec(
             "large-text",
@@ -174,8 +223,12 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def make_source_model(spec: TextSpec, out_dir: Path) -> None:
-    """Write a random LlamaForCausalLM, its config and a BPE tokenizer."""
+def make_source_model(spec: TextSpec, out_dir: Path, *, image: bool = False) -> None:
+    """Write a random model, its config and a BPE tokenizer.
+
+    A LlamaForCausalLM, or with ``image`` a Gemma3ForConditionalGeneration
+    plus its image processor config.
+    """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
@@ -195,16 +248,26 @@ def make_source_model(spec: TextSpec, out_dir: Path) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
+    # The Gemma-3 exporter reads the image delimiters from these names.
+    image_tokens = {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    }
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<bos>",
         eos_token="<eos>",
         pad_token="<pad>",
+        **({"extra_special_tokens": image_tokens} if image else {}),
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
 
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    if image:
+        _save_gemma3_image_model(spec, ids, out_dir)
+        return
     config = LlamaConfig(
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
@@ -230,20 +293,91 @@ def make_source_model(spec: TextSpec, out_dir: Path) -> None:
     model.save_pretrained(str(out_dir))
 
 
-def export_text(spec: TextSpec, work: Path) -> Path:
-    """Run litert-torch export_hf; return the folder with its artifacts."""
+def _save_gemma3_image_model(spec: TextSpec, ids: dict[str, int], out_dir: Path) -> None:
+    """Write a random Gemma3ForConditionalGeneration and its image processor."""
+    import torch
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        GenerationConfig,
+        SiglipVisionConfig,
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import (
+        Gemma3ImageProcessorPil,
+    )
+
+    eos = [ids["<eos>"], ids["<end_of_turn>"]]
+    text = Gemma3TextConfig(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.hidden // spec.heads,
+        max_position_embeddings=max(spec.cache, 512),
+        sliding_window=max(spec.cache, 512),  # wider than the cache: plain attention
+        bos_token_id=ids["<bos>"],
+        eos_token_id=eos,
+        pad_token_id=ids["<pad>"],
+        tie_word_embeddings=False,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+    )
+    config = Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=IMAGE_TOKENS,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(spec.seed)
+    model = Gemma3ForConditionalGeneration(config)
+    # transformers leaves the projector at zeros, which would make every image
+    # the same (zero) embeddings: give it random weights so pixels matter.
+    with torch.no_grad():
+        proj = model.model.multi_modal_projector.mm_input_projection_weight
+        proj.normal_(0.0, 0.5)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<bos>"], eos_token_id=eos, pad_token_id=ids["<pad>"]
+    )
+    model.save_pretrained(str(out_dir))
+    Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(
+        str(out_dir)
+    )
+
+
+def export_text(spec: TextSpec, work: Path, *, quantize: bool, image: bool = False) -> Path:
+    """Run litert-torch export_hf; return the folder with its artifacts.
+
+    The decoder is ``model_quantized.tflite`` (int8 weights) when ``quantize``,
+    else ``model.tflite`` (float32 weights). With ``image`` the task is
+    ``image_text_to_text``: the folder also holds the embedder, vision encoder
+    and vision adapter (``*_quantized.tflite``).
+    """
     from litert_torch.generative.export_hf import export as export_lib
 
     src = work / "hf"
     src.mkdir()
-    make_source_model(spec, src)
+    make_source_model(spec, src, image=image)
     out = work / "export"
     export_lib.export(
         model=str(src),
         output_dir=str(out),
+        **({"task": "image_text_to_text"} if image else {}),
         prefill_lengths=[spec.prefill],
         cache_length=spec.cache,
         keep_temporary_files=True,
+        **({} if quantize else {"quantization_recipe": "none"}),
     )
     return out
 
@@ -339,17 +473,25 @@ def package(spec: FixtureSpec, export_dir: Path, work: Path, dest: Path) -> list
     builder.add_llm_metadata(str(meta_path))
     builder.add_executor_metadata(str(export_dir / "executor_metadata.pb"))
     builder.add_hf_tokenizer(str(export_dir / "tokenizer.json"))
-    builder.add_tflite_model(
-        str(export_dir / "model_quantized.tflite"), lb.TfLiteModelType.PREFILL_DECODE
-    )
+    decoder = "model_quantized.tflite" if spec.quantize else "model.tflite"
+    builder.add_tflite_model(str(export_dir / decoder), lb.TfLiteModelType.PREFILL_DECODE)
     sections: list[dict[str, Any]] = [
         {"type": "LlmMetadata"},
         {"type": "ExecutorMetadata"},
         {"type": "HF_Tokenizer_Zlib"},
         {"type": "TFLiteModel", "model_type": "tf_lite_prefill_decode"},
     ]
-    if spec.vision_constraint is not None:
+    if spec.image:
+        assert spec.vision_constraint is not None and spec.quantize
+        builder.add_tflite_model(
+            str(export_dir / "embedder_quantized.tflite"), lb.TfLiteModelType.EMBEDDER
+        )
+        sections.append({"type": "TFLiteModel", "model_type": "tf_lite_embedder"})
+        enc = export_dir / "vision_encoder_quantized.tflite"
+        ad = export_dir / "vision_adapter_quantized.tflite"
+    elif spec.vision_constraint is not None:
         enc, ad = make_vision_models(spec.text.seed, spec.text.hidden, work)
+    if spec.vision_constraint is not None:
         builder.add_tflite_model(
             str(enc), lb.TfLiteModelType.VISION_ENCODER, backend_constraint=spec.vision_constraint
         )
@@ -380,7 +522,7 @@ def build_one(spec: FixtureSpec, dest: Path) -> dict[str, Any]:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"modeld-{spec.name}-") as tmp:
         work = Path(tmp)
-        export_dir = export_text(spec.text, work)
+        export_dir = export_text(spec.text, work, quantize=spec.quantize, image=spec.image)
         sections = package(spec, export_dir, work, dest)
     seconds = time.monotonic() - start
     vision = spec.vision_constraint
@@ -393,10 +535,14 @@ def build_one(spec: FixtureSpec, dest: Path) -> dict[str, Any]:
         "shape": dataclasses.asdict(spec.text),
         "llm_model_type": "generic_model" if vision is None else "gemma3n",
         "max_num_tokens": spec.text.cache,
-        "backends": ["cpu", "gpu"],
+        "weights": "int8" if spec.quantize else "float32",
+        "backends": list(spec.backends),
         "vision_backends": ([] if vision is None else [b.strip() for b in vision.split(",")]),
         "vision_backend_constraint": vision,
+        "accepts_images": spec.image,
     }
+    if spec.note is not None:
+        entry["note"] = spec.note
     print(f"built {dest} ({entry['size']} bytes, {seconds:.1f} s)", flush=True)
     return entry
 
