@@ -223,3 +223,20 @@ def test_cli_show_and_load_print_the_image_probe(short_tmp: Path) -> None:
     assert "image probes" in after.stdout
     assert VISION_PLAN in after.stdout and "failed at image" in after.stdout
     assert "images refused" in after.stdout
+
+
+async def test_an_image_request_is_answered_by_an_image_capable_model(clean_env: Path) -> None:
+    """tiny-vision passes its image probe on cpu and answers an image, end to end."""
+    home, registry = clean_env / "home", clean_env / "registry"
+    install_fixture(home, "tiny-vision", MODELS / "tiny-vision.litertlm", registry=registry)
+    settings = load_settings(
+        home=home, socket=home / "modeld.sock", registry=[registry], main_backend="cpu"
+    )
+    async with running_daemon(settings) as d, d.client() as c:
+        final = await _generate(c, model="tiny-vision", prompt="what is it?", images=[_png()])
+        assert final["done"] and final["engine"] == "tiny-vision:cpu+vision-cpu"
+        assert final["tokens"] > 0
+        assert final["timings"]["image_prepare"] > 0
+        shown = await c.model("tiny-vision")
+    probe = shown["image_probes"][VISION_PLAN]
+    assert (probe["ok"], probe["stage"], probe["reason"]) == (True, None, None)

@@ -9,6 +9,8 @@ runtime finds no GPU adapter (tests/conftest.py, ``pytest_runtest_setup``).
 
 from __future__ import annotations
 
+import base64
+import io
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.gpu
 TINY = MODELS / "tiny-text.litertlm"  # int8 weights: the GPU backend takes it
 GEMMA3N_LIKE = MODELS / "gemma3n-like.litertlm"  # vision encoder requires gpu
 F32 = MODELS / "tiny-text-f32.litertlm"  # float32 embeddings: the GPU backend aborts
+VISION = MODELS / "tiny-vision.litertlm"  # takes an image; its encoder allows cpu,gpu
 needs_f32 = pytest.mark.skipif(
     not F32.exists(),
     reason="tests/models/tiny-text-f32.litertlm (a float32 export of tiny-text) is not built",
@@ -38,7 +41,7 @@ def gpu_daemon() -> Iterator[DaemonProcess]:
     """A daemon with default backends that imported every fixture through the CLI."""
     tmp = Path(tempfile.mkdtemp(prefix="md-gpu-", dir="/tmp"))
     registry, home = tmp / "registry", tmp / "home"
-    models = {"tiny-text": TINY, "gemma3n-like": GEMMA3N_LIKE}
+    models = {"tiny-text": TINY, "gemma3n-like": GEMMA3N_LIKE, "tiny-vision": VISION}
     if F32.exists():
         models["tiny-text-f32"] = F32
     for model_id, path in models.items():
@@ -126,3 +129,36 @@ def test_gemma3n_like_vision_runs_on_gpu_and_is_refused_on_cpu(
     ids = {e["id"] for e in d.cli_json("ps")["engines"]}
     assert "gemma3n-like:gpu+vision-gpu" in ids
     assert not any("vision-cpu" in i for i in ids)
+
+
+def _jpeg() -> str:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (48, 32), (200, 30, 30)).save(out, format="JPEG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def test_an_image_runs_through_vision_on_the_gpu(gpu_daemon: DaemonProcess) -> None:
+    """vision=gpu is probed with an image on this GPU, passes, and answers an image request."""
+    d = gpu_daemon
+    body = {
+        "model": "tiny-vision",
+        "prompt": "What is in the picture?",
+        "images": [_jpeg()],
+        "max_tokens": 3,
+        "stream": False,
+        "backends": {"main": "gpu", "vision": "gpu"},
+    }
+    status, records = unix_request(d.socket, "POST", "/api/generate", body, timeout=300)
+    final = records[-1] if isinstance(records, list) else records
+    assert status == 200, final
+    assert "error" not in final, final
+    assert final["timings"]["image_prepare"] > 0
+    probes = d.cli_json("show", "tiny-vision")["image_probes"]
+    gpu_plans = {k: p for k, p in probes.items() if "vision-gpu" in k}
+    assert gpu_plans and all(p["ok"] for p in gpu_plans.values()), probes
+    engines = {e["id"]: e for e in d.cli_json("ps")["engines"]}
+    engine = engines["tiny-vision:gpu+vision-gpu"]
+    assert engine["engine_options"]["vision_backend"] == "gpu"
+    assert engine["adapter"]
