@@ -29,13 +29,14 @@ from modeld.errors import (
 from modeld.store.vouches import Vouch, pinned_revision
 from tests.support.daemon import daemon_env, running_daemon
 from tests.support.mirror import COMMIT, Faults, Mirror, hub, pinned_path
-from tests.support.state import install_fixture, open_store, registry_settings, write_entry
+from tests.support.state import MODELS, install_fixture, open_store, registry_settings, write_entry
 from tests.support.wait import until
 
 SIZE = 2 * 1024 * 1024 + 4321
 DATA = random.Random(23).randbytes(SIZE)
 SHA = hashlib.sha256(DATA).hexdigest()
 OTHER = random.Random(24).randbytes(SIZE)  # same size, other bytes
+TINY = MODELS / "tiny-text.litertlm"
 REVISION = f"org/repo@{COMMIT}/m.litertlm"
 DEAD_HUB = f"http://localhost:9{pinned_path()}"  # nothing listens on port 9
 
@@ -288,3 +289,29 @@ def test_pinned_revision_reads_the_resolve_path() -> None:
     assert pinned_revision(url) == f"litert-community/g@{'a' * 40}/d/g.litertlm"
     assert pinned_revision("https://huggingface.co/o/r/resolve/main/g.litertlm") is None
     assert pinned_revision("https://example.com/files/g.litertlm") is None
+
+
+async def test_import_is_checked_against_the_kept_answer(clean_env: Path, tmp_path: Path) -> None:
+    """An entry without sha256 whose hub vouched once: an imported file with those bytes is
+    verified by the kept answer; other bytes are refused naming both digests."""
+    home = clean_env / "home"
+    good = tmp_path / "m1.litertlm"
+    good.write_bytes(TINY.read_bytes())
+    bad = tmp_path / "bad.litertlm"
+    raw = bytearray(good.read_bytes())
+    raw[-10] ^= 0xFF  # past the header: still a readable .litertlm, other bytes
+    bad.write_bytes(bytes(raw))
+    size, truth = len(raw), hashlib.sha256(good.read_bytes()).hexdigest()
+    write_entry(clean_env / "reg", "m1", size=size, urls=[DEAD_HUB])
+    async with open_store(home) as store:
+        await store.vouch("m1", REVISION, Vouch(truth, size, "huggingface.co", 1.7e9))
+    async with running_daemon(_settings(clean_env)) as d, d.client() as c:
+        with pytest.raises(DigestConflict) as exc:
+            await c.request("POST", "/api/models/import", {"path": str(bad), "id": "m1"})
+        assert truth in exc.value.message
+        assert hashlib.sha256(bytes(raw)).hexdigest() in exc.value.message
+        doc = await c.request("POST", "/api/models/import", {"path": str(good), "id": "m1"})
+        assert (
+            doc["installed"]["verified_by"]
+            == "x-linked-etag (huggingface.co), kept since 2023-11-14"
+        )
