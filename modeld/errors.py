@@ -155,6 +155,12 @@ class RuntimeTooOld(Refused):
     code = "runtime_too_old"
 
 
+class DigestConflict(IntegrityError):
+    """Two sources vouch for different sha256s for the same file (entry, hub, kept answer)."""
+
+    code = "digest_conflict"
+
+
 class HeldBack(Refused):
     """A model crashed its engine repeatedly and is held back for a while."""
 

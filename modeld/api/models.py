@@ -7,12 +7,13 @@ from typing import Any
 
 from aiohttp import web
 
-from modeld.catalog.catalog import Catalog, Entry, outdated
+from modeld.catalog.catalog import Catalog, Entry, bundled_registry_dir, outdated
 from modeld.engine.engines import check_runtime
 from modeld.errors import ModeldError, ModelNotFound, ModelNotInstalled
 from modeld.hostinfo import RUNTIME_PACKAGE, runtime_version
 from modeld.modelfile import header as litertlm
 from modeld.modelfile import plan
+from modeld.services import verification
 from modeld.services.parts import Services
 from modeld.store.store import Installed, Store
 
@@ -163,7 +164,12 @@ async def show_model(services: Services, model_id: str) -> dict[str, Any]:
 
 
 async def verify_model(services: Services, model_id: str) -> dict[str, Any]:
-    """Re-hash the blob; upgrade an unverified install the entry's sha256 now vouches for."""
+    """Re-hash the blob; an unverified install becomes verified when a source vouches for it.
+
+    Sources, in order: the entry's sha256; else the digest a hub vouched for earlier for the
+    entry's pinned revision; else the hub itself, asked now (one request, no body), whose
+    answer is then kept. ``hint`` says what can still make an unverified install verified.
+    """
     catalog, store = _parts(services)
     before = await store.installed(model_id)
     entry = catalog.find(model_id)
@@ -172,11 +178,26 @@ async def verify_model(services: Services, model_id: str) -> dict[str, Any]:
     report = await store.verify(model_id)
     doc = report.to_dict()
     verified_by = before.verified_by if before else None
-    if report.ok and entry is not None and entry.sha256 == report.digest and verified_by is None:
-        verified_by = "registry sha256"
-        await store.set_verified(model_id, verified_by)
+    vouch = None
+    if report.ok and verified_by is None and entry is not None:
+        verified_by, vouch = await verification.vouched_by(
+            services.settings, store, entry, report.digest
+        )
+        if verified_by is not None:
+            await store.set_verified(model_id, verified_by)
     doc["verified_by"] = verified_by if report.ok else None
     doc["outdated"] = report.ok and outdated(entry, report.digest, report.size)
+    doc["hint"] = None
+    if report.ok and verified_by is None:
+        doc["hint"] = verification.how_to_verify(
+            model_id,
+            entry,
+            report.digest,
+            vouch,
+            hub=verification.hub_of(entry.urls) if entry is not None else None,
+            source=catalog.source_of(model_id),
+            bundled=bundled_registry_dir(),
+        )
     return doc
 
 

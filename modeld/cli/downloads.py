@@ -50,7 +50,10 @@ def _print_done(record: dict[str, Any]) -> None:
     if record.get("already"):
         console.print(f"{record['id']} is already installed ({inst.get('path', '')})")
         return
-    verified = record.get("verified_by") or "[yellow]unverified[/] (no source vouched for it)"
+    verified = record.get("verified_by") or (
+        f"[yellow]unverified[/] (no source vouched for it; `modeld verify {record['id']}` "
+        "says what can)"
+    )
     console.print(
         f"[green]installed[/] {record['id']}: {format_size(record['size'])}, "
         f"sha256 {record.get('digest')}, verified by {verified}"
@@ -154,7 +157,10 @@ def import_(ctx: click.Context, path: Path, model_id: str | None, as_json: bool)
     def human(d: dict[str, Any]) -> None:
         inst = d["installed"]
         how = "cloned (copy-on-write)" if inst.get("linked") else "copied"
-        verified = inst.get("verified_by") or "[yellow]unverified[/] (the entry has no sha256)"
+        verified = inst.get("verified_by") or (
+            f"[yellow]unverified[/] (no source vouched for it; `modeld verify {d['id']}` "
+            "says what can)"
+        )
         console.print(
             f"imported {d['id']} ({how}, {format_size(inst['size'])}), verified by {verified}"
         )

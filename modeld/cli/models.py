@@ -187,6 +187,8 @@ def _print_verify(doc: dict[str, Any]) -> None:
                 f"[yellow]outdated: the catalog now names another file; "
                 f"`modeld pull {doc['id']}` fetches it[/]"
             )
+        elif doc.get("hint"):
+            console.print(f"[yellow]to make it verified: {escape(doc['hint'])}[/]")
 
 
 @click.command()

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from modeld.download.downloads import register as register_downloads
 from modeld.engine.engines import register as register_engines
 from modeld.errors import Conflict, ModeldError, SettingsError
 from modeld.services.parts import Services
+from modeld.services.verification import verification_hint
 from modeld.store.store import Store
 
 # sun_path is 108 bytes on Linux, including the terminating NUL.
@@ -127,7 +129,10 @@ def build_services(settings: Settings) -> Services:
     # Downloads: their stop hook (journals written, jobs stopped) runs before the store closes.
     register_downloads(services)
     # Engine pool: registered after the store, so its stop hook (all runners) runs first.
-    register_engines(services)
+    engines = register_engines(services)
+    # The `unverified` refusal says what can make an install verified (catalog, kept
+    # digests, the entry's hub), which the engine layer does not reach by itself.
+    engines.explain_unverified = functools.partial(verification_hint, catalog, store)
     return services
 
 

@@ -27,12 +27,14 @@ from modeld.errors import (
     BadRequest,
     Conflict,
     CorruptModel,
+    DigestConflict,
     DownloadNotFound,
     IntegrityError,
     ModelNotFound,
     ShuttingDown,
 )
 from modeld.metrics import Metrics
+from modeld.store.vouches import MemoryVouches, VouchBook
 
 Resolve = Callable[[str], Target]
 # FICLONE from <linux/fs.h>: a copy-on-write clone of a whole file (btrfs, XFS, ...).
@@ -63,6 +65,7 @@ class Downloads:
         is_current: Callable[[str], Any] | None = None,
         header_check: Callable[[Path, str], Any] | None = None,
         find_by_file_name: Callable[[str], Target | None] | None = None,
+        vouches: VouchBook | None = None,
     ) -> None:
         self.settings = settings
         self.resolve = resolve
@@ -73,6 +76,8 @@ class Downloads:
         self.is_current = is_current
         self.header_check = header_check
         self.find_by_file_name = find_by_file_name
+        # What hubs vouched for once, per (entry, pinned revision): the store in the daemon.
+        self.vouches: VouchBook = vouches if vouches is not None else MemoryVouches()
         self.jobs: dict[str, DownloadJob] = {}
         self.recent: deque[DownloadJob] = deque(maxlen=10)
         self._stopping = False
@@ -94,6 +99,7 @@ class Downloads:
             installer=self.installer,
             tuning=Tuning.from_settings(self.settings),
             metrics=self.metrics,
+            vouches=self.vouches,
         )
         self.jobs[model_id] = job
         job.start()
@@ -190,12 +196,7 @@ class Downloads:
         tmp = self.settings.partial_dir / f"{target.model_id}.import-{os.getpid()}-{time.time_ns()}"
         try:
             digest, linked = await asyncio.to_thread(_link_or_copy, path, tmp)
-            if target.sha256 is not None and digest != target.sha256:
-                raise IntegrityError(
-                    f"{path} has sha256 {digest}, entry {target.model_id} expects "
-                    f"{target.sha256}; it was not imported"
-                )
-            by = "registry sha256" if target.sha256 is not None else None
+            by = await self._import_vouched_by(target, path, digest)
             result = await self.installer(target.model_id, tmp, digest, size, by)
         finally:
             tmp.unlink(missing_ok=True)
@@ -204,6 +205,29 @@ class Downloads:
         if isinstance(out, dict):
             out = {**out, "linked": linked, "source": str(path)}
         return {"id": target.model_id, "installed": out}
+
+    async def _import_vouched_by(self, target: Target, path: Path, digest: str) -> str | None:
+        """Who vouches for an imported file's ``digest``: the entry's sha256, else the digest
+        a hub vouched for earlier for the entry's pinned revision; a mismatch refuses it."""
+        if target.sha256 is not None:
+            if digest != target.sha256:
+                raise IntegrityError(
+                    f"{path} has sha256 {digest}, entry {target.model_id} expects "
+                    f"{target.sha256}; it was not imported"
+                )
+            return "registry sha256"
+        rev = target.revision
+        kept = await self.vouches.vouched(target.model_id, rev) if rev else None
+        if kept is None:
+            return None
+        if digest != kept.sha256:
+            raise DigestConflict(
+                f"{path} has sha256 {digest}, but {kept.source} vouched for {kept.sha256} "
+                f"for {rev} (entry {target.model_id}) on {kept.day}; it is another file "
+                "and was not imported",
+                sources={"file": digest, f"{kept.source} (kept X-Linked-Etag)": kept.sha256},
+            )
+        return kept.verified_by
 
     def _import_target(self, path: Path, model_id: str | None) -> Target:
         if model_id is not None:
@@ -266,14 +290,24 @@ def header_check(path: Path, model_id: str) -> None:
 
 
 async def current_install(store: Any, catalog: Any, model_id: str) -> dict[str, Any] | None:
-    """The model's install when it still matches its entry (so a pull has nothing to do)."""
+    """The model's install when it still matches its entry (so a pull has nothing to do).
+
+    An unverified install whose bytes differ from what a hub vouched for for the entry's
+    pinned revision is not current either: a pull fetches the vouched file.
+    """
     from modeld.catalog.catalog import outdated
 
     inst = await store.installed(model_id)
     if inst is None:
         return None
+    entry = catalog.find(model_id)
     with contextlib.suppress(ModelNotFound):
-        if outdated(catalog.find(model_id), inst.digest, inst.size):
+        if outdated(entry, inst.digest, inst.size):
+            return None
+    if entry is not None and not inst.verified and entry.sha256 is None:
+        rev = Target.from_entry(entry).revision
+        kept = await store.vouched(model_id, rev) if rev else None
+        if kept is not None and kept.sha256 != inst.digest:
             return None
     return inst.to_dict()  # type: ignore[no-any-return]
 
@@ -305,6 +339,7 @@ def register(services: Any) -> Downloads:
         is_current=is_current,
         header_check=header_check,
         find_by_file_name=by_file_name,
+        vouches=store,
     )
     services.parts["downloads"] = downloads
     services.status_sections["downloads"] = downloads.status

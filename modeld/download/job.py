@@ -1,11 +1,14 @@
 """One verified, resumable download of a model file over all its mirrors.
 
 A ``DownloadJob`` goes: check free space → re-check journaled blocks (CRC-32) → probe each
-mirror (size, ETag, ``X-Linked-Etag``) → fetch the missing blocks (``fetch.Fetcher``) while a
-thread hashes the contiguous prefix → compare the sha256 → on a mismatch, repair (re-fetch
-elsewhere only the blocks one mirror served, ban the mirror that lied) → install (fsync,
-rename, fsync dir, row). The journal and the installer are injected, so the downloader runs
-without the store (tests, the benchmark); ``modeld.download.downloads`` wires it into the daemon.
+mirror (size, ETag, ``X-Linked-Etag``) → settle the expected sha256 (the entry's, a hub's
+``X-Linked-Etag``, or the one a hub vouched for earlier for this pinned revision; sources
+that disagree fail the pull before a byte is fetched) → fetch the missing blocks
+(``fetch.Fetcher``) while a thread hashes the contiguous prefix → compare the sha256 → on a
+mismatch, repair (re-fetch elsewhere only the blocks one mirror served, ban the mirror that
+lied) → install (fsync, rename, fsync dir, row). The journal, the kept digests and the
+installer are injected, so the downloader runs without the store (tests, the benchmark);
+``modeld.download.downloads`` wires it into the daemon.
 """
 
 from __future__ import annotations
@@ -27,16 +30,25 @@ from yarl import URL
 from modeld import logs
 from modeld.download.fetch import CHUNK, Fetcher, PrefixHasher, Writer, crc32
 from modeld.download.journal import BLOCK_SIZE, Block, Journal, JournalState, MemoryJournal
-from modeld.download.mirrors import Mirror, os_error_to_modeld, probe
+from modeld.download.mirrors import (
+    Mirror,
+    MirrorFailure,
+    is_hf_host,
+    os_error_to_modeld,
+    probe,
+    request,
+)
 from modeld.download.repair import repair
 from modeld.errors import (
     BadRequest,
+    DigestConflict,
     DiskFull,
     DownloadError,
     ModeldError,
 )
 from modeld.metrics import Metrics
 from modeld.store.store import place_blob
+from modeld.store.vouches import MemoryVouches, Vouch, VouchBook, pinned_revision
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Head-room kept free beyond the file itself (SQLite, logs, the rest of the system).
@@ -57,6 +69,11 @@ class Target:
     @classmethod
     def from_entry(cls, entry: Any) -> Target:
         return cls(entry.id, list(entry.urls), int(entry.size), entry.sha256)
+
+    @property
+    def revision(self) -> str | None:
+        """The pinned revision of the primary URL, under which a hub's answer is kept."""
+        return pinned_revision(self.urls[0]) if self.urls else None
 
 
 @dataclass
@@ -124,6 +141,7 @@ class DownloadJob:
     tuning: Tuning
     metrics: Metrics | None = None
     writer: Writer = os.pwrite
+    vouches: VouchBook = field(default_factory=MemoryVouches)
     state: str = "starting"
     error: ModeldError | None = None
     result: Any = None
@@ -142,6 +160,7 @@ class DownloadJob:
     _speed: tuple[float, int, float] = (0.0, 0, 0.0)  # (time, done bytes, bytes/s)
     _digest: str | None = None
     _session: aiohttp.ClientSession | None = None
+    _kept: Vouch | None = None  # what a hub vouched for earlier for this revision
 
     @property
     def id(self) -> str:
@@ -313,7 +332,16 @@ class DownloadJob:
         )
         token = self.tuning.hf_token
         session = self._session
+        if t.revision is not None:
+            self._kept = await self.vouches.vouched(t.model_id, t.revision)
         await asyncio.gather(*(probe(session, m, t.size, token) for m in self.mirrors))
+        try:
+            expected = self._expected()[0]
+        except DigestConflict:
+            if not self._crcs:
+                self.partial.unlink(missing_ok=True)  # nothing of value in it yet
+            raise
+        await self._keep_hub_answer()
         etags = state.etags if state else {}
         for m in self.mirrors:
             old = etags.get(str(m.url))
@@ -325,7 +353,7 @@ class DownloadJob:
         new_state = JournalState(
             t.size,
             block,
-            t.sha256 or self._expected()[0],
+            expected,
             {str(m.url): m.etag for m in self.mirrors if m.etag},
             dict(self._crcs),
         )
@@ -350,18 +378,74 @@ class DownloadJob:
         for i, b in self._crcs.items():
             self.fetcher.sources[i] = b.mirror
 
+    def _hub_answers(self) -> list[tuple[str, str]]:
+        """(host, sha256) of each Hugging Face redirect seen for this file (X-Linked-Etag)."""
+        return [
+            (m.label, m.linked_sha256)
+            for m in self.mirrors
+            if m.linked_sha256 is not None
+            # An answer about a file of another size is about another file (the probe drops
+            # that mirror for its size): it vouches for nothing here.
+            and m.linked_size in (None, self.target.size)
+        ]
+
     def _expected(self) -> tuple[str | None, str | None]:
-        """(sha256, who vouches for it): the entry's, else the primary's X-Linked-Etag."""
-        if self.target.sha256:
-            return self.target.sha256, "registry sha256"
-        primary = self.mirrors[0] if self.mirrors else None
-        if primary is None or primary.linked_sha256 is None or not primary.usable:
+        """(sha256, who vouches for it), or ``DigestConflict`` when two sources disagree.
+
+        Sources: the entry's sha256 and each hub's X-Linked-Etag on this pull; for an entry
+        without sha256, also the digest a hub vouched for earlier for this pinned revision
+        (kept in the store). An entry's sha256 is the user's own word: it stands in for a
+        kept answer, so a wrong kept answer is overcome by writing the right one there.
+        """
+        t = self.target
+        sources: list[tuple[str, str]] = []
+        if t.sha256:
+            sources.append(("the entry's sha256", t.sha256))
+        sources += [(f"the X-Linked-Etag of {host}", sha) for host, sha in self._hub_answers()]
+        kept = self._kept if not t.sha256 else None
+        if kept is not None:
+            sources.append(
+                (f"the X-Linked-Etag {kept.source} sent on {kept.day} (kept)", kept.sha256)
+            )
+        if not sources:
             return None, None
-        others = {m.linked_sha256 for m in self.mirrors[1:] if m.linked_sha256 and m.usable}
-        if others - {primary.linked_sha256}:
-            logs.event("linked_etag_contradicted", model=self.id)
-            return None, None
-        return primary.linked_sha256, f"x-linked-etag ({primary.label})"
+        first_name, first = sources[0]
+        for name, sha in sources[1:]:
+            if sha != first:
+                logs.event("digest_conflict", model=self.id, a=first_name, b=name)
+                raise DigestConflict(
+                    f"{self.id}: {first_name} is {first}, but {name} is {sha}, for the same "
+                    f"file{self._revision_note()}; one of them is wrong, and nothing was "
+                    "installed. Check the sha256 on the file's Hugging Face page and put the "
+                    'right one in the entry (sha256 = "..."; a file in a MODELD_REGISTRY dir '
+                    "overrides a bundled entry), or fix the entry's URLs if one names "
+                    "another file",
+                    sources=dict(sources),
+                )
+        if t.sha256:
+            return t.sha256, "registry sha256"
+        answers = self._hub_answers()
+        if answers:
+            return answers[0][1], f"x-linked-etag ({answers[0][0]})"
+        assert kept is not None
+        return kept.sha256, kept.verified_by
+
+    def _revision_note(self) -> str:
+        rev = self.target.revision
+        # An LFS object at a pinned commit never changes: two answers cannot both be right.
+        return f" at the pinned revision {rev}" if rev else ""
+
+    async def _keep_hub_answer(self) -> None:
+        """Keep a hub's answer for (entry, pinned revision), so a later pull from a mirror
+        alone is checked against it."""
+        rev = self.target.revision
+        answers = self._hub_answers()
+        if rev is None or not answers or self._kept is not None:
+            return
+        host, sha = answers[0]
+        self._kept = Vouch(sha, self.target.size, host, time.time())
+        await self.vouches.vouch(self.id, rev, self._kept)
+        logs.event("digest_kept", model=self.id, revision=rev, sha256=sha, source=host)
 
     def _on_block(self, block: Block) -> None:
         self._crcs[block.index] = block
@@ -402,9 +486,11 @@ class DownloadJob:
             self._set("verifying")
             digest = await f.hasher.digest()
             self.timings["hash_tail"] = round(time.monotonic() - last_byte, 4)
+            # Again: a hub may have answered only now (its probe had failed for a while).
             expected, by = self._expected()
+            await self._keep_hub_answer()
             if expected is not None and digest != expected:
-                digest = await repair(self, fd, expected, digest)
+                digest = await repair(self, fd, expected, digest, by)
             stop.set()
             self._digest, self.verified_by = digest, by
             self._set("installing")  # also wakes the flusher, which now drains and ends
@@ -437,3 +523,30 @@ def memory_job(target: Target, home: Path, tuning: Tuning, **kw: Any) -> Downloa
         tuning=tuning,
         **kw,
     )
+
+
+async def hub_vouch(target: Target, tuning: Tuning) -> Vouch | None:
+    """Ask the Hugging Face host among the target's URLs which sha256 it vouches for.
+
+    One ``Range: bytes=0-0`` request per hub URL, redirects followed by hand so that the
+    redirect's X-Linked-Etag is read; no body is fetched. None when no hub answers.
+    """
+    hubs = [URL(u) for u in target.urls if is_hf_host(URL(u))]
+    if not hubs:
+        return None
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=tuning.connect_timeout, sock_read=tuning.stall_timeout
+    )
+    async with aiohttp.ClientSession(
+        timeout=timeout, trust_env=True, auto_decompress=False
+    ) as session:
+        for url in hubs:
+            mirror = Mirror(url, primary=True)
+            try:
+                resp = await request(session, mirror, {"Range": "bytes=0-0"}, tuning.hf_token)
+                resp.release()
+            except (MirrorFailure, aiohttp.ClientError, OSError, TimeoutError) as e:
+                logs.event("hub_unreachable", model=target.model_id, hub=mirror.label, error=str(e))
+            if mirror.linked_sha256 is not None and mirror.linked_size in (None, target.size):
+                return Vouch(mirror.linked_sha256, target.size, mirror.label, time.time())
+    return None

@@ -24,11 +24,16 @@ if TYPE_CHECKING:
     from modeld.download.job import DownloadJob
 
 
-async def repair(self: DownloadJob, fd: int, expected: str, digest: str) -> str:
-    """Re-fetch elsewhere the blocks each mirror served, fix those that differ, ban liars."""
+async def repair(
+    self: DownloadJob, fd: int, expected: str, digest: str, by: str | None = None
+) -> str:
+    """Re-fetch elsewhere the blocks each mirror served, fix those that differ, ban liars.
+
+    ``by`` names who vouches for ``expected`` (the failure message says so)."""
     f = self.fetcher
     assert f is not None
     self._set("repairing")
+    source = f" ({by})" if by else ""
     by_mirror: dict[str, list[int]] = {}
     for idx, label in f.sources.items():
         by_mirror.setdefault(label, []).append(idx)
@@ -36,7 +41,16 @@ async def repair(self: DownloadJob, fd: int, expected: str, digest: str) -> str:
         others = [m for m in self.mirrors if m.usable and m.ranges and m.label != label]
         if not others:
             continue
-        fixed = await _refetch(self, fd, sorted(blocks), others)
+        try:
+            fixed = await _refetch(self, fd, sorted(blocks), others)
+        except DownloadError as e:
+            # The partial stays: a pull once another mirror answers can still repair it.
+            raise DownloadError(
+                f"{self.id}: the downloaded file's sha256 is {digest}, expected "
+                f"{expected}{source}; {e.message}, so the bad bytes could not be found "
+                "(partial kept). Pull again once another of the entry's URLs answers, or "
+                "add another mirror to the entry"
+            ) from e
         if not fixed:
             continue
         self.repaired += len(fixed)
@@ -53,8 +67,10 @@ async def repair(self: DownloadJob, fd: int, expected: str, digest: str) -> str:
     self.partial.unlink(missing_ok=True)
     await self.journal.clear(self.id)
     raise IntegrityError(
-        f"{self.id}: the downloaded file's sha256 is {digest}, expected {expected}, and no "
-        "mirror could repair it; the entry or every mirror is wrong (partial discarded)"
+        f"{self.id}: the downloaded file's sha256 is {digest}, expected {expected}{source}, "
+        "and no mirror could repair it; the entry or every mirror is wrong (partial "
+        "discarded). Pull again once another of the entry's URLs answers, or add another "
+        "mirror to the entry"
     )
 
 
@@ -95,7 +111,7 @@ async def _refetch(
                     self._pending.append(self._crcs[idx])
                     fixed.append(idx)
                 return
-            raise DownloadError(f"no mirror could re-fetch block {idx} to check it")
+            raise DownloadError(f"no other mirror could serve block {idx}")
 
     await asyncio.gather(*(one(i) for i in blocks if i in self._crcs))
     return fixed

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,9 @@ class Engines:
         self.catalog = services.parts["catalog"]
         self.store = services.parts["store"]
         self.pool = pool
+        # (model id, digest) -> what can make that install verified; set by the daemon,
+        # which wires the parts that know (catalog, kept digests, hubs) above the engine.
+        self.explain_unverified: Callable[[str, str], Awaitable[str]] | None = None
         self._probing: dict[str, asyncio.Task[dict[str, bool | None]]] = {}
         self.runtime = runtime_version()
         # Blobs are content-addressed and only this daemon writes probes and measurements
@@ -355,9 +358,16 @@ class Engines:
                 f"model {model_id} is not installed; run `modeld pull {model_id}` first"
             )
         if not installed.verified and not allow_unverified:
+            explain = self.explain_unverified
+            hint = (
+                await explain(model_id, installed.digest)
+                if explain is not None
+                else f"`modeld verify {model_id}` says what can"
+            )
             raise Unverified(
-                f"model {model_id}: no source vouched for its file's hash; run "
-                f"`modeld verify {model_id}` or load it with --allow-unverified"
+                f"model {model_id}: no source vouched for its file's sha256 "
+                f"({installed.digest}). To make it verified: {hint}. Or load it anyway "
+                "with --allow-unverified (allow_unverified: true in an API request)"
             )
         path = installed.path
         if not path.is_file():

@@ -1,4 +1,4 @@
-"""The store's record tables: measured memory, backend probes and the event log.
+"""The store's record tables: measured memory, backend probes, kept digests and events.
 
 A mixin for :class:`modeld.store.store.Store`: every method runs through the store's ``read`` and
 ``write`` (one writer thread, ``BEGIN IMMEDIATE``), so these rows obey the same rules as
@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from modeld import logs
 from modeld.hostinfo import PROBE_METHOD, runtime_version
+from modeld.store.vouches import Vouch
 
 __all__ = ["StoreRecords"]
 
@@ -169,6 +170,27 @@ class StoreRecords:
             f"{len(results)} result(s), {failed} failed" if results else "no backend probed yet"
         )
         return {"summary": summary, "results": results, "problems": []}
+
+    async def vouched(self: _Db, model_id: str, revision: str) -> Vouch | None:
+        """The sha256 a hub vouched for once for this entry's pinned revision, if any."""
+        row = await self.read(
+            lambda c: c.execute(
+                "SELECT sha256, size, source, at FROM vouched WHERE model_id = ? AND revision = ?",
+                (model_id, revision),
+            ).fetchone()
+        )
+        if row is None:
+            return None
+        return Vouch(row["sha256"], row["size"], row["source"], row["at"])
+
+    async def vouch(self: _Db, model_id: str, revision: str, vouch: Vouch) -> None:
+        """Keep a hub's answer; the first one stays (a different one later is a conflict)."""
+        await self.write(
+            lambda c: c.execute(
+                "INSERT OR IGNORE INTO vouched VALUES (?, ?, ?, ?, ?, ?)",
+                (model_id, revision, vouch.sha256, vouch.size, vouch.source, vouch.at),
+            )
+        )
 
     async def event(self: _Db, kind: str, **fields: Any) -> None:
         """Append one event to the ``events`` table (and the log)."""

@@ -152,6 +152,21 @@ def create_schema(conn: sqlite3.Connection) -> None:
     for column, kind in (("adapter", str), ("runtime", str), ("method", int), ("log", str)):
         if column not in probes.columns_dict:
             probes.add_column(column, kind)
+    # What a hub vouched for once, per (entry, pinned revision): see modeld.store.vouches.
+    # Created where missing, so a state dir from before this table gains it on its next start.
+    db.table("vouched").create(
+        {
+            "model_id": str,
+            "revision": str,
+            "sha256": str,
+            "size": int,
+            "source": str,
+            "at": float,
+        },
+        pk=("model_id", "revision"),
+        not_null={"sha256", "source", "at"},
+        if_not_exists=True,
+    )
     db.table("events").create(
         {"seq": int, "at": float, "kind": str, "fields": str},
         pk="seq",

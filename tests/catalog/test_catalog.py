@@ -50,24 +50,28 @@ REAL = {
         "6e5c4f1e395deb959c494953478fa5cec4b8008f",
         "gemma-4-E2B-it.litertlm",
         2_588_147_712,
+        "181938105e0eefd105961417e8da75903eacda102c4fce9ce90f50b97139a63c",
     ),
     "gemma-4-E4B-it": (
         "litert-community/gemma-4-E4B-it-litert-lm",
         "28299f30ee4d43294517a4ac93abd6163412f07f",
         "gemma-4-E4B-it.litertlm",
         3_659_530_240,
+        "0b2a8980ce155fd97673d8e820b4d29d9c7d99b8fa6806f425d969b145bd52e0",
     ),
     "gemma-3n-E2B-it": (
         "google/gemma-3n-E2B-it-litert-lm",
         "ba9ca88da013b537b6ed38108be609b8db1c3a16",
         "gemma-3n-E2B-it-int4.litertlm",
         3_655_827_456,
+        "2ed7bc3a0026c93d5b8a4544b352d9d00cd66ff0bac3ef6a20ac3d2cba4010d6",
     ),
     "gemma-3n-E4B-it": (
         "google/gemma-3n-E4B-it-litert-lm",
         "297ed75955702dec3503e00c2c2ecbbf475300bc",
         "gemma-3n-E4B-it-int4.litertlm",
         4_919_541_760,
+        "2e67a6cd51dfe0f793431e6bd4ed8d029c88e10f52ca0469ad38445e3cd3c1f4",
     ),
 }
 
@@ -80,29 +84,33 @@ def _write(d: Path, name: str, text: str) -> Path:
 
 
 def test_bundled_entries_are_pinned_real_files() -> None:
-    """The bundled registry has the four real models, pinned to a revision on both hosts."""
+    """The bundled registry has the four real models, pinned to a revision on both hosts,
+    each with the sha256 of the LFS object at that revision."""
     cat = Catalog([bundled_registry_dir()])
     assert cat.problems == []
     assert sorted(e.id for e in cat.entries()) == sorted(REAL)
-    for model_id, (repo, rev, fname, size) in REAL.items():
+    for model_id, (repo, rev, fname, size, sha) in REAL.items():
         e = cat.get(model_id)
         assert e.size == size
         assert e.file_name == fname
         path = f"/{repo}/resolve/{rev}/{fname}"
         assert e.urls == [f"https://huggingface.co{path}", f"https://hf-mirror.com{path}"]
-        # Every published hash has a weak source (third-party code, unknown capture date).
-        assert e.sha256 is None
+        assert e.sha256 == sha
     e2b = cat.get("gemma-4-E2B-it")
     assert (e2b.limits.max_tokens, e2b.limits.vision_max_tokens) == (4096, 3072)
     assert (e2b.limits.max_images, e2b.limits.speculative_decoding) == (1, False)
 
 
 def test_bundled_entries_cite_their_sources() -> None:
-    """Each bundled file says in a comment where its revision and size come from."""
+    """Each bundled file says in a comment where its revision and size come from, and
+    names at least two public sources (repository, then path) for its sha256."""
     for path in bundled_registry_dir().glob("*.toml"):
         text = path.read_text()
         assert "model_allowlists" in text, path
-        assert re.search(r"sha256: left out", text), path
+        bullet = re.search(r"^# - sha256:.*?(?=^# - |^[^#])", text, re.M | re.S)
+        assert bullet is not None, path
+        cited = re.findall(r"^#     (\S+/\S+)\n#       (\S+)", bullet.group(0), re.M)
+        assert len({repo for repo, _ in cited}) >= 2, (path, cited)
 
 
 def test_good_entry_parses_every_field(tmp_path: Path) -> None:

@@ -20,8 +20,9 @@ from modeld.download.fetch import Fetcher
 from modeld.download.job import DownloadJob, Target, Tuning, memory_job
 from modeld.download.journal import MemoryJournal
 from modeld.download.mirrors import MirrorFailure, check_url
-from modeld.errors import DiskFull, DownloadError, IntegrityError
-from tests.support.mirror import Faults, Mirror, start_mirrors
+from modeld.errors import DigestConflict, DiskFull, DownloadError, IntegrityError
+from modeld.store.vouches import MemoryVouches, Vouch
+from tests.support.mirror import COMMIT, Faults, Mirror, hub, pinned_path, start_mirrors
 
 SIZE = 3 * 1024 * 1024 + 12345  # not a multiple of the block size: a short last block
 PIECE = 64 * 1024
@@ -206,18 +207,90 @@ async def test_no_sha_in_entry_uses_linked_etag(
     assert installed_bytes(job) == data
 
 
-async def test_contradicted_linked_etag_installs_unverified(
+async def test_two_hubs_that_disagree_fail_the_pull(
     short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two hub-like sources vouching for different hashes: installed, but as unverified."""
+    """Two hub-like sources vouching for different hashes: the pull fails naming both, and
+    never installs the file as unverified."""
     monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost", "127.0.0.1"))
     a = Mirror(data, Faults(hf=True), host="localhost")
     b = Mirror(data, Faults(hf=True, linked_sha256="0" * 64))
     await a.start()
     await b.start()
-    job = await run_pull(short_tmp, [a, b], stop_later, sha=None)
-    assert job.verified_by is None
-    assert installed_bytes(job) == data
+    with pytest.raises(DigestConflict) as exc:
+        await run_pull(short_tmp, [a, b], stop_later, sha=None)
+    assert hashlib.sha256(data).hexdigest() in exc.value.message
+    assert "0" * 64 in exc.value.message
+    assert not (short_tmp / "blobs").exists() or not any((short_tmp / "blobs").iterdir())
+
+
+async def test_hub_contradicting_the_entry_fails_before_downloading(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An X-Linked-Etag other than the entry's sha256 fails the pull with ``digest_conflict``,
+    naming both digests, before the file is fetched."""
+    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    bogus = "e" * 64
+    the_hub = await hub(data, Faults(linked_sha256=bogus))
+    (mirror,) = await start_mirrors(data)
+    truth = hashlib.sha256(data).hexdigest()
+    with pytest.raises(DigestConflict) as exc:
+        await run_pull(short_tmp, [the_hub, mirror], stop_later, sha=truth)
+    assert exc.value.code == "digest_conflict"
+    assert hashlib.sha256(data).hexdigest() in exc.value.message
+    assert bogus in exc.value.message
+    assert f"localhost:{the_hub.port}" in exc.value.message
+    assert the_hub.sent + mirror.sent <= 2  # the probes' one byte each, nothing more
+    assert not (short_tmp / "partial" / "m1.partial").exists()
+
+
+async def test_kept_answer_verifies_a_pull_from_the_mirror_alone(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry without sha256: the hub's X-Linked-Etag is kept for (entry, revision); a
+    later pull with the hub down is verified against it."""
+    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    the_hub = await hub(data)
+    (mirror,) = await start_mirrors(data)
+    book = MemoryVouches()
+    first = await run_pull(short_tmp / "a", [the_hub, mirror], stop_later, sha=None, vouches=book)
+    assert first.verified_by == f"x-linked-etag (localhost:{the_hub.port})"
+    kept = book.kept[("m1", f"org/repo@{COMMIT}/m.litertlm")]
+    assert kept.sha256 == hashlib.sha256(data).hexdigest()
+    await the_hub.stop()
+    before = mirror.sent
+    second = memory_job(
+        Target("m1", [the_hub.url, mirror.url], SIZE, None), short_tmp / "b", tuning(), vouches=book
+    )
+    second.start()
+    await second.wait()
+    assert mirror.sent - before >= SIZE  # the whole file came from the mirror
+    assert second.verified_by == kept.verified_by
+    assert second.verified_by.startswith(f"x-linked-etag (localhost:{the_hub.port}), kept")
+    assert installed_bytes(second) == data
+
+
+async def test_mirror_bytes_other_than_the_kept_answer_fail(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """With the hub down, a mirror serving other bytes than the kept digest fails the pull
+    (nothing installed), naming who vouched for the expected digest."""
+    book = MemoryVouches()
+    truth = hashlib.sha256(data).hexdigest()
+    rev = f"org/repo@{COMMIT}/m.litertlm"
+    await book.vouch("m1", rev, Vouch(truth, SIZE, "huggingface.co", time.time()))
+    liar = await Mirror(data, Faults(flip_byte=5), path=pinned_path()).start()
+    dead = f"http://localhost:9{pinned_path()}"
+    stop_later.append(liar)
+    target = Target("m1", [dead, liar.url], SIZE, None)
+    job = memory_job(target, short_tmp, tuning(), vouches=book)
+    job.start()
+    # No other mirror can show which bytes are wrong: the partial stays for a later pull.
+    with pytest.raises(DownloadError, match="kept since") as exc:
+        await job.wait()
+    assert truth in exc.value.message
+    assert job.state == "failed"
+    assert not (short_tmp / "blobs").exists() or not any((short_tmp / "blobs").iterdir())
 
 
 async def test_no_source_vouches_installs_unverified(

@@ -15,6 +15,7 @@ import pytest
 
 from modeld.errors import BadRequest, IntegrityError, ModelNotInstalled
 from modeld.store.store import Store, sha256_file
+from modeld.store.vouches import Vouch
 from tests.support.state import MODELS, install_fixture
 
 TINY = MODELS / "tiny-text.litertlm"
@@ -374,5 +375,33 @@ async def test_version_1_probe_rows_migrate_and_are_not_trusted(tmp_path: Path) 
         await store.record_probe("f" * 64, "gpu", False, "killed by SIGABRT")
         latest = await store.latest_adapter()
         assert latest is not None and latest["adapter"] == "Some GPU (Vulkan)"
+    finally:
+        await store.close()
+
+
+async def test_kept_digests_survive_reopen_and_an_older_db_gains_their_table(
+    tmp_path: Path,
+) -> None:
+    """A state dir from before the ``vouched`` table gains it on open, its rows intact; a
+    kept answer survives a reopen, and a different later answer never replaces it."""
+    home = tmp_path / "home"
+    install_fixture(home, "tiny", TINY)
+    with sqlite3.connect(home / "modeld.db") as conn:
+        conn.execute("DROP TABLE vouched")  # as a database written before the table existed
+    first = Vouch("a" * 64, 7, "huggingface.co", 1.7e9)
+    store = Store(home)
+    await store.open()
+    try:
+        assert await store.installed("tiny") is not None
+        assert await store.vouched("m1", "o/r@c/f") is None
+        await store.vouch("m1", "o/r@c/f", first)
+        await store.vouch("m1", "o/r@c/f", Vouch("b" * 64, 7, "huggingface.co", 1.8e9))
+    finally:
+        await store.close()
+    store = Store(home)
+    await store.open()
+    try:
+        assert await store.vouched("m1", "o/r@c/f") == first
+        assert await store.vouched("m1", "o/r@other/f") is None
     finally:
         await store.close()

@@ -5,6 +5,10 @@ throttle, stall after N bytes, drop mid-piece, ignore Range (200), short 206, wr
 Content-Range, flip a byte, wrong total size, a fixed status (404), 500-then-OK, a redirect
 loop, a redirect to any URL (e.g. https → http or ftp), and a Hugging Face-like redirect
 that carries ``X-Linked-Etag``/``X-Linked-Size`` and whose signed target expires (403).
+
+A mirror serves its file at ``path`` (``/f``, or a Hugging Face-style pinned path from
+``pinned_path``); ``hub`` starts a stand-in for huggingface.co on ``localhost`` (add
+``localhost`` to ``modeld.mirrors.HF_HOSTS`` so that modeld trusts its X-Linked-Etag).
 """
 
 from __future__ import annotations
@@ -20,6 +24,13 @@ from typing import Any
 from aiohttp import web
 
 CHUNK = 64 * 1024
+# A made-up pinned commit: tests never reach a real hub.
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def pinned_path(file: str = "m.litertlm", commit: str = COMMIT, repo: str = "org/repo") -> str:
+    """``/ORG/REPO/resolve/COMMIT/FILE``, the path of a file at a pinned revision."""
+    return f"/{repo}/resolve/{commit}/{file}"
 
 
 @dataclass
@@ -56,11 +67,12 @@ class Mirror:
     port: int = 0
     host: str = "127.0.0.1"
     tls: ssl.SSLContext | None = None  # serve https with this server context
+    path: str = "/f"  # where the file is (the redirect target of hf mode stays /cdn/f)
 
     @property
     def url(self) -> str:
         scheme = "https" if self.tls is not None else "http"
-        return f"{scheme}://{self.host}:{self.port}/f"
+        return f"{scheme}://{self.host}:{self.port}{self.path}"
 
     @property
     def sha256(self) -> str:
@@ -68,7 +80,7 @@ class Mirror:
 
     async def start(self) -> Mirror:
         app = web.Application()
-        app.router.add_get("/f", self._origin)
+        app.router.add_get(self.path, self._origin)
         app.router.add_get("/cdn/f", self._cdn)
         # A short shutdown timeout: a stalled handler must not hold the test's teardown.
         self.runner = web.AppRunner(
@@ -101,7 +113,7 @@ class Mirror:
             return web.Response(status=500, headers=headers)
         if f.redirect_loop:
             n = int(request.query.get("n", "0")) + 1
-            raise web.HTTPFound(f"/f?n={n}")
+            raise web.HTTPFound(f"{self.path}?n={n}")
         if f.redirect_to:
             raise web.HTTPFound(f.redirect_to)
         if f.hf:
@@ -171,6 +183,14 @@ class Mirror:
                     await asyncio.sleep(ahead)
         await resp.write_eof()
         return resp
+
+
+async def hub(data: bytes, faults: Faults | None = None, path: str | None = None) -> Mirror:
+    """A started stand-in for huggingface.co: on ``localhost``, it answers the file's URL
+    with a 302 carrying ``X-Linked-Etag``/``X-Linked-Size`` to a signed CDN URL."""
+    f = faults or Faults()
+    f.hf = True
+    return await Mirror(data, f, host="localhost", path=path or pinned_path()).start()
 
 
 async def start_mirrors(data: bytes, *faults: Faults) -> list[Mirror]:
