@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import grp
 import json
+import os
+import pwd
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
@@ -11,18 +16,40 @@ from urllib.parse import quote
 
 import aiohttp
 
-from modeld.errors import DaemonUnavailable, ModeldError, error_from_body
+from modeld.errors import DaemonUnavailable, ModeldError, SocketDenied, error_from_body
 
 # Host part of the URL is ignored on a Unix socket; it only has to be a valid name.
 _BASE = "http://modeld"
 
+# How long a request that the daemon answers at once (GET: status, list, show, ps, health)
+# may wait for its answer. systemd accepts connections on modeld.socket even while the
+# service fails to start; without a limit a client would wait in the backlog forever. A
+# cold start through socket activation takes a few seconds.
+ANSWER_TIMEOUT = 30.0
+
 
 class Client:
-    """An async client for one daemon socket; use as ``async with Client(path) as c``."""
+    """An async client for one daemon socket; use as ``async with Client(path) as c``.
 
-    def __init__(self, socket_path: Path, *, connect_timeout: float = 5.0) -> None:
+    GET requests must be answered within ``answer_timeout``. Other requests may rightly take
+    long (a load, a verify), so before the first of them the client checks that the daemon
+    answers ``/api/health`` within that time.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path,
+        *,
+        connect_timeout: float = 5.0,
+        answer_timeout: float = ANSWER_TIMEOUT,
+    ) -> None:
         self.socket_path = socket_path
+        self.answer_timeout = answer_timeout
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
+        self._answer = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout, sock_read=answer_timeout
+        )
+        self._answered = False
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Client:
@@ -37,10 +64,25 @@ class Client:
             await self._session.close()
 
     def _unavailable(self, err: Exception) -> DaemonUnavailable:
+        os_error = err.os_error if isinstance(err, aiohttp.ClientConnectorError) else err
+        if isinstance(os_error, OSError) and os_error.errno in (errno.EACCES, errno.EPERM):
+            return socket_denied(self.socket_path)
+        if isinstance(err, aiohttp.ServerTimeoutError):
+            return DaemonUnavailable(
+                f"modeld on {self.socket_path} took the connection but sent no answer in "
+                f"{self.answer_timeout:g} s; the service may be failing to start: see "
+                "`systemctl status modeld` and `journalctl -u modeld` (add --user for "
+                "your own unit)"
+            )
         return DaemonUnavailable(
             f"no modeld answers on {self.socket_path} ({err.__class__.__name__}); "
             "start one with `modeld serve` or pass --socket"
         )
+
+    async def _ensure_answering(self) -> None:
+        """Before a request that may take long: the daemon answers a quick one in time."""
+        if not self._answered:
+            await self.request("GET", "/api/health")
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -50,13 +92,20 @@ class Client:
 
     async def request(self, method: str, path: str, body: Any = None) -> Any:
         """Send one request; return the decoded JSON, or raise the daemon's error."""
+        quick = method == "GET"
+        if not quick:
+            await self._ensure_answering()
+        timeout = self._answer if quick else self._timeout
         try:
-            async with self.session.request(method, _BASE + path, json=body) as resp:
+            async with self.session.request(
+                method, _BASE + path, json=body, timeout=timeout
+            ) as resp:
                 data = await resp.read()
                 status = resp.status
                 ctype = resp.content_type
-        except (aiohttp.ClientConnectionError, FileNotFoundError) as e:
+        except (aiohttp.ClientConnectionError, FileNotFoundError, PermissionError) as e:
             raise self._unavailable(e) from e
+        self._answered = True
         decoded: Any = None
         if ctype == "application/json" and data:
             decoded = json.loads(data)
@@ -68,9 +117,10 @@ class Client:
         self, method: str, path: str, body: Any = None
     ) -> AsyncIterator[dict[str, Any]]:
         """Send one request and yield its NDJSON records; an error record is raised."""
+        await self._ensure_answering()
         try:
             resp = await self.session.request(method, _BASE + path, json=body)
-        except (aiohttp.ClientConnectionError, FileNotFoundError) as e:
+        except (aiohttp.ClientConnectionError, FileNotFoundError, PermissionError) as e:
             raise self._unavailable(e) from e
         try:
             if resp.status >= 400:
@@ -134,3 +184,59 @@ class Client:
         """``POST /api/prune`` with ``dry_run``, ``partials``, ``orphans``, ``unused_for``..."""
         result: dict[str, Any] = await self.request("POST", "/api/prune", body or {})
         return result
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def socket_denied(socket_path: Path) -> SocketDenied:
+    """Why this process may not open the daemon's socket, and what to do about it."""
+    for directory in reversed(socket_path.parents):
+        if not os.access(directory, os.X_OK):
+            try:
+                st = directory.stat()
+                how = (
+                    f"{_user_name(st.st_uid)}:{_group_name(st.st_gid)} "
+                    f"{stat.S_IMODE(st.st_mode):04o}"
+                )
+            except OSError:
+                how = "not searchable"
+            return SocketDenied(
+                f"permission denied on {socket_path}: its directory {directory} ({how}) is "
+                "closed to you; the socket's directories must be searchable (0755): ask the "
+                "admin to check where the service puts its socket"
+            )
+    try:
+        st = socket_path.stat()
+    except OSError as e:
+        return SocketDenied(f"permission denied on {socket_path} ({e.strerror})")
+    owner = _user_name(st.st_uid)
+    group = _group_name(st.st_gid)
+    mode = stat.S_IMODE(st.st_mode)
+    user = _user_name(os.getuid())
+    where = f"permission denied on {socket_path} ({owner}:{group} {mode:04o})"
+    if st.st_gid in os.getgroups() or st.st_gid == os.getgid():
+        return SocketDenied(f"{where}: the group may not write it; make it 0660")
+    try:
+        members = grp.getgrgid(st.st_gid).gr_mem
+    except KeyError:
+        members = []
+    if user in members:
+        return SocketDenied(
+            f"{where}: you are in group {group}, but this login session is not yet: log in "
+            f"again (or run `newgrp {group}`)"
+        )
+    return SocketDenied(
+        f"{where}: join group {group} (`sudo usermod -aG {group} {user}`), then log in again"
+    )

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import os
+import pwd
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -112,13 +114,40 @@ def format_duration(seconds: float | None) -> str:
     return f"{sec}s"
 
 
-def _xdg(name: str, fallback: str) -> Path:
-    value = os.environ.get(name)
-    return Path(value) if value else Path.home() / fallback
+def _user_home(env: Mapping[str, str]) -> Path | None:
+    """``$HOME``, else the user database's entry; None where neither names one.
+
+    Unlike ``Path.home()`` this does not raise: a service's dynamic user is only in the user
+    database where nss-systemd is installed, and it needs no home when ``MODELD_HOME`` is set.
+    """
+    home = env.get("HOME")
+    if home:
+        return Path(home)
+    try:
+        return Path(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        return None
+
+
+def _xdg(name: str, fallback: str, env: Mapping[str, str] | None = None) -> Path | None:
+    environ = os.environ if env is None else env
+    value = environ.get(name)
+    if value:
+        return Path(value)
+    home = _user_home(environ)
+    return home / fallback if home is not None else None
 
 
 def _default_home() -> Path:
-    return _xdg("XDG_DATA_HOME", ".local/share") / "modeld"
+    """``$XDG_DATA_HOME/modeld``; only asked for when ``MODELD_HOME`` is not set."""
+    data = _xdg("XDG_DATA_HOME", ".local/share")
+    if data is None:
+        raise SettingsError(
+            f"no home directory for uid {os.getuid()} ($HOME is unset and the user database "
+            f"has no entry); set {ENV_PREFIX}HOME to the state directory",
+            key="home",
+        )
+    return data / "modeld"
 
 
 def memory_total_bytes() -> int:
@@ -150,9 +179,9 @@ def config_file_path(environ: dict[str, str] | None = None) -> Path | None:
     explicit = env.get(ENV_PREFIX + "CONFIG")
     if explicit:
         return Path(explicit)
-    xdg = env.get("XDG_CONFIG_HOME")
+    user_config = _xdg("XDG_CONFIG_HOME", ".config", env)
     candidates = [
-        (Path(xdg) if xdg else Path.home() / ".config") / "modeld" / "modeld.toml",
+        *([user_config / "modeld" / "modeld.toml"] if user_config is not None else []),
         Path("/etc/modeld/modeld.toml"),
     ]
     return next((p for p in candidates if p.is_file()), None)
@@ -371,13 +400,17 @@ def load_settings(**overrides: Any) -> Settings:
         ) from None
 
 
+SYSTEM_SOCKET = Path("/run/modeld/modeld.sock")
+
+
 def client_socket_path(explicit: Path | None = None) -> Path:
     """Where the CLI looks for the daemon.
 
     ``--socket``, else ``MODELD_SOCKET``, else the config file's ``socket``, else the first
-    of ``/run/modeld/modeld.sock``, ``$XDG_RUNTIME_DIR/modeld.sock`` and
-    ``$MODELD_HOME/modeld.sock`` (``home`` from the config file when the variable is unset)
-    that exists, else the path ``modeld serve`` would bind on these defaults.
+    of ``$XDG_RUNTIME_DIR/modeld.sock`` (the user's own daemon, e.g. the ``systemctl --user``
+    unit), ``/run/modeld/modeld.sock`` (the system service) and ``$MODELD_HOME/modeld.sock``
+    (``home`` from the config file when the variable is unset) that exists, else the path
+    ``modeld serve`` would bind on these defaults.
     """
     if explicit is not None:
         return explicit
@@ -389,21 +422,22 @@ def client_socket_path(explicit: Path | None = None) -> Path:
         return Path(file_values["socket"])
     home_env = os.environ.get(ENV_PREFIX + "HOME")
     file_home = file_values.get("home")
+    home: Path | None
     if home_env:
         home = Path(home_env)
     elif isinstance(file_home, str) and file_home:
         home = Path(file_home)
     else:
-        home = _default_home()
+        data = _xdg("XDG_DATA_HOME", ".local/share")
+        home = data / "modeld" if data is not None else None
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    candidates = [Path("/run/modeld/modeld.sock")]
-    if runtime:
-        candidates.append(Path(runtime) / "modeld.sock")
-    candidates.append(home / "modeld.sock")
+    user_socket = Path(runtime) / "modeld.sock" if runtime else None
+    home_socket = home / "modeld.sock" if home is not None else None
+    candidates = [p for p in (user_socket, SYSTEM_SOCKET, home_socket) if p is not None]
     for candidate in candidates:
         if candidate.exists():
             return candidate
-    return Path(runtime) / "modeld.sock" if runtime else home / "modeld.sock"
+    return user_socket or home_socket or SYSTEM_SOCKET
 
 
 def _config_file_values() -> dict[str, Any]:

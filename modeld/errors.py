@@ -220,6 +220,12 @@ class DaemonUnavailable(ModeldError, ConnectionError):
     status = 503
 
 
+class SocketDenied(DaemonUnavailable, PermissionError):
+    """The client may not open the daemon's socket (file mode, group, or a closed directory)."""
+
+    code = "socket_denied"
+
+
 def _all_subclasses(cls: type[ModeldError]) -> list[type[ModeldError]]:
     out = [cls]
     for sub in cls.__subclasses__():

@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from modeld.config import load_settings, parse_duration, parse_size
+from modeld.config import (
+    client_socket_path,
+    config_file_path,
+    load_settings,
+    parse_duration,
+    parse_size,
+)
 from modeld.errors import SettingsError
 
 
@@ -160,3 +166,46 @@ def test_non_utf8_config_file_is_one_line_exit_2(clean_env: Path) -> None:
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "UTF-8" in result.stderr
+
+
+def test_no_home_directory_is_needed_when_modeld_home_is_set(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user without $HOME or a user database entry (a DynamicUser where nss-systemd is
+    missing) loads its settings when MODELD_HOME is set, and is told to set it otherwise."""
+    import pwd
+
+    def no_entry(uid: int) -> pwd.struct_passwd:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    for key in ("HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    monkeypatch.setenv("MODELD_HOME", str(clean_env / "state"))
+    assert load_settings().home == clean_env / "state"
+    assert config_file_path() in (None, Path("/etc/modeld/modeld.toml"))
+    assert client_socket_path().name == "modeld.sock"
+
+    monkeypatch.delenv("MODELD_HOME")
+    with pytest.raises(SettingsError, match="set MODELD_HOME"):
+        load_settings()
+
+
+def test_the_cli_finds_the_users_own_daemon_before_the_system_one(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$XDG_RUNTIME_DIR/modeld.sock (e.g. the `systemctl --user` unit) is found before
+    /run/modeld/modeld.sock; without it the system socket; MODELD_SOCKET beats both."""
+    import modeld.config
+
+    system = clean_env / "system.sock"
+    system.touch()
+    monkeypatch.setattr(modeld.config, "SYSTEM_SOCKET", system)
+    runtime = clean_env / "runtime"
+    runtime.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert client_socket_path() == system
+    (runtime / "modeld.sock").touch()
+    assert client_socket_path() == runtime / "modeld.sock"
+    monkeypatch.setenv("MODELD_SOCKET", str(system))
+    assert client_socket_path() == system

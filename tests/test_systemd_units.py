@@ -101,7 +101,7 @@ def test_service_contract() -> None:
     """Type=notify from the main pid, the directories, the socket path and the stop timeout."""
     service = directives(UNITS / "modeld.service")
     assert service["Type"] == ["notify"] and service["NotifyAccess"] == ["main"]
-    for key in ("StateDirectory", "RuntimeDirectory", "ConfigurationDirectory"):
+    for key in ("StateDirectory", "ConfigurationDirectory"):
         assert service[key] == ["modeld"]
     env = " ".join(service["Environment"])
     assert "MODELD_HOME=%S/modeld" in env and "MODELD_SOCKET=%t/modeld/modeld.sock" in env
@@ -117,3 +117,32 @@ def test_service_contract() -> None:
     assert socket_unit["SocketMode"] == ["0660"] and socket_unit["SocketGroup"] == ["modeld"]
     user_socket = directives(UNITS / "user" / "modeld.socket")
     assert int(user_socket["SocketMode"][0], 8) & ~0o660 == 0
+
+
+def test_units_found_wanting_under_a_real_systemd() -> None:
+    """What booting them under systemd showed (tests/test_systemd_boot.py), kept fixed."""
+    service = directives(UNITS / "modeld.service")
+    socket_unit = directives(UNITS / "modeld.socket")
+    gpu = directives(UNITS / "gpu.conf")
+    # DynamicUser= under an existing group of its name fails with 217/USER unless the user
+    # exists too: sysusers creates user modeld (with its group, the socket's group).
+    sysusers = [
+        line.split()
+        for line in (UNITS / "modeld.sysusers").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert [fields[:2] for fields in sysusers] == [["u", "modeld"]]
+    assert service["User"] == ["modeld"] and socket_unit["SocketGroup"] == ["modeld"]
+    # A preserved RuntimeDirectory= of a DynamicUser moves to the root-only /run/private:
+    # /run/modeld belongs to the socket unit, open to all (the socket itself is 0660).
+    assert "RuntimeDirectory" not in service and "RuntimeDirectoryPreserve" not in service
+    assert socket_unit["DirectoryMode"] == ["0755"]
+    # HOME comes from the unit, not from the user database.
+    assert "HOME=%S/modeld" in " ".join(service["Environment"]).split()
+    # In a user namespace every peer reads as 65534: allow-lists would match no one.
+    assert service.get("PrivateUsers", ["no"]) == ["no"] and "PrivateUsers" not in gpu
+    for unit in (service, directives(UNITS / "user" / "modeld.service")):
+        # Journal lines tagged "modeld", not "env"; a failing start stops after a few tries.
+        assert unit["SyslogIdentifier"] == ["modeld"]
+        assert int(unit["StartLimitBurst"][0]) >= 1
+        assert parse_duration(unit["StartLimitIntervalSec"][0]) > 0

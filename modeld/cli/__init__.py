@@ -24,8 +24,8 @@ VERB_MODULES = [system, models, downloads, engines, admin, report]
     "--socket",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Daemon socket (default: MODELD_SOCKET, /run/modeld/modeld.sock, "
-    "$XDG_RUNTIME_DIR/modeld.sock, $MODELD_HOME/modeld.sock).",
+    help="Daemon socket (default: MODELD_SOCKET, else the first that exists of "
+    "$XDG_RUNTIME_DIR/modeld.sock, /run/modeld/modeld.sock, $MODELD_HOME/modeld.sock).",
 )
 def cli(socket: str | None) -> None:
     """modeld: downloads, checks and serves LiteRT-LM models over a Unix socket."""
