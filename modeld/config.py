@@ -8,6 +8,7 @@ exists; a ``MODELD_CONFIG`` naming a missing file is an error).
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import pwd
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from modeld.errors import SettingsError
@@ -112,6 +113,56 @@ def format_duration(seconds: float | None) -> str:
     if m:
         return f"{m}m {sec}s"
     return f"{sec}s"
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``127.0.0.1:8080``, ``[::1]:8080`` or ``localhost:8080`` as ``(ip, port)``; ValueError.
+
+    Only IP literals and ``localhost`` (127.0.0.1): a name that resolves at start-up could
+    listen somewhere else than the setting says. Port 0 picks a free port (logged at start).
+    """
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{text!r} is not host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host.lower() == "localhost":
+        host = "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"{text!r}: the host must be an IP address or localhost") from None
+    return str(ip), int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with brackets around an IPv6 host."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP literal) is a loopback address (127.0.0.0/8, ::1)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_ORIGIN_RE = re.compile(
+    r"^https?://[A-Za-z0-9.-]+(?::\d{1,5})?$|^https?://\[[0-9A-Fa-f:.]+\](?::\d{1,5})?$"
+)
+
+
+def _list_of_words(v: Any) -> Any:
+    """A list from the environment: items separated by ``,`` or whitespace."""
+    if isinstance(v, str):
+        return [p for p in re.split(r"[,\s]+", v) if p]
+    return v
+
+
+def _default_admin_uids() -> list[int]:
+    # root and whoever runs the daemon: the service's own account administers itself.
+    return sorted({0, os.getuid()})
 
 
 def _user_home(env: Mapping[str, str]) -> Path | None:
@@ -247,6 +298,14 @@ class Settings(BaseSettings):
     # Peers (SO_PEERCRED) allowed on the socket; both empty = whoever can open the socket.
     allow_uids: Annotated[list[int], NoDecode] = Field(default_factory=list)
     allow_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    # Peers that may administer (pull, rm, import, pin, ...); other peers only *use*.
+    admin_uids: Annotated[list[int], NoDecode] = Field(default_factory=_default_admin_uids)
+    admin_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    # Opt-in TCP (``host:port``, normalised); listen_public comes first: listen's check reads it.
+    listen_public: bool = False
+    listen: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    api_keys_file: Path | None = None
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     @field_validator("memory_budget", "piece_size", mode="before")
     @classmethod
@@ -286,14 +345,42 @@ class Settings(BaseSettings):
             return [p for p in v.split(":") if p]
         return v
 
-    @field_validator("allow_uids", "allow_gids", mode="before")
+    @field_validator("allow_uids", "allow_gids", "admin_uids", "admin_gids", mode="before")
     @classmethod
     def _id_list(cls, v: Any) -> Any:
         if isinstance(v, str):
             return [p.strip() for p in re.split(r"[:,]", v) if p.strip()]
         return v
 
-    @field_validator("allow_uids", "allow_gids")
+    @field_validator("listen", "cors_origins", mode="before")
+    @classmethod
+    def _words(cls, v: Any) -> Any:
+        return _list_of_words(v)
+
+    @field_validator("listen")
+    @classmethod
+    def _addresses(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        out = []
+        for text in v:
+            host, port = parse_address(text)
+            if not is_loopback(host) and not info.data.get("listen_public"):
+                raise ValueError(
+                    f"{host} is not a loopback address, so other hosts could reach the API, "
+                    "keys and prompts in clear text: put TLS in front (a reverse proxy) and "
+                    "set MODELD_LISTEN_PUBLIC=1 to confirm"
+                )
+            out.append(format_address(host, port))
+        return out
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, v: list[str]) -> list[str]:
+        for origin in v:
+            if origin != "*" and not _ORIGIN_RE.fullmatch(origin):
+                raise ValueError(f"{origin!r} is not an origin such as https://app.example:8443")
+        return [o.lower() for o in v]
+
+    @field_validator("allow_uids", "allow_gids", "admin_uids", "admin_gids")
     @classmethod
     def _non_negative_ids(cls, v: list[int]) -> list[int]:
         if any(i < 0 for i in v):
@@ -325,6 +412,16 @@ class Settings(BaseSettings):
             return self.socket
         runtime = os.environ.get("XDG_RUNTIME_DIR")
         return Path(runtime) / "modeld.sock" if runtime else self.home / "modeld.sock"
+
+    @property
+    def listen_addresses(self) -> list[tuple[str, int]]:
+        """``MODELD_LISTEN`` as ``(ip, port)`` pairs."""
+        return [parse_address(a) for a in self.listen]
+
+    @property
+    def api_keys_path(self) -> Path:
+        """``MODELD_API_KEYS_FILE``, else ``$MODELD_HOME/api-keys``."""
+        return self.api_keys_file if self.api_keys_file is not None else self.home / "api-keys"
 
     @property
     def db_path(self) -> Path:
@@ -361,6 +458,12 @@ class Settings(BaseSettings):
             "shutdown_timeout": self.shutdown_timeout,
             "allow_uids": list(self.allow_uids),
             "allow_gids": list(self.allow_gids),
+            "admin_uids": list(self.admin_uids),
+            "admin_gids": list(self.admin_gids),
+            "listen": list(self.listen),
+            "listen_public": self.listen_public,
+            "api_keys_file": str(self.api_keys_path),
+            "cors_origins": list(self.cors_origins),
             "config_file": str(p) if (p := config_file_path()) else None,
         }
 
@@ -380,6 +483,11 @@ def _allowed(field: str) -> str:
         "registry": "directories separated by ':'",
         "allow_uids": "numeric uids separated by ':' or ',' (a list in TOML)",
         "allow_gids": "numeric gids separated by ':' or ',' (a list in TOML)",
+        "admin_uids": "numeric uids separated by ':' or ',' (a list in TOML)",
+        "admin_gids": "numeric gids separated by ':' or ',' (a list in TOML)",
+        "listen": "host:port pairs (IP or localhost; [::1]:PORT for IPv6) separated by ','",
+        "listen_public": "1 or 0 (true or false)",
+        "cors_origins": "origins such as https://app.example:8443 separated by ',', or *",
     }
     return allowed.get(field, "see the README's settings table")
 
@@ -394,6 +502,8 @@ def load_settings(**overrides: Any) -> Settings:
         env_key = ENV_PREFIX + field.upper()
         source = env_key if env_key in os.environ else f"{field} (config file)"
         value = err.get("input")
+        if isinstance(value, list):
+            value = ",".join(str(v) for v in value)
         reason = str(err.get("msg", "invalid")).removeprefix("Value error, ")
         raise SettingsError(
             f"{source}={value!s}: {reason}; allowed: {_allowed(field)}", key=field

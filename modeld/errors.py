@@ -257,10 +257,21 @@ def error_from_body(status: int, body: Any) -> ModeldError:
 
 
 class Forbidden(ModeldError, PermissionError):
-    """The peer on the socket is not in the allow-list (``allow_uids``/``allow_gids``)."""
+    """The peer may not do this: not in the allow-list, or its role is *use* and this needs
+    *admin*. The message names the setting (or the key's role) that would allow it."""
 
     code = "forbidden"
     status = 403
+
+
+# --- unauthorized (401) ----------------------------------------------------------------
+
+
+class Unauthorized(ModeldError, PermissionError):
+    """A TCP request without a valid API key (``Authorization: Bearer <key>``)."""
+
+    code = "unauthorized"
+    status = 401
 
 
 # --- removal (500) ---------------------------------------------------------------------

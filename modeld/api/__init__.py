@@ -1,22 +1,21 @@
-"""HTTP routes over the Unix socket; errors are ``{"error": {"code", "message"}}``.
+"""HTTP routes over the Unix socket (and opt-in TCP); errors are ``{"error": {"code", "message"}}``.
 
-Each capability has its own module here with an ``add_routes(app, services)`` function.
+Each capability has its own module here with an ``add_routes(app, services)`` function. Who
+may call which route is decided in one place, ``access``.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import struct
 import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from modeld import logs
-from modeld.api import admin, downloads, engines, guards, models, openai, report, system
-from modeld.api.peers import enforce as enforce_peer
-from modeld.errors import Busy, ModeldError
+from modeld.api import access, admin, downloads, engines, guards, models, openai, report, system
+from modeld.api.access import KeyVerifier, describe_peer
+from modeld.errors import Busy, ModeldError, Unauthorized
 from modeld.services.parts import Services
 
 SERVICES: web.AppKey[Services] = web.AppKey("services", Services)
@@ -34,24 +33,13 @@ def error_response(err: ModeldError) -> web.Response:
     headers = {}
     if isinstance(err, Busy):
         headers["Retry-After"] = str(max(1, round(err.retry_after)))
+    if isinstance(err, Unauthorized):
+        headers["WWW-Authenticate"] = 'Bearer realm="modeld"'
     return web.json_response(err.to_dict(), status=err.status, headers=headers)
 
 
 def _plain_error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
-
-
-def peer_of(request: web.Request) -> str:
-    """``uid:gid:pid`` of the process on the other end of the socket (SO_PEERCRED)."""
-    sock = request.transport.get_extra_info("socket") if request.transport else None
-    if sock is None or sock.family != socket.AF_UNIX:
-        return "-"
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except OSError:
-        return "-"
-    pid, uid, gid = struct.unpack("3i", raw)
-    return f"{uid}:{gid}:{pid}"
 
 
 @web.middleware
@@ -61,8 +49,6 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
     route = request.match_info.route.resource
     route_name = route.canonical if route is not None else "unmatched"
     try:
-        # Allow-lists are read from services.settings on each request, so SIGHUP applies them.
-        enforce_peer(services.settings, request.transport)
         response = await handler(request)
     except ModeldError as e:
         response = error_response(e)
@@ -91,15 +77,17 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
         path=request.path,
         status=response.status,
         seconds=elapsed,
-        peer=peer_of(request),
+        peer=describe_peer(request),
     )
     return response
 
 
-def make_app(services: Services) -> web.Application:
-    """The aiohttp application with every capability's routes."""
+def make_app(services: Services, keys: KeyVerifier | None = None) -> web.Application:
+    """The aiohttp application with every capability's routes; ``keys`` checks TCP clients."""
     app = web.Application(middlewares=[_errors_and_metrics], client_max_size=MAX_BODY)
     app[SERVICES] = services
+    # Before the routes' own middlewares (the id check): who may call comes first.
+    access.install(app, services, keys)
     for module in ROUTE_MODULES:
         module.add_routes(app, services)
     return app

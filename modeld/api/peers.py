@@ -1,15 +1,19 @@
-"""Who is on the other end of the socket (``SO_PEERCRED``), and whether they may talk to us.
+"""Who is on the other end of the socket (``SO_PEERCRED``), whether they may talk to us, and
+whether they may administer.
 
 The socket's mode (0660) and group decide who can connect at all; ``allow_uids`` and
 ``allow_gids`` narrow that further. A peer is allowed when both lists are empty, when its uid
 is listed, or when its primary group or any supplementary group (``SO_PEERGROUPS``) is
 listed. root gets no exception: list uid 0 to let it in. A peer that cannot be identified
 is refused whenever a list is set (fail closed).
+
+An allowed peer may *use* the daemon; it may *administer* it only when its uid is in
+``admin_uids`` (by default root and the daemon's own uid) or one of its groups is in
+``admin_gids``. The socket's group therefore grants *use* alone.
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import socket
 import struct
@@ -74,12 +78,18 @@ def is_allowed(settings: Settings, peer: Peer | None) -> bool:
     return peer.gid in allowed_gids or not allowed_gids.isdisjoint(peer.groups)
 
 
-def enforce(settings: Settings, transport: asyncio.BaseTransport | None) -> None:
-    """Raise Forbidden unless the peer of ``transport`` passes the allow-lists."""
-    if not settings.allow_uids and not settings.allow_gids:
-        return
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    peer = peer_credentials(sock)
+def is_admin(settings: Settings, peer: Peer | None) -> bool:
+    """Whether ``peer`` may administer: its uid or one of its groups is an admin one."""
+    if peer is None:
+        return False
+    if peer.uid in settings.admin_uids:
+        return True
+    admin_gids = set(settings.admin_gids)
+    return peer.gid in admin_gids or not admin_gids.isdisjoint(peer.groups)
+
+
+def enforce(settings: Settings, peer: Peer | None) -> None:
+    """Raise Forbidden unless ``peer`` passes the allow-lists."""
     if is_allowed(settings, peer):
         return
     who = (

@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from modeld.api import access
 from modeld.catalog.catalog import ID_PATTERN
 from modeld.errors import BadRequest, TooLarge
 from modeld.services.parts import Services
@@ -239,7 +240,10 @@ async def read_json(request: web.Request, *, optional: bool = False) -> dict[str
 
 
 async def read_body(request: web.Request, model: type[B], *, optional: bool = False) -> B:
-    return parse(model, await read_json(request, optional=optional))
+    """The body as ``model``; a field the route keeps for admins is refused here (403)."""
+    body = parse(model, await read_json(request, optional=optional))
+    access.check_body(request, body)
+    return body
 
 
 # --- generation ------------------------------------------------------------------------------

@@ -11,11 +11,11 @@ import sys
 import click
 
 from modeld import __version__
-from modeld.cli import admin, downloads, engines, models, report, system
+from modeld.cli import admin, downloads, engines, keys, models, report, system
 from modeld.cli.common import err_console
 from modeld.errors import ModeldError, SettingsError
 
-VERB_MODULES = [system, models, downloads, engines, admin, report]
+VERB_MODULES = [system, models, downloads, engines, admin, report, keys]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -32,9 +32,11 @@ def cli(socket: str | None) -> None:
 
 
 for _module in VERB_MODULES:
-    for _name in dir(_module):
-        _obj = getattr(_module, _name)
-        if isinstance(_obj, click.Command) and _obj.name is not None:
+    _commands = [c for n in dir(_module) if isinstance(c := getattr(_module, n), click.Command)]
+    # A group's subcommands (`key rm`) are not verbs of their own (`rm`).
+    _nested = {id(s) for g in _commands if isinstance(g, click.Group) for s in g.commands.values()}
+    for _obj in _commands:
+        if _obj.name is not None and id(_obj) not in _nested:
             cli.add_command(_obj)
 
 

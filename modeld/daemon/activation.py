@@ -1,4 +1,8 @@
-"""Socket activation: take the listening socket a service manager passed (``sd_listen_fds``).
+"""Socket activation: take the listening sockets a service manager passed (``sd_listen_fds``).
+
+One Unix socket serves the API (the one named ``modeld`` when several are passed); TCP
+sockets (``AF_INET``/``AF_INET6``, e.g. ``ListenStream=127.0.0.1:11500``) are opt-in TCP
+listeners, like ``MODELD_LISTEN``, with the same API-key rule.
 
 systemd passes sockets as fds 3, 4, ... with ``LISTEN_FDS`` (their count), ``LISTEN_PID``
 (the pid they are meant for; checked against ``getpid()`` so that a child that inherited the
@@ -16,9 +20,11 @@ import os
 import socket
 import stat
 from collections.abc import MutableMapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from modeld import logs
+from modeld.config import format_address
 
 SD_LISTEN_FDS_START = 3
 _ENV_KEYS = ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
@@ -26,13 +32,21 @@ _ENV_KEYS = ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
 _PREFERRED_NAMES = ("modeld", "modeld.socket")
 
 
-def _usable(sock: socket.socket) -> bool:
-    """A listening stream socket on a Unix path: the only kind the API serves on."""
+def _listening_stream(sock: socket.socket) -> bool:
+    """A listening stream socket: the only kind the API serves on."""
     try:
         accepting = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
     except OSError:
         return False
-    return sock.family == socket.AF_UNIX and sock.type == socket.SOCK_STREAM and bool(accepting)
+    return sock.type == socket.SOCK_STREAM and bool(accepting)
+
+
+@dataclass
+class Inherited:
+    """What was passed: the API's Unix socket (None: bind our own) and TCP listeners."""
+
+    unix: socket.socket | None = None
+    tcp: list[socket.socket] = field(default_factory=list)
 
 
 def inherited_sockets(
@@ -74,17 +88,26 @@ def inherited_sockets(
     return out
 
 
-def inherited_listener(environ: MutableMapping[str, str] | None = None) -> socket.socket | None:
-    """The listening Unix socket systemd passed for the API, or None to bind our own."""
-    candidates = inherited_sockets(environ)
-    usable = []
-    for name, s in candidates:
-        if _usable(s):
-            usable.append((name, s))
+def inherited_listeners(environ: MutableMapping[str, str] | None = None) -> Inherited:
+    """The listening sockets systemd passed for the API, sorted by kind."""
+    unix: list[tuple[str, socket.socket]] = []
+    out = Inherited()
+    for name, s in inherited_sockets(environ):
+        if _listening_stream(s) and s.family == socket.AF_UNIX:
+            unix.append((name, s))
+        elif _listening_stream(s) and s.family in (socket.AF_INET, socket.AF_INET6):
+            s.setblocking(False)
+            address = format_address(*s.getsockname()[:2])
+            logs.event("socket_inherited", fd_name=name, fd=s.fileno(), address=address)
+            out.tcp.append(s)
         else:
             logs.event("activation_skipped_fd", logging.WARNING, fd=s.fileno(), fd_name=name)
-    if not usable:
-        return None
+    if unix:
+        out.unix = _api_socket(unix)
+    return out
+
+
+def _api_socket(usable: list[tuple[str, socket.socket]]) -> socket.socket:
     usable.sort(key=lambda pair: pair[0] not in _PREFERRED_NAMES)
     name, sock = usable[0]
     sock.setblocking(False)

@@ -1,7 +1,8 @@
 """Wiring, start-up and ordered shutdown of the daemon.
 
 Start-up: settings → state dir and its lock → each capability's part → the socket (bound
-never more open than 0660) → serving. Shutdown on SIGTERM/SIGINT (uvicorn's order): stop
+never more open than 0660) and the opt-in TCP listeners (``MODELD_LISTEN``, API keys) →
+serving. Shutdown on SIGTERM/SIGINT (uvicorn's order): stop
 accepting, let in-flight requests finish within ``shutdown_timeout``, cancel the rest,
 run each part's stop hook (reverse order), remove the socket.
 """
@@ -19,15 +20,16 @@ import signal
 import socket
 import stat
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from aiohttp import web
 
 from modeld import logs
 from modeld.api import make_app
 from modeld.catalog.catalog import Catalog, bundled_registry_dir
-from modeld.config import Settings
-from modeld.daemon.activation import inherited_listener
+from modeld.config import Settings, format_address, is_loopback
+from modeld.daemon.activation import inherited_listeners
+from modeld.daemon.apikeys import KeyRing
 from modeld.daemon.lifecycle import Reloader
 from modeld.daemon.notify import Notifier
 from modeld.download.downloads import register as register_downloads
@@ -91,6 +93,49 @@ def bind_socket(path: Path) -> socket.socket:
     sock.listen(128)
     sock.setblocking(False)
     return sock
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """Listen on ``host:port`` (an IP literal; port 0 picks a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=128)
+    except OSError as e:
+        raise Conflict(
+            f"cannot listen on {format_address(host, port)} ({e.strerror}); stop what uses "
+            "it or choose another address in MODELD_LISTEN"
+        ) from e
+    sock.setblocking(False)
+    return sock
+
+
+def _check_inherited_tcp(settings: Settings, sock: socket.socket) -> None:
+    host, port = sock.getsockname()[:2]
+    if not is_loopback(host) and not settings.listen_public:
+        raise SettingsError(
+            f"the service manager passed a TCP socket on {format_address(host, port)}, not a "
+            "loopback address, so other hosts could reach the API, keys and prompts in clear "
+            "text: put TLS in front (a reverse proxy) and set MODELD_LISTEN_PUBLIC=1 to confirm"
+        )
+
+
+def tcp_listeners(settings: Settings, inherited: list[socket.socket]) -> list[socket.socket]:
+    """The TCP sockets to serve: those the service manager passed, else ``MODELD_LISTEN``'s."""
+    for sock in inherited:
+        _check_inherited_tcp(settings, sock)
+    if inherited:
+        if settings.listen:
+            logs.event("listen_ignored", listen=",".join(settings.listen), reason="inherited")
+        return inherited
+    out: list[socket.socket] = []
+    try:
+        for host, port in settings.listen_addresses:
+            out.append(bind_tcp(host, port))
+    except BaseException:
+        for sock in out:
+            sock.close()
+        raise
+    return out
 
 
 def lock_state_dir(home: Path) -> IO[str]:
@@ -160,8 +205,9 @@ async def run(
     loop.add_signal_handler(signal.SIGHUP, reloader.request)
     # Pings from the event loop itself: they stop when the loop stops turning.
     watchdog = asyncio.create_task(notifier.watchdog_loop())
+    keys = KeyRing(settings.api_keys_path)
     runner = web.AppRunner(
-        make_app(services),
+        make_app(services, keys),
         handle_signals=False,
         access_log=None,
         shutdown_timeout=settings.shutdown_timeout,
@@ -173,17 +219,15 @@ async def run(
         for hook in services.start_hooks:
             await hook()
         await runner.setup()
-        # A socket passed by systemd (modeld.socket) wins; otherwise bind our own.
-        sock = inherited_listener()
+        # Sockets passed by systemd (modeld.socket) win; otherwise bind our own.
+        passed = inherited_listeners()
+        sock = passed.unix
         inherited = sock is not None
         sock = sock or bind_socket(settings.socket_path)
         await web.SockSite(runner, sock).start()
-        where = str(sock.getsockname())
-        logs.event(
-            "ready", socket=where, version=services.version, pid=os.getpid(), inherited=inherited
-        )
-        # READY only now: the socket accepts and every start hook (catalog, store) has run.
-        notifier.ready(f"serving on {where}")
+        tcp = await _serve_tcp(runner, services, passed.tcp, keys)
+        # READY only now: the sockets accept and every start hook (catalog, store) has run.
+        _announce_ready(services, notifier, str(sock.getsockname()), tcp, inherited)
         if ready is not None:
             ready.set()
         await stop.wait()
@@ -213,6 +257,49 @@ async def run(
         lock.close()
         logs.event("stopped")
         notifier.close()
+
+
+def _announce_ready(
+    services: Services, notifier: Notifier, where: str, tcp: list[str], inherited: bool
+) -> None:
+    logs.event(
+        "ready",
+        socket=where,
+        tcp=",".join(tcp) or None,
+        version=services.version,
+        pid=os.getpid(),
+        inherited=inherited,
+    )
+    notifier.ready(f"serving on {' and '.join([where, *tcp])}")
+
+
+async def _serve_tcp(
+    runner: web.AppRunner, services: Services, passed: list[socket.socket], keys: KeyRing
+) -> list[str]:
+    """Start the TCP listeners; return their addresses (the port chosen for port 0)."""
+    addresses: list[str] = []
+    for tcp_sock in tcp_listeners(services.settings, passed):
+        await web.SockSite(runner, tcp_sock).start()
+        address = format_address(*tcp_sock.getsockname()[:2])
+        addresses.append(address)
+        logs.event("listening", address=address, keys_file=str(keys.path))
+    if not addresses:
+        return addresses
+
+    def tcp_status() -> dict[str, Any]:
+        doc = keys.status()
+        summary = f"{', '.join(addresses)} ({doc['keys']} API keys in {doc['keys_file']})"
+        return {"summary": summary, "listen": addresses, **doc}
+
+    services.status_sections["tcp"] = tcp_status
+    if keys.status()["keys"] == 0:
+        logs.event(
+            "no_api_keys",
+            logging.WARNING,
+            path=str(keys.path),
+            fix="every TCP request gets 401 until `modeld key add NAME` adds a key",
+        )
+    return addresses
 
 
 def serve(settings: Settings) -> int:

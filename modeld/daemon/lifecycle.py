@@ -2,9 +2,10 @@
 
 Only what can change while serving is applied: ``LIVE_FIELDS``. They are assigned on the one
 ``Settings`` object the daemon was built with, so every part that holds it (the pool reading
-``keep_alive``, the API reading the allow-lists) sees the new values on its next use. Fields
-that need a restart (the socket, the state dir, the memory budget, ...) are reported in the
-log line and left as they were. A config that does not load is logged and changes nothing.
+``keep_alive``, the API reading the allow-lists, admin lists and CORS origins) sees the new
+values on its next use. Fields that need a restart (the socket, the TCP listeners, the state
+dir, the memory budget, ...) are reported in the log line and left as they were. A config
+that does not load is logged and changes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ LIVE_FIELDS = (
     "keep_alive",
     "allow_uids",
     "allow_gids",
+    "admin_uids",
+    "admin_gids",
+    "cors_origins",
     "registry",
     "disk_budget",
     "hf_token",

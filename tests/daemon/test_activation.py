@@ -12,23 +12,17 @@ from pathlib import Path
 import pytest
 
 from modeld.daemon.activation import inherited_sockets
-from tests.support.daemon import daemon_env, spawn_daemon, stop_process, wait_log
+from tests.support.daemon import (
+    ACTIVATION_WRAPPER,
+    daemon_env,
+    spawn_daemon,
+    stop_process,
+    wait_log,
+)
 from tests.support.unix import unix_http
 
 # What systemd does between fork and exec: put the socket on fd 3 and name this very process
 # in LISTEN_PID (only known after the fork, hence a wrapper that execs the daemon).
-WRAPPER = """
-import os, sys
-fd = int(sys.argv[1])
-if fd != 3:
-    os.dup2(fd, 3)
-    os.close(fd)
-if sys.argv[2] == "self":
-    os.environ["LISTEN_PID"] = str(os.getpid())
-else:
-    os.environ["LISTEN_PID"] = sys.argv[2]
-os.execv(sys.executable, [sys.executable, "-m", "modeld", "serve"])
-"""
 
 
 @pytest.fixture
@@ -47,7 +41,7 @@ def spawn(home: Path, sock: socket.socket, listen_pid: str) -> subprocess.Popen[
     return spawn_daemon(
         daemon_env(home, LISTEN_FDS="1", LISTEN_FDNAMES="modeld"),
         home / "daemon.log",
-        [sys.executable, "-c", WRAPPER, str(sock.fileno()), listen_pid],
+        [sys.executable, "-c", ACTIVATION_WRAPPER, str(sock.fileno()), listen_pid],
         pass_fds=(sock.fileno(),),
     )
 

@@ -210,3 +210,19 @@ def default_backend_env(home: Path, **extra: str) -> dict[str, str]:
     env = daemon_env(home, **extra)
     env.pop("MODELD_MAIN_BACKEND")
     return env
+
+
+# Runs `modeld serve` as systemd would after socket activation: the listener as fd 3 and
+# LISTEN_PID set (argv: the fd to pass, then "self" or another pid).
+ACTIVATION_WRAPPER = """
+import os, sys
+fd = int(sys.argv[1])
+if fd != 3:
+    os.dup2(fd, 3)
+    os.close(fd)
+if sys.argv[2] == "self":
+    os.environ["LISTEN_PID"] = str(os.getpid())
+else:
+    os.environ["LISTEN_PID"] = sys.argv[2]
+os.execv(sys.executable, [sys.executable, "-m", "modeld", "serve"])
+"""

@@ -1,0 +1,301 @@
+"""Who may call which route: each route has a role, *use* or *admin*, checked in one middleware.
+
+A peer's role:
+- on the Unix socket, from its credentials (``SO_PEERCRED``, ``modeld.peers``): *admin* when
+  its uid is in ``MODELD_ADMIN_UIDS`` (default: root and the daemon's own uid) or one of its
+  groups is in ``MODELD_ADMIN_GIDS``, else *use*. The socket's group grants *use* alone.
+- on TCP (``MODELD_LISTEN``), from its API key: every request needs
+  ``Authorization: Bearer <key>``, else 401 ``unauthorized``; the key's role is the peer's.
+
+``ROUTES`` gives every route its role; ``tests/test_access.py`` fails when a registered route
+is missing from it, so a new route cannot be left open by mistake (and one that is missing
+anyway needs *admin*). A few *use* routes take fields that need *admin* (``pin`` and
+``allow_unverified`` on a load, ``allow_unverified`` on a generation): ``Rule.admin_fields``
+names them, and ``check_body`` refuses them once the body is parsed (``requests.read_body``
+calls it), so the body is parsed once. Refusals are 403 ``forbidden`` naming the role needed
+and how to get it.
+
+CORS exists on TCP only: a preflight from an origin in ``MODELD_CORS_ORIGINS`` is answered
+(no key needed: browsers send none on a preflight), and responses to such an origin carry
+``Access-Control-Allow-Origin``. Other origins get neither.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Protocol
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from modeld import logs
+from modeld.api.peers import Peer, is_admin, peer_credentials
+from modeld.api.peers import enforce as enforce_allow_lists
+from modeld.config import Settings
+from modeld.errors import Forbidden, Unauthorized
+from modeld.services.parts import Services
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# A key is ``mdk_`` + 43 characters; anything far longer is not one (and is not hashed).
+_MAX_KEY_CHARS = 256
+_MAX_ECHOED_HEADERS = 1024
+
+
+class Role(StrEnum):
+    """What a peer may do: *use* models, or also *administer* the daemon."""
+
+    USE = "use"
+    ADMIN = "admin"
+
+    def covers(self, needed: Role) -> bool:
+        return self is Role.ADMIN or needed is Role.USE
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The role a route needs, the verb a refusal names, and fields that need *admin*."""
+
+    role: Role
+    what: str
+    admin_fields: tuple[str, ...] = ()
+
+
+ROUTES: dict[tuple[str, str], Rule] = {
+    ("GET", "/api/health"): Rule(Role.USE, "health"),
+    ("GET", "/api/status"): Rule(Role.USE, "status"),
+    ("GET", "/metrics"): Rule(Role.USE, "metrics"),
+    ("GET", "/api/models"): Rule(Role.USE, "list"),
+    ("GET", "/api/models/{id}"): Rule(Role.USE, "show"),
+    ("GET", "/api/downloads"): Rule(Role.USE, "list downloads"),
+    ("GET", "/api/engines"): Rule(Role.USE, "ps"),
+    ("POST", "/api/engines"): Rule(Role.USE, "load", ("pin", "allow_unverified")),
+    ("POST", "/api/generate"): Rule(Role.USE, "generate", ("allow_unverified",)),
+    ("GET", "/v1/models"): Rule(Role.USE, "list models"),
+    ("GET", "/v1/models/{model}"): Rule(Role.USE, "show a model"),
+    ("POST", "/v1/chat/completions"): Rule(Role.USE, "chat", ("allow_unverified",)),
+    ("POST", "/api/models/{id}/pull"): Rule(Role.ADMIN, "pull"),
+    ("POST", "/api/models/import"): Rule(Role.ADMIN, "import"),
+    ("POST", "/api/models/{id}/verify"): Rule(Role.ADMIN, "verify"),
+    ("DELETE", "/api/models/{id}"): Rule(Role.ADMIN, "rm"),
+    ("POST", "/api/prune"): Rule(Role.ADMIN, "prune"),
+    ("DELETE", "/api/downloads/{id}"): Rule(Role.ADMIN, "cancel a download"),
+    ("DELETE", "/api/engines/{id}"): Rule(Role.ADMIN, "unload"),
+    # A bug report carries runner stderr, events and the effective settings of the host.
+    ("GET", "/api/models/{id}/bug-report"): Rule(Role.ADMIN, "bug-report"),
+}
+# A registered route missing from ROUTES (a test forbids it) is refused to all but admins.
+_UNLISTED = Rule(Role.ADMIN, "this route")
+
+
+class ApiKeyInfo(Protocol):
+    """What the middleware needs of an API key (``modeld.daemon.apikeys.ApiKey``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
+
+
+class KeyVerifier(Protocol):
+    """Finds the key a TCP client presented (``modeld.daemon.apikeys.KeyRing``)."""
+
+    def verify(self, presented: str) -> ApiKeyInfo | None: ...
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What the middleware decided about one request's peer."""
+
+    role: Role
+    who: str  # for the log line: ``uid:gid:pid`` or ``key:NAME@ADDRESS``
+    described: str  # for a refusal: ``uid 1001 gid 1001 (pid 42)`` or ``API key 'webui'``
+    how_to_admin: str  # the setting or command that would make this peer an admin
+
+
+GRANT: web.RequestKey[Grant] = web.RequestKey("grant", Grant)
+
+
+def rule_of(request: web.Request) -> Rule | None:
+    """The rule of the route ``request`` matched; None when it matched none (404/405 follow)."""
+    resource = request.match_info.route.resource
+    if resource is None:
+        return None
+    method = "GET" if request.method == "HEAD" else request.method
+    return ROUTES.get((method, resource.canonical), _UNLISTED)
+
+
+def _socket_of(request: web.Request) -> Any:
+    return request.transport.get_extra_info("socket") if request.transport else None
+
+
+def on_unix_socket(request: web.Request) -> bool:
+    sock = _socket_of(request)
+    return sock is not None and sock.family == socket.AF_UNIX
+
+
+def describe_peer(request: web.Request) -> str:
+    """The peer for the log line when no grant was made: ``uid:gid:pid``, ``tcp:ADDRESS``."""
+    if GRANT in request:
+        return request[GRANT].who
+    if on_unix_socket(request):
+        peer = peer_credentials(_socket_of(request))
+        return str(peer) if peer is not None else "-"
+    return f"tcp:{request.remote or '-'}"
+
+
+def _unix_grant(settings: Settings, peer: Peer | None) -> Grant:
+    described = (
+        f"uid {peer.uid} gid {peer.gid} (pid {peer.pid})"
+        if peer is not None
+        else "a peer whose credentials cannot be read"
+    )
+    return Grant(
+        role=Role.ADMIN if is_admin(settings, peer) else Role.USE,
+        who=str(peer) if peer is not None else "-",
+        described=described,
+        how_to_admin=(
+            "add the uid to MODELD_ADMIN_UIDS or one of its groups to MODELD_ADMIN_GIDS "
+            "(admin_uids/admin_gids in the config file), then reload the daemon (SIGHUP)"
+        ),
+    )
+
+
+def _unauthorized(request: web.Request, reason: str, message: str) -> Unauthorized:
+    # Never the presented value, not even a prefix: a key in a log is a key given away.
+    logs.event(
+        "unauthorized",
+        logging.WARNING,
+        reason=reason,
+        remote=request.remote,
+        method=request.method,
+        path=request.path,
+    )
+    return Unauthorized(message)
+
+
+_HOW_TO_GET_A_KEY = (
+    "create one on the daemon's host with `modeld key add NAME` and send it as "
+    "`Authorization: Bearer <key>`"
+)
+
+
+def _key_grant(request: web.Request, keys: KeyVerifier | None) -> Grant:
+    header = request.headers.get("Authorization")
+    if header is None:
+        raise _unauthorized(
+            request, "missing", f"this listener needs an API key; {_HOW_TO_GET_A_KEY}"
+        )
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or len(token) > _MAX_KEY_CHARS:
+        raise _unauthorized(
+            request,
+            "malformed",
+            f"the Authorization header is not `Bearer <key>`; {_HOW_TO_GET_A_KEY}",
+        )
+    key = keys.verify(token) if keys is not None else None
+    if key is None:
+        raise _unauthorized(
+            request,
+            "unknown_key",
+            "the API key is not valid (never issued, or removed); `modeld key list` on the "
+            "daemon's host shows the keys in force",
+        )
+    return Grant(
+        role=Role(key.role),
+        who=f"key:{key.name}@{request.remote or '-'}",
+        described=f"API key {key.name!r}",
+        how_to_admin="use a key with the admin role (`modeld key add NAME --role admin`)",
+    )
+
+
+def _refusal(grant: Grant, what: str) -> Forbidden:
+    return Forbidden(
+        f"{what} needs the admin role; {grant.described} has the {grant.role} role: "
+        f"{grant.how_to_admin}"
+    )
+
+
+def check_body(request: web.Request, body: BaseModel) -> None:
+    """Refuse (403) a parsed body that sets a field its route keeps for admins."""
+    rule = rule_of(request)
+    if rule is None or not rule.admin_fields:
+        return
+    grant: Grant | None = request.get(GRANT)
+    if grant is not None and grant.role is Role.ADMIN:
+        return
+    asked = [f for f in rule.admin_fields if getattr(body, f, False)]
+    if asked:
+        if grant is None:
+            raise Forbidden(f"{rule.what} with {', '.join(asked)} needs the admin role")
+        raise _refusal(grant, f"{rule.what} with {' and '.join(asked)}")
+
+
+def _origin_allowed(settings: Settings, origin: str) -> bool:
+    return "*" in settings.cors_origins or origin.lower() in settings.cors_origins
+
+
+def _is_preflight(request: web.Request) -> bool:
+    return (
+        request.method == "OPTIONS"
+        and "Origin" in request.headers
+        and "Access-Control-Request-Method" in request.headers
+    )
+
+
+def _preflight(request: web.Request, settings: Settings) -> web.Response:
+    origin = request.headers["Origin"]
+    if not _origin_allowed(settings, origin):
+        raise Forbidden(
+            f"origin {origin[:100]!r} is not allowed; add it to MODELD_CORS_ORIGINS "
+            "(cors_origins in the config file) and restart or reload the daemon"
+        )
+    asked = request.headers.get("Access-Control-Request-Headers", "")[:_MAX_ECHOED_HEADERS]
+    return web.Response(
+        status=204,
+        headers={
+            "Access-Control-Allow-Methods": "GET, POST, DELETE",
+            "Access-Control-Allow-Headers": asked or "authorization, content-type",
+            "Access-Control-Max-Age": "600",
+        },
+    )
+
+
+def install(app: web.Application, services: Services, keys: KeyVerifier | None) -> None:
+    """Add the access middleware (inside the error middleware) and the CORS headers."""
+
+    @web.middleware
+    async def authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # Settings are read per request, so a SIGHUP applies new lists and origins at once.
+        settings = services.settings
+        if on_unix_socket(request):
+            peer = peer_credentials(_socket_of(request))
+            enforce_allow_lists(settings, peer)
+            grant = _unix_grant(settings, peer)
+        elif _is_preflight(request):
+            return _preflight(request, settings)
+        else:
+            grant = _key_grant(request, keys)
+        request[GRANT] = grant
+        rule = rule_of(request)
+        if rule is not None and not grant.role.covers(rule.role):
+            raise _refusal(grant, rule.what)
+        return await handler(request)
+
+    async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin is None or on_unix_socket(request):
+            return
+        if _origin_allowed(services.settings, origin):
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = "Retry-After, WWW-Authenticate"
+            response.headers.add("Vary", "Origin")
+
+    app.middlewares.append(authorize)
+    app.on_response_prepare.append(cors_headers)

@@ -1,0 +1,213 @@
+"""Roles on the socket: every route has one; a peer of the socket's group may *use*, not administer.
+
+The real daemon runs as root; the peer is a second uid, the real CLI under ``setpriv`` (and
+stdlib HTTP from a forked child that dropped to that uid).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modeld.api import make_app
+from modeld.api.access import ROUTES, Role
+from modeld.api.peers import Peer, is_admin
+from modeld.config import load_settings
+from modeld.daemon.daemon import build_services
+from tests.support.daemon import DaemonProcess, daemon_env
+from tests.support.state import MODELS, install_fixture
+from tests.support.unix import unix_request
+
+PEER_UID = PEER_GID = 4242
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="a second uid needs root and setpriv",
+)
+
+
+def test_every_route_has_a_role(clean_env: Path) -> None:
+    """Each registered route (method, path) is in the role table, and the table names no other."""
+    app = make_app(build_services(load_settings(home=clean_env / "home")))
+    registered = {
+        (route.method, route.resource.canonical)
+        for route in app.router.routes()
+        if route.resource is not None and route.method != "HEAD"
+    }
+    assert registered == set(ROUTES), (registered - set(ROUTES), set(ROUTES) - registered)
+    admin = {path for (_, path), rule in ROUTES.items() if rule.role is Role.ADMIN}
+    assert "/api/models/{id}/pull" in admin and "/api/models/import" in admin
+
+
+def test_admin_rules(clean_env: Path) -> None:
+    """Admins by default are root and the daemon's own uid; uids, gids and groups may be added."""
+    defaults = load_settings()
+    assert set(defaults.admin_uids) == {0, os.getuid()} and defaults.admin_gids == []
+    alice = Peer(pid=2, uid=1000, gid=1000, groups=(1000, 27))
+    assert is_admin(defaults, Peer(pid=1, uid=0, gid=0))
+    assert not is_admin(defaults, alice)
+    assert is_admin(load_settings(admin_uids="1000"), alice)
+    assert is_admin(load_settings(admin_gids=[27]), alice)
+    assert not is_admin(load_settings(admin_gids=[28]), alice)
+    # Naming admins replaces the defaults: root is then an admin only if listed.
+    assert not is_admin(load_settings(admin_uids=[1000]), Peer(pid=1, uid=0, gid=0))
+    assert not is_admin(defaults, None)
+
+
+def as_peer(*argv: str) -> list[str]:
+    return ["setpriv", f"--reuid={PEER_UID}", f"--regid={PEER_GID}", "--clear-groups", *argv]
+
+
+def requests_as_peer(sock: Path, requests: list[tuple[str, str, Any]]) -> list[tuple[int, Any]]:
+    """Send ``requests`` from a forked child running as the peer uid; their (status, body)."""
+    import json
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: drop to the peer's identity, then talk HTTP with the stdlib only
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setresgid(PEER_GID, PEER_GID, PEER_GID)
+            os.setresuid(PEER_UID, PEER_UID, PEER_UID)
+            out: Any = [unix_request(sock, m, t, b) for m, t, b in requests]
+        except BaseException as e:
+            out = repr(e)
+        try:
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        raw = f.read()
+    os.waitpid(pid, 0)
+    answers = json.loads(raw)
+    assert isinstance(answers, list), answers
+    return [(status, body) for status, body in answers]
+
+
+@pytest.fixture
+def shared_daemon(short_tmp: Path) -> Iterator[tuple[DaemonProcess, Path]]:
+    """A root daemon with tiny-text installed; its socket's group is the peer's (as a
+    ``SocketGroup=`` would make it); its admin lists come from a config file."""
+    short_tmp.chmod(0o755)
+    home, registry, run = short_tmp / "home", short_tmp / "registry", short_tmp / "run"
+    run.mkdir(mode=0o755)
+    install_fixture(home, "tiny-text", MODELS / "tiny-text.litertlm", registry=registry)
+    config = short_tmp / "modeld.toml"
+    config.write_text("")
+    env = daemon_env(
+        home,
+        MODELD_SOCKET=str(run / "modeld.sock"),
+        MODELD_REGISTRY=str(registry),
+        MODELD_CONFIG=str(config),
+        HOME=str(short_tmp),
+    )
+    d = DaemonProcess(home=home, env=env)
+    d.start()
+    os.chown(d.socket, 0, PEER_GID)
+    try:
+        yield d, config
+    finally:
+        d.stop()
+
+
+def peer_cli(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        as_peer(sys.executable, "-m", "modeld", *args),
+        env=d.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _path(canonical: str) -> str:
+    return canonical.replace("{id}", "tiny-text").replace("{model}", "tiny-text")
+
+
+@needs_root
+def test_socket_group_grants_use_not_admin(shared_daemon: tuple[DaemonProcess, Path]) -> None:
+    """A peer that reaches the socket through its group lists and generates, but every admin
+    route, and pin/allow_unverified, is a 403 naming the role and MODELD_ADMIN_UIDS."""
+    d, _ = shared_daemon
+    listed = peer_cli(d, "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert "tiny-text" in listed.stdout
+    ran = peer_cli(d, "run", "tiny-text", "hello", "--max-tokens", "3")
+    assert ran.returncode == 0, ran.stderr
+    assert peer_cli(d, "ps").returncode == 0
+
+    refused = {
+        "pull": ["pull", "tiny-text"],
+        "rm": ["rm", "tiny-text"],
+        "import": ["import", str(MODELS / "tiny-text.litertlm"), "tiny-text"],
+        "load with pin": ["load", "tiny-text", "--pin"],
+        "load with allow_unverified": ["load", "tiny-text", "--allow-unverified"],
+    }
+    for what, args in refused.items():
+        result = peer_cli(d, *args)
+        assert result.returncode == 1, (what, result.stdout, result.stderr)
+        line = result.stderr.strip()
+        assert f"{what} needs the admin role" in line, line
+        assert f"uid {PEER_UID}" in line and "MODELD_ADMIN_UIDS" in line, line
+
+    # Every admin route of the table, straight over HTTP: none slips through.
+    admin_routes: list[tuple[str, str, dict[str, Any]]] = [
+        (method, _path(canonical), {})
+        for (method, canonical), rule in ROUTES.items()
+        if rule.role is Role.ADMIN
+    ]
+    fields = [
+        ("POST", "/api/engines", {"model": "tiny-text", "pin": True}),
+        ("POST", "/api/generate", {"model": "tiny-text", "prompt": "x", "allow_unverified": True}),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {
+                "model": "tiny-text",
+                "messages": [{"role": "user", "content": "x"}],
+                "allow_unverified": True,
+            },
+        ),
+    ]
+    use = [("GET", "/api/status", None), ("GET", "/api/health", None), ("GET", "/v1/models", None)]
+    answers = requests_as_peer(d.socket, admin_routes + fields + use)
+    for (method, target, _), (status, body) in zip(admin_routes + fields, answers, strict=False):
+        assert status == 403, (method, target, status, body)
+        assert body["error"]["code"] == "forbidden"
+        assert "needs the admin role" in body["error"]["message"]
+    assert [status for status, _ in answers[-len(use) :]] == [200, 200, 200]
+    # Still installed: nothing the peer asked for was done.
+    status, body = unix_request(d.socket, "GET", "/api/models/tiny-text")
+    assert status == 200 and body["installed"] is not None
+    assert f"peer={PEER_UID}:{PEER_GID}:" in d.wait_log("status=403")
+
+
+@needs_root
+def test_admin_uid_administers_after_sighup(shared_daemon: tuple[DaemonProcess, Path]) -> None:
+    """Listed in admin_uids (applied by SIGHUP), the same peer may pin, remove and import."""
+    d, config = shared_daemon
+    assert d.proc is not None
+    assert peer_cli(d, "load", "tiny-text", "--pin").returncode == 1
+    config.write_text(f"admin_uids = [0, {PEER_UID}]\n")
+    d.proc.send_signal(signal.SIGHUP)
+    assert "changed=admin_uids" in d.wait_log(" reloaded ")
+    for args in (
+        ["load", "tiny-text", "--pin"],
+        ["rm", "tiny-text", "--force"],
+        ["import", str(MODELS / "tiny-text.litertlm"), "tiny-text"],
+    ):
+        result = peer_cli(d, *args)
+        assert result.returncode == 0, (args, result.stderr)
+    status, body = unix_request(d.socket, "GET", "/api/models/tiny-text")
+    assert status == 200 and body["installed"]["verified_by"]
