@@ -24,7 +24,7 @@ import pytest
 
 from tests.support import nspawn
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "models" / "tiny-text.litertlm"
 SYSTEM_SOCKET = "/run/modeld/modeld.sock"
 
