@@ -147,7 +147,7 @@ def create_schema(conn: sqlite3.Connection) -> None:
     )
     # Version 2: what a bug report needs of a probe (the GPU adapter, the runtime version
     # and probe method it ran with, the child's stderr). A version 1 row has no method:
-    # it is shown but not trusted, so the file is probed again (see modeld.probe).
+    # it is shown but not trusted, so the file is probed again (see modeld.modelfile.probe).
     probes = db.table("probes")
     for column, kind in (("adapter", str), ("runtime", str), ("method", int), ("log", str)):
         if column not in probes.columns_dict:

@@ -123,7 +123,7 @@ def wait_journal(m: nspawn.Machine, needle: str, *args: str, timeout: float = 30
 
 
 def runner_pids(m: nspawn.Machine, user: str) -> list[int]:
-    """``modeld.runner`` processes of ``user`` in the container."""
+    """``modeld.engine.runner.child`` processes of ``user`` in the container."""
     script = (
         "import os, pwd\n"
         f"uid = pwd.getpwnam({user!r}).pw_uid\n"
@@ -133,7 +133,7 @@ def runner_pids(m: nspawn.Machine, user: str) -> list[int]:
         "        owner = os.stat(f'/proc/{p}').st_uid\n"
         "    except (OSError, ValueError):\n"
         "        continue\n"
-        "    if p.isdigit() and owner == uid and b'modeld.runner' in cmd:\n"
+        "    if p.isdigit() and owner == uid and b'modeld.engine.runner.child' in cmd:\n"
         "        print(p)\n"
     )
     out = m.sh(f"python3 -c {shlex.quote(script)}").stdout
