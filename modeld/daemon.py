@@ -25,6 +25,7 @@ from aiohttp import web
 from modeld import logs
 from modeld.activation import inherited_listener
 from modeld.api import make_app
+from modeld.api.connections import ConnectionGuard, GuardedSite
 from modeld.catalog import Catalog, bundled_registry_dir
 from modeld.config import Settings
 from modeld.engines import register as register_engines
@@ -160,6 +161,8 @@ async def run(
         handle_signals=False,
         access_log=None,
         shutdown_timeout=settings.shutdown_timeout,
+        # aiohttp's idle timeout: a connection with no request running is closed after it.
+        keepalive_timeout=settings.idle_timeout,
     )
     sock: socket.socket | None = None
     inherited = False
@@ -172,7 +175,7 @@ async def run(
         sock = inherited_listener()
         inherited = sock is not None
         sock = sock or bind_socket(settings.socket_path)
-        await web.SockSite(runner, sock).start()
+        await GuardedSite(runner, sock, ConnectionGuard(settings)).start()
         where = str(sock.getsockname())
         logs.event(
             "ready", socket=where, version=services.version, pid=os.getpid(), inherited=inherited

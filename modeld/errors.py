@@ -95,6 +95,16 @@ class ModelInUse(Conflict):
     code = "model_in_use"
 
 
+# --- too slow (408) -------------------------------------------------------------------
+
+
+class RequestTimeout(ModeldError):
+    """The client did not send its request body within ``body_timeout``."""
+
+    code = "request_timeout"
+    status = 408
+
+
 # --- too large (413) -------------------------------------------------------------------
 
 

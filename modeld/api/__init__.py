@@ -15,14 +15,14 @@ from aiohttp import web
 
 from modeld import logs
 from modeld.api import admin, downloads, engines, guards, models, openai, system
+from modeld.api.bodies import BODY_LIMITS, BodyLimits
+from modeld.api.connections import track_requests
+from modeld.config import format_size
 from modeld.errors import Busy, ModeldError
 from modeld.peers import enforce as enforce_peer
 from modeld.services import Services
 
 SERVICES: web.AppKey[Services] = web.AppKey("services", Services)
-
-# Generation requests carry images as base64; 64 MiB leaves room for a few large ones.
-MAX_BODY = 64 * 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -73,7 +73,8 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
         message = {
             404: f"no route {request.method} {request.path}; see the README's API table",
             405: f"{request.method} is not allowed on {request.path}",
-            413: f"request body over {MAX_BODY} bytes; send smaller images or fewer of them",
+            413: f"request body over MODELD_MAX_BODY ({format_size(services.settings.max_body)}); "
+            "send smaller images or fewer of them",
         }.get(e.status, e.reason)
         response = _plain_error(e.status, code, message)
     except Exception:
@@ -98,8 +99,12 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
 
 def make_app(services: Services) -> web.Application:
     """The aiohttp application with every capability's routes."""
-    app = web.Application(middlewares=[_errors_and_metrics], client_max_size=MAX_BODY)
+    app = web.Application(
+        middlewares=[track_requests, _errors_and_metrics],
+        client_max_size=services.settings.max_body,
+    )
     app[SERVICES] = services
+    app[BODY_LIMITS] = BodyLimits(services.settings)
     for module in ROUTE_MODULES:
         module.add_routes(app, services)
     return app
