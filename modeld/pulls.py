@@ -26,10 +26,12 @@ from modeld.errors import (
     BadRequest,
     Conflict,
     CorruptModel,
+    DiskFull,
     DownloadNotFound,
     IntegrityError,
     ModelNotFound,
     ShuttingDown,
+    disk_full,
 )
 from modeld.journal import Journal
 from modeld.metrics import Metrics
@@ -189,7 +191,15 @@ class Downloads:
         self.settings.partial_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.settings.partial_dir / f"{target.model_id}.import-{os.getpid()}-{time.time_ns()}"
         try:
-            digest, linked = await asyncio.to_thread(_link_or_copy, path, tmp)
+            try:
+                digest, linked = await asyncio.to_thread(_link_or_copy, path, tmp)
+            except OSError as e:
+                if disk_full(e) is None:
+                    raise
+                raise DiskFull(
+                    f"no space left in {self.settings.partial_dir} to import {path} "
+                    f"({size} bytes); free space (`modeld prune`) and import it again"
+                ) from e
             if target.sha256 is not None and digest != target.sha256:
                 raise IntegrityError(
                     f"{path} has sha256 {digest}, entry {target.model_id} expects "

@@ -8,12 +8,14 @@ A mixin for :class:`modeld.store.Store`: every method runs through the store's `
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from modeld import logs
+from modeld.errors import disk_full
 
 __all__ = ["StoreRecords"]
 
@@ -102,15 +104,24 @@ class StoreRecords:
         return {"summary": summary, "results": results, "problems": []}
 
     async def event(self: _Db, kind: str, **fields: Any) -> None:
-        """Append one event to the ``events`` table (and the log)."""
+        """Append one event to the ``events`` table (and the log).
+
+        An event is a record of something already done: a full disk loses the row (the log
+        line stays), never the outcome of the work it records.
+        """
         logs.event(kind, **fields)
         payload = json.dumps({k: v for k, v in fields.items() if v is not None}, default=str)
         now = time.time()
-        await self.write(
-            lambda c: c.execute(
-                "INSERT INTO events (at, kind, fields) VALUES (?, ?, ?)", (now, kind, payload)
+        try:
+            await self.write(
+                lambda c: c.execute(
+                    "INSERT INTO events (at, kind, fields) VALUES (?, ?, ?)", (now, kind, payload)
+                )
             )
-        )
+        except sqlite3.OperationalError as e:
+            if disk_full(e) is None:
+                raise
+            logs.event("event_not_recorded", logging.WARNING, kind=kind, error=str(e))
 
     async def events(self: _Db, limit: int = 100) -> list[dict[str, Any]]:
         """The latest events, newest first."""

@@ -10,6 +10,7 @@ import json
 import os
 import select
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -429,5 +430,66 @@ def test_image_bomb_is_refused_from_its_header(short_tmp: Path) -> None:
         assert "13000x13000" in error_of(raw)["message"]
         assert "MODELD_MAX_IMAGE_PIXELS" in error_of(raw)["message"]
         assert unix_http(d.socket)[0] == 200
+    finally:
+        d.stop()
+
+
+# --- a full disk -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(short_tmp: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs (root only: tests run as root elsewhere too), unmounted after."""
+    mnt = short_tmp / "disk"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mnt)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(directory: Path) -> None:
+    """Write zeros into ``directory`` until its file system is full."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, bytes(65536))
+    except OSError as e:
+        assert e.errno == 28, e
+    finally:
+        os.close(fd)
+
+
+def test_full_disk_is_507_on_import_and_rm(small_disk: Path, short_tmp: Path) -> None:
+    """With the state dir's disk full, importing a file (ENOSPC) and removing a model
+    ("database or disk is full") are 507 disk_full saying what to do, not 500s."""
+    home, registry = small_disk / "home", short_tmp / "registry"
+    install_fixture(home, "tiny-text", MODELS / "tiny-text.litertlm", registry=registry)
+    write_entry(registry, "tiny-text-b", size=(MODELS / "tiny-text-b.litertlm").stat().st_size)
+    d = DaemonProcess(home=home, env=daemon_env(home, MODELD_REGISTRY=str(registry)))
+    d.log_path = short_tmp / "daemon.log"
+    d.start_quick()
+    try:
+        _fill(small_disk)
+        body = {"path": str(MODELS / "tiny-text-b.litertlm"), "id": "tiny-text-b"}
+        status, doc = unix_request(d.socket, "POST", "/api/models/import", body)
+        assert status == 507, doc
+        assert doc["error"]["code"] == "disk_full"
+        assert "free space" in doc["error"]["message"]
+        assert not list((home / "partial").iterdir())
+        status, doc = unix_request(d.socket, "DELETE", "/api/models/tiny-text")
+        assert status == 507, doc
+        assert doc["error"]["code"] == "disk_full"
+        assert "free space" in doc["error"]["message"]
+        (small_disk / "filler").unlink()
+        status, doc = unix_request(d.socket, "DELETE", "/api/models/tiny-text")
+        assert status == 200, doc
     finally:
         d.stop()

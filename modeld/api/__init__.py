@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sqlite3
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -18,7 +19,7 @@ from modeld.api import admin, downloads, engines, guards, models, openai, system
 from modeld.api.bodies import BODY_LIMITS, BodyLimits
 from modeld.api.connections import track_requests
 from modeld.config import format_size
-from modeld.errors import Busy, ModeldError
+from modeld.errors import Busy, ModeldError, disk_full
 from modeld.peers import enforce as enforce_peer
 from modeld.services import Services
 
@@ -77,6 +78,15 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
             "send smaller images or fewer of them",
         }.get(e.status, e.reason)
         response = _plain_error(e.status, code, message)
+    except (OSError, sqlite3.OperationalError) as e:
+        full = disk_full(e)
+        if full is None:
+            logging.getLogger("modeld").exception(
+                "unhandled error on %s %s", request.method, request.path
+            )
+            response = _plain_error(500, "internal", "internal error; see the daemon's log")
+        else:
+            response = error_response(full)
     except Exception:
         logging.getLogger("modeld").exception(
             "unhandled error on %s %s", request.method, request.path
