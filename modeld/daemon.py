@@ -1,6 +1,7 @@
 """Wiring, start-up and ordered shutdown of the daemon.
 
-Start-up: settings → state dir and its lock → each capability's part → the socket (bound
+Start-up: settings → umask 077 → state dir and its lock → the database checked (never
+changed when unusable) → each capability's part → the socket (its directory checked, bound
 never more open than 0660) → serving. Shutdown on SIGTERM/SIGINT (uvicorn's order): stop
 accepting, let in-flight requests finish within ``shutdown_timeout``, cancel the rest,
 run each part's stop hook (reverse order), remove the socket.
@@ -35,6 +36,7 @@ from modeld.notify import Notifier
 from modeld.pulls import register as register_downloads
 from modeld.services import Services
 from modeld.store import Store
+from modeld.store_schema import check_database
 
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_SOCKET_PATH = 107
@@ -69,6 +71,51 @@ def _claim_socket_path(path: Path) -> None:
     )
 
 
+def check_socket_dir(directory: Path) -> None:
+    """The socket's directory must be this uid's or root's, and not writable by others.
+
+    Whoever can write to it can replace the socket with their own between two starts (and
+    clients would talk to them), or swap it for a symlink while the daemon sets its mode.
+    """
+    st = directory.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise SettingsError(f"MODELD_SOCKET: {directory} is not a directory; choose another path")
+    uid = os.geteuid()
+    if st.st_uid not in (uid, 0):
+        raise SettingsError(
+            f"the socket's directory {directory} belongs to uid {st.st_uid}, not to uid {uid} "
+            "(this daemon) or root, so its owner could replace the socket; set MODELD_SOCKET "
+            "to a path in a directory of yours, such as $XDG_RUNTIME_DIR"
+        )
+    if st.st_mode & stat.S_IWOTH:
+        raise SettingsError(
+            f"the socket's directory {directory} is writable by others "
+            f"(mode {stat.S_IMODE(st.st_mode):o}), so anyone could replace the socket; "
+            f"run `chmod o-w {directory}` or set MODELD_SOCKET to a path in a private directory"
+        )
+
+
+def _set_socket_mode(path: Path, mode: int) -> None:
+    """chmod the socket just bound through a descriptor of that very file.
+
+    ``chmod(path)`` would follow a symlink put in its place. ``fchmod`` on the listening
+    socket's own descriptor changes only the kernel's socket inode on Linux, not the file
+    clients connect through, so the file is opened ``O_PATH|O_NOFOLLOW`` and changed
+    through ``/proc/self/fd``.
+    """
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            raise Conflict(
+                f"{path} was replaced right after it was bound; find out who writes to "
+                f"{path.parent}, then start again"
+            )
+        Path(f"/proc/self/fd/{fd}").chmod(mode)
+    finally:
+        os.close(fd)
+
+
 def bind_socket(path: Path) -> socket.socket:
     """Bind and listen on ``path`` with mode 0660 from the first instant."""
     if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
@@ -76,6 +123,7 @@ def bind_socket(path: Path) -> socket.socket:
             f"MODELD_SOCKET={path}: longer than {_MAX_SOCKET_PATH} bytes; choose a shorter path"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
+    check_socket_dir(path.parent)
     _claim_socket_path(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(_SOCKET_UMASK)
@@ -86,7 +134,11 @@ def bind_socket(path: Path) -> socket.socket:
         raise
     finally:
         os.umask(old_umask)
-    path.chmod(0o660)
+    try:
+        _set_socket_mode(path, 0o660)
+    except BaseException:
+        sock.close()
+        raise
     sock.listen(128)
     sock.setblocking(False)
     return sock
@@ -104,6 +156,20 @@ def lock_state_dir(home: Path) -> IO[str]:
             raise Conflict(
                 f"another modeld already uses the state dir {home}; stop it or set MODELD_HOME"
             ) from e
+        raise
+    return lock
+
+
+def open_state_dir(settings: Settings) -> IO[str]:
+    """Create the state dirs, lock them, and check the database; return the held lock."""
+    for d in (settings.home, settings.blobs_dir, settings.partial_dir, settings.cache_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    lock = lock_state_dir(settings.home)
+    try:
+        # Before any part opens it: a database modeld cannot use stops start-up untouched.
+        check_database(settings.db_path)
+    except BaseException:
+        lock.close()
         raise
     return lock
 
@@ -144,9 +210,7 @@ async def run(
     SIGHUP reloads what can change live (``lifecycle.LIVE_FIELDS``) and the registry.
     """
     notifier = notifier or Notifier.from_environ()
-    for d in (settings.home, settings.blobs_dir, settings.partial_dir, settings.cache_dir):
-        d.mkdir(parents=True, exist_ok=True)
-    lock = lock_state_dir(settings.home)
+    lock = open_state_dir(settings)
     services = build_services(settings)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -216,11 +280,15 @@ async def run(
 def serve(settings: Settings) -> int:
     """Run the daemon; return the process exit status."""
     logs.setup(settings.log_level)
+    # Everything the daemon creates in its state dir is its own: dirs 0700, files 0600. The
+    # socket's mode is set apart (0660, at bind).
+    os.umask(0o077)
     notifier = Notifier.from_environ()
     try:
         asyncio.run(run(settings, notifier=notifier))
     except ModeldError as e:
-        logs.event("start_failed", logging.ERROR, code=e.code, message=e.message)
+        # The CLI prints the message as its one line on stderr; logging it too would print
+        # it twice there (and twice in the journal).
         notifier.status(f"failed: {e.message}")
         raise
     return 0

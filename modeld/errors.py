@@ -229,6 +229,13 @@ def disk_full(exc: BaseException) -> DiskFull | None:
     return None
 
 
+class DatabaseUnusable(ModeldError, OSError):
+    """The state database cannot be opened or written; start-up stops without touching it."""
+
+    code = "database_unusable"
+    status = 500
+
+
 class DaemonUnavailable(ModeldError, ConnectionError):
     """The CLI or client could not reach a daemon on the socket."""
 

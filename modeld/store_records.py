@@ -21,6 +21,9 @@ __all__ = ["StoreRecords"]
 
 T = TypeVar("T")
 
+# The events table keeps this many rows, the newest; older ones are deleted as new ones come.
+EVENTS_KEPT = 10_000
+
 
 class _Db(Protocol):
     """What the mixin needs from its host: the store's two transaction runners."""
@@ -104,7 +107,7 @@ class StoreRecords:
         return {"summary": summary, "results": results, "problems": []}
 
     async def event(self: _Db, kind: str, **fields: Any) -> None:
-        """Append one event to the ``events`` table (and the log).
+        """Append one event to the ``events`` table (and the log); keep the last ``EVENTS_KEPT``.
 
         An event is a record of something already done: a full disk loses the row (the log
         line stays), never the outcome of the work it records.
@@ -112,12 +115,16 @@ class StoreRecords:
         logs.event(kind, **fields)
         payload = json.dumps({k: v for k, v in fields.items() if v is not None}, default=str)
         now = time.time()
+
+        def append(c: sqlite3.Connection) -> None:
+            seq = c.execute(
+                "INSERT INTO events (at, kind, fields) VALUES (?, ?, ?)", (now, kind, payload)
+            ).lastrowid
+            if seq is not None and seq > EVENTS_KEPT:
+                c.execute("DELETE FROM events WHERE seq <= ?", (seq - EVENTS_KEPT,))
+
         try:
-            await self.write(
-                lambda c: c.execute(
-                    "INSERT INTO events (at, kind, fields) VALUES (?, ?, ?)", (now, kind, payload)
-                )
-            )
+            await self.write(append)
         except sqlite3.OperationalError as e:
             if disk_full(e) is None:
                 raise
