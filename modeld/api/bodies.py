@@ -73,6 +73,7 @@ class _CountingDecoder(json.JSONDecoder):
         super().__init__()
         self.values = 0
         self.depth = 0
+        self._scan: _Scan | None = None
         # Undocumented in typeshed, but part of json since Python 2.6: the pure-Python scanner
         # and the container parsers it calls back.
         self.parse_array = self._array
@@ -80,40 +81,44 @@ class _CountingDecoder(json.JSONDecoder):
         self.scan_once = json.scanner.py_make_scanner(self)  # type: ignore[attr-defined]
 
     def _counted(self, scan_once: _Scan) -> _Scan:
-        def scan(s: str, idx: int) -> tuple[Any, int]:
-            self.values += 1
-            if self.values > JSON_MAX_VALUES:
-                raise _too_many()
-            return scan_once(s, idx)
+        """The scanner's own ``scan_once`` (the same each call), counting each value."""
+        if self._scan is None:
 
-        return scan
+            def scan(s: str, idx: int) -> tuple[Any, int]:
+                self.values += 1
+                if self.values > JSON_MAX_VALUES:
+                    raise _too_many()
+                return scan_once(s, idx)
 
-    @contextmanager
-    def _level(self) -> Iterator[None]:
+            self._scan = scan
+        return self._scan
+
+    def _array(self, s_and_end: tuple[str, int], scan_once: _Scan) -> tuple[Any, int]:
         self.depth += 1
         if self.depth > JSON_MAX_DEPTH:
             raise _too_deep()
         try:
-            yield
-        finally:
-            self.depth -= 1
-
-    def _array(self, s_and_end: tuple[str, int], scan_once: _Scan) -> tuple[Any, int]:
-        with self._level():
             parsed: tuple[Any, int] = json.decoder.JSONArray(  # type: ignore[attr-defined]
                 s_and_end, self._counted(scan_once)
             )
             return parsed
+        finally:
+            self.depth -= 1
 
     def _object(
         self, s_and_end: tuple[str, int], strict: bool, scan_once: _Scan, *hooks: Any
     ) -> tuple[Any, int]:
         # hooks: object_hook, object_pairs_hook, memo, as the scanner passes them.
-        with self._level():
+        self.depth += 1
+        if self.depth > JSON_MAX_DEPTH:
+            raise _too_deep()
+        try:
             parsed: tuple[Any, int] = json.decoder.JSONObject(  # type: ignore[attr-defined]
                 s_and_end, strict, self._counted(scan_once), *hooks
             )
             return parsed
+        finally:
+            self.depth -= 1
 
 
 def _check_depth(doc: Any) -> None:
