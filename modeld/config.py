@@ -49,7 +49,11 @@ def parse_size(value: str | int | float) -> int:
     """Parse ``4GiB``, ``500MB``, ``1024`` (bytes) into a byte count; raise ValueError."""
     if isinstance(value, bool):
         raise ValueError("not a size")
-    if isinstance(value, int | float):
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("not a size")
+        return value
+    if isinstance(value, float):
         if value < 0 or not math.isfinite(value):
             raise ValueError("not a size")
         return int(value)
@@ -68,6 +72,9 @@ def parse_duration(value: str | int | float) -> float:
     if isinstance(value, bool):
         raise ValueError("not a duration")
     if isinstance(value, int | float):
+        # math.isfinite() of an int past the float range raises OverflowError.
+        if isinstance(value, int) and abs(value) > 2**1023:
+            raise ValueError("not a duration")
         if not math.isfinite(value):
             raise ValueError("not a duration")
         return -1.0 if value < 0 else float(value)
@@ -306,13 +313,21 @@ class Settings(BaseSettings):
     listen: Annotated[list[str], NoDecode] = Field(default_factory=list)
     api_keys_file: Path | None = None
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Bounds on what clients may send; docs/security.md says what each one protects.
+    max_body: SizeSetting = 64 * 1024**2
+    body_memory: SizeSetting = 256 * 1024**2
+    body_timeout: DurationSetting = 60.0
+    max_connections: int = Field(default=256, ge=1, le=65536)
+    header_timeout: DurationSetting = 10.0
+    idle_timeout: DurationSetting = 30.0
+    max_image_pixels: int = Field(default=40_000_000, ge=1)
 
-    @field_validator("memory_budget", "piece_size", mode="before")
+    @field_validator("memory_budget", "piece_size", "max_body", "body_memory", mode="before")
     @classmethod
     def _size(cls, v: Any) -> int:
         return parse_size(v)
 
-    @field_validator("memory_budget", "piece_size")
+    @field_validator("memory_budget", "piece_size", "max_body", "body_memory")
     @classmethod
     def _positive_size(cls, v: int) -> int:
         if v <= 0:
@@ -326,12 +341,30 @@ class Settings(BaseSettings):
             return None
         return parse_size(v)
 
-    @field_validator("keep_alive", "stall_timeout", "shutdown_timeout", mode="before")
+    @field_validator("body_memory")
+    @classmethod
+    def _room_for_one_body(cls, v: int, info: ValidationInfo) -> int:
+        max_body = info.data.get("max_body")
+        if isinstance(max_body, int) and v < max_body:
+            raise ValueError(f"must be at least max_body ({max_body} bytes)")
+        return v
+
+    @field_validator(
+        "keep_alive",
+        "stall_timeout",
+        "shutdown_timeout",
+        "body_timeout",
+        "header_timeout",
+        "idle_timeout",
+        mode="before",
+    )
     @classmethod
     def _duration(cls, v: Any) -> float:
         return parse_duration(v)
 
-    @field_validator("stall_timeout", "shutdown_timeout")
+    @field_validator(
+        "stall_timeout", "shutdown_timeout", "body_timeout", "header_timeout", "idle_timeout"
+    )
     @classmethod
     def _positive_duration(cls, v: float) -> float:
         if v <= 0:
@@ -464,6 +497,13 @@ class Settings(BaseSettings):
             "listen_public": self.listen_public,
             "api_keys_file": str(self.api_keys_path),
             "cors_origins": list(self.cors_origins),
+            "max_body": self.max_body,
+            "body_memory": self.body_memory,
+            "body_timeout": self.body_timeout,
+            "max_connections": self.max_connections,
+            "header_timeout": self.header_timeout,
+            "idle_timeout": self.idle_timeout,
+            "max_image_pixels": self.max_image_pixels,
             "config_file": str(p) if (p := config_file_path()) else None,
         }
 
@@ -476,6 +516,13 @@ def _allowed(field: str) -> str:
         "keep_alive": DURATION_HELP,
         "stall_timeout": DURATION_HELP,
         "shutdown_timeout": DURATION_HELP,
+        "max_body": SIZE_HELP,
+        "body_memory": SIZE_HELP + ", at least max_body",
+        "body_timeout": DURATION_HELP,
+        "header_timeout": DURATION_HELP,
+        "idle_timeout": DURATION_HELP,
+        "max_connections": "a whole number from 1 to 65536",
+        "max_image_pixels": "a whole number of pixels (width times height), 1 or more",
         "main_backend": "gpu or cpu",
         "vision_backend": "cpu or gpu",
         "log_level": "debug, info or warning",

@@ -9,7 +9,11 @@ This module imports nothing from the package (it is imported by everything).
 
 from __future__ import annotations
 
+import errno
 from typing import Any, ClassVar
+
+# sqlite3's SQLITE_FULL ("database or disk is full"), as sqlite3.Error.sqlite_errorcode.
+_SQLITE_FULL = 13
 
 
 class ModeldError(Exception):
@@ -93,6 +97,16 @@ class Conflict(ModeldError):
 
 class ModelInUse(Conflict):
     code = "model_in_use"
+
+
+# --- too slow (408) -------------------------------------------------------------------
+
+
+class RequestTimeout(ModeldError):
+    """The client did not send its request body within ``body_timeout``."""
+
+    code = "request_timeout"
+    status = 408
 
 
 # --- too large (413) -------------------------------------------------------------------
@@ -209,8 +223,35 @@ class DownloadError(ModeldError, OSError):
 
 
 class DiskFull(DownloadError):
+    """No space left where modeld writes: a download, an import, or the state database."""
+
     code = "disk_full"
     status = 507
+
+
+def disk_full(exc: BaseException) -> DiskFull | None:
+    """``exc`` as a ``DiskFull`` when it says a disk is full (ENOSPC, EDQUOT, SQLITE_FULL)."""
+    if isinstance(exc, DiskFull):
+        return exc
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" writing {exc.filename}" if exc.filename else ""
+        return DiskFull(
+            f"no space left on the disk{where}; free space (`modeld prune` removes partial "
+            "downloads and unused files) and try again"
+        )
+    if getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL:
+        return DiskFull(
+            "the state database cannot grow: its disk is full; free space (`modeld prune` "
+            "removes partial downloads and unused files) and try again"
+        )
+    return None
+
+
+class DatabaseUnusable(ModeldError, OSError):
+    """The state database cannot be opened or written; start-up stops without touching it."""
+
+    code = "database_unusable"
+    status = 500
 
 
 class DaemonUnavailable(ModeldError, ConnectionError):

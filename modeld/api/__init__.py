@@ -7,6 +7,7 @@ may call which route is decided in one place, ``access``.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 
@@ -15,13 +16,13 @@ from aiohttp import web
 from modeld import logs
 from modeld.api import access, admin, downloads, engines, guards, models, openai, report, system
 from modeld.api.access import KeyVerifier, describe_peer
-from modeld.errors import Busy, ModeldError, Unauthorized
+from modeld.api.bodies import BODY_LIMITS, BodyLimits
+from modeld.api.connections import track_requests
+from modeld.config import format_size
+from modeld.errors import Busy, ModeldError, Unauthorized, disk_full
 from modeld.services.parts import Services
 
 SERVICES: web.AppKey[Services] = web.AppKey("services", Services)
-
-# Generation requests carry images as base64; 64 MiB leaves room for a few large ones.
-MAX_BODY = 64 * 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -59,9 +60,19 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
         message = {
             404: f"no route {request.method} {request.path}; see the README's API table",
             405: f"{request.method} is not allowed on {request.path}",
-            413: f"request body over {MAX_BODY} bytes; send smaller images or fewer of them",
+            413: f"request body over MODELD_MAX_BODY ({format_size(services.settings.max_body)}); "
+            "send smaller images or fewer of them",
         }.get(e.status, e.reason)
         response = _plain_error(e.status, code, message)
+    except (OSError, sqlite3.OperationalError) as e:
+        full = disk_full(e)
+        if full is None:
+            logging.getLogger("modeld").exception(
+                "unhandled error on %s %s", request.method, request.path
+            )
+            response = _plain_error(500, "internal", "internal error; see the daemon's log")
+        else:
+            response = error_response(full)
     except Exception:
         logging.getLogger("modeld").exception(
             "unhandled error on %s %s", request.method, request.path
@@ -84,8 +95,12 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
 
 def make_app(services: Services, keys: KeyVerifier | None = None) -> web.Application:
     """The aiohttp application with every capability's routes; ``keys`` checks TCP clients."""
-    app = web.Application(middlewares=[_errors_and_metrics], client_max_size=MAX_BODY)
+    app = web.Application(
+        middlewares=[track_requests, _errors_and_metrics],
+        client_max_size=services.settings.max_body,
+    )
     app[SERVICES] = services
+    app[BODY_LIMITS] = BodyLimits(services.settings)
     # Before the routes' own middlewares (the id check): who may call comes first.
     access.install(app, services, keys)
     for module in ROUTE_MODULES:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
@@ -16,6 +15,7 @@ from pydantic import (
     ValidationError,
 )
 
+from modeld.api.bodies import read_json
 from modeld.config import parse_duration
 from modeld.errors import BadRequest
 from modeld.services.parts import Services
@@ -65,20 +65,6 @@ def _validation_message(e: ValidationError, fields: list[str]) -> str:
             problems.append(f"{name}: must be {_HINTS.get(name, err['msg'])}")
     # A union reports once per branch; say each field once.
     return "; ".join(dict.fromkeys(problems))
-
-
-async def read_object(request: web.Request) -> dict[str, Any]:
-    """The JSON object in the body ({} when there is none), or a 400 saying what is wrong."""
-    raw = await request.read()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the body is not JSON ({e}); send a JSON object") from e
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
 
 
 def _duration(name: str, value: str | int | float) -> float:
@@ -141,11 +127,11 @@ def add_routes(app: web.Application, services: Services) -> None:
 
     async def remove(request: web.Request) -> web.Response:
         model_id = request.match_info["id"]
-        force = _force(request, await read_object(request))
+        force = _force(request, await read_json(request, optional=True))
         return web.json_response(await remover.remove_model(model_id, force=force))
 
     async def prune(request: web.Request) -> web.Response:
-        body = await read_object(request)
+        body = await read_json(request, optional=True)
         try:
             parsed = PruneBody.model_validate(body)
         except ValidationError as e:

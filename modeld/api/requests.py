@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import io
-import json
+import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -32,12 +33,17 @@ from pydantic import (
     model_validator,
 )
 
+from modeld import logs
 from modeld.api import access
+from modeld.api.bodies import read_json
 from modeld.catalog.catalog import ID_PATTERN
 from modeld.errors import BadRequest, TooLarge
 from modeld.services.parts import Services
 
 IMAGE_LONG_SIDE = 640
+# A prompt over this many UTF-8 bytes per token of the engine's window is refused unread;
+# text averages ~4 bytes a token, so 32 leaves room for any prompt that fits.
+PROMPT_BYTES_PER_TOKEN = 32
 JPEG_QUALITY = 88
 # Bounds the runtime's C++ side takes without overflow (int32 fields).
 INT32 = 2**31 - 1
@@ -223,22 +229,6 @@ def parse(model: type[B], data: Any) -> B:
         raise BadRequest(validation_message(e, model)) from None
 
 
-async def read_json(request: web.Request, *, optional: bool = False) -> dict[str, Any]:
-    """The JSON object in the body (``{}`` when empty and ``optional``), else a clear 400."""
-    raw = await request.read()
-    if not raw.strip():
-        if optional:
-            return {}
-        raise BadRequest("the body is empty; send a JSON object")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise BadRequest(f"the body is not JSON ({str(e)[:120]}); send a JSON object") from e
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
-
-
 async def read_body(request: web.Request, model: type[B], *, optional: bool = False) -> B:
     """The body as ``model``; a field the route keeps for admins is refused here (403)."""
     body = parse(model, await read_json(request, optional=optional))
@@ -249,25 +239,45 @@ async def read_body(request: web.Request, model: type[B], *, optional: bool = Fa
 # --- generation ------------------------------------------------------------------------------
 
 
-def prepare_image(data: bytes) -> bytes:
+def prepare_image(data: bytes, max_pixels: int) -> bytes:
     """Turn upright, downscale to at most 640 px on the long side, re-encode as JPEG 88.
 
-    The EXIF orientation is applied first: a phone photo stored sideways reaches the model
-    upright, and the 640 px bound applies to its upright long side. The output carries no
-    EXIF, so nothing downstream turns it a second time.
+    Pillow reads only the header on ``open``: the pixel count is checked there, before any
+    decoding (a 219 KB PNG can decode to 13000 x 13000, 0.9 GB). The EXIF orientation is
+    applied before the resize: a phone photo stored sideways reaches the model upright, and
+    the 640 px bound applies to its upright long side. The output carries no EXIF, so
+    nothing downstream turns it a second time.
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            if width * height > max_pixels:
+                raise _too_many_pixels(width, height, max_pixels)
+            # A JPEG decodes straight to a smaller scale (1/2, 1/4, 1/8) when that is enough.
+            img.draft("RGB", (IMAGE_LONG_SIDE, IMAGE_LONG_SIDE))
             img.load()
             rgb = ImageOps.exif_transpose(img).convert("RGB")
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as e:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        # Pillow's own bound (about 179 MP; over 89 MP it warns) is past ours unless
+        # MODELD_MAX_IMAGE_PIXELS was raised.
+        raise TooLarge(f"an image has too many pixels ({e}); send a smaller image") from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
         raise BadRequest(f"an image could not be decoded ({e}); send PNG or JPEG bytes") from e
     rgb.thumbnail((IMAGE_LONG_SIDE, IMAGE_LONG_SIDE))
     out = io.BytesIO()
     rgb.save(out, format="JPEG", quality=JPEG_QUALITY)
     return out.getvalue()
+
+
+def _too_many_pixels(width: int, height: int, max_pixels: int) -> TooLarge:
+    logs.event("image_refused", logging.WARNING, width=width, height=height, limit=max_pixels)
+    return TooLarge(
+        f"an image is {width}x{height} ({width * height / 1e6:.1f} megapixels), over "
+        f"MODELD_MAX_IMAGE_PIXELS ({max_pixels / 1e6:g} megapixels); scale it down before "
+        f"sending (modeld uses it at {IMAGE_LONG_SIDE} px on the long side anyway)"
+    )
 
 
 def decode_base64(item: str, where: str) -> bytes:
@@ -383,16 +393,9 @@ async def start(
     if gen.image_count > limit:
         raise TooLarge(f"{gen.image_count} images sent; model {gen.model} takes at most {limit}")
     keep_alive = validate_keep_alive(gen.keep_alive)
-    prepared = 0.0
-    if gen.image_count:
-        # Decoding and re-encoding takes tens of ms per image: keep it off the event loop.
-        began = time.perf_counter()
-        job = await asyncio.to_thread(gen.job, prepare_image)
-        prepared = time.perf_counter() - began
-    else:
-        job = gen.job(bytes)
-    # The plan is resolved with the vision modality before any runner starts, so a file
-    # whose vision encoder needs gpu is refused here when vision=cpu.
+    # The install and the plan come first, resolved with the vision modality before any
+    # runner starts: a model that is not installed, or whose plan cannot take images (a
+    # vision encoder that needs gpu when vision=cpu), is refused before an image is decoded.
     target = await engines.target(
         gen.model,
         modalities=["text", "image"] if gen.image_count else ["text"],
@@ -400,6 +403,40 @@ async def start(
         allow_unverified=gen.allow_unverified,
         images=gen.image_count > 0,
     )
+    check_prompt(gen, target.model_id, target.max_tokens)
+    prepared = 0.0
+    if gen.image_count:
+        # Decoding and re-encoding takes tens of ms per image: keep it off the event loop.
+        prepare = functools.partial(prepare_image, max_pixels=services.settings.max_image_pixels)
+        began = time.perf_counter()
+        job = await asyncio.to_thread(gen.job, prepare)
+        prepared = time.perf_counter() - began
+    else:
+        job = gen.job(bytes)
     return target.engine_id, pool.generate(
         target, job, keep_alive=keep_alive, image_prepare=prepared
     )
+
+
+def check_prompt(gen: Generation, model_id: str, max_tokens: int) -> None:
+    """Refuse a prompt that cannot fit the engine's window, before the runtime tokenizes it.
+
+    The runtime tokenizes the whole conversation before it checks the window: a prompt of
+    millions of tokens took 15 s and 3.5 GB first. Text averages about 4 bytes a token, so
+    ``PROMPT_BYTES_PER_TOKEN`` bytes a token of the window is a bound no prompt that fits
+    comes near; the runtime still checks the exact count of what passes.
+    """
+    limit = max_tokens * PROMPT_BYTES_PER_TOKEN
+    size = 0
+    for turn in gen.turns:
+        # A character is at least one byte: count bytes only while under the limit.
+        size += len(turn.text)
+        if size <= limit:
+            size += len(turn.text.encode("utf-8", "surrogatepass")) - len(turn.text)
+        if size > limit:
+            logs.event("prompt_refused", logging.WARNING, model=model_id, size=size, limit=limit)
+            raise TooLarge(
+                f"the prompt is over {limit} bytes: model {model_id} takes {max_tokens} tokens "
+                f"at most, and modeld refuses prompts over {PROMPT_BYTES_PER_TOKEN} bytes a token "
+                "before tokenizing them; send a shorter prompt or fewer earlier messages"
+            )

@@ -1,6 +1,7 @@
 """Wiring, start-up and ordered shutdown of the daemon.
 
-Start-up: settings → state dir and its lock → each capability's part → the socket (bound
+Start-up: settings → umask 077 → state dir and its lock → the database checked (never
+changed when unusable) → each capability's part → the socket (its directory checked, bound
 never more open than 0660) and the opt-in TCP listeners (``MODELD_LISTEN``, API keys) →
 serving. Shutdown on SIGTERM/SIGINT (uvicorn's order): stop
 accepting, let in-flight requests finish within ``shutdown_timeout``, cancel the rest,
@@ -26,6 +27,7 @@ from aiohttp import web
 
 from modeld import logs
 from modeld.api import make_app
+from modeld.api.connections import ConnectionGuard, GuardedSite
 from modeld.catalog.catalog import Catalog, bundled_registry_dir
 from modeld.config import Settings, format_address, is_loopback
 from modeld.daemon.activation import inherited_listeners
@@ -37,6 +39,7 @@ from modeld.engine.engines import register as register_engines
 from modeld.errors import Conflict, ModeldError, SettingsError
 from modeld.services.parts import Services
 from modeld.services.verification import verification_hint
+from modeld.store.schema import check_database
 from modeld.store.store import Store
 
 # sun_path is 108 bytes on Linux, including the terminating NUL.
@@ -72,6 +75,51 @@ def _claim_socket_path(path: Path) -> None:
     )
 
 
+def check_socket_dir(directory: Path) -> None:
+    """The socket's directory must be this uid's or root's, and not writable by others.
+
+    Whoever can write to it can replace the socket with their own between two starts (and
+    clients would talk to them), or swap it for a symlink while the daemon sets its mode.
+    """
+    st = directory.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise SettingsError(f"MODELD_SOCKET: {directory} is not a directory; choose another path")
+    uid = os.geteuid()
+    if st.st_uid not in (uid, 0):
+        raise SettingsError(
+            f"the socket's directory {directory} belongs to uid {st.st_uid}, not to uid {uid} "
+            "(this daemon) or root, so its owner could replace the socket; set MODELD_SOCKET "
+            "to a path in a directory of yours, such as $XDG_RUNTIME_DIR"
+        )
+    if st.st_mode & stat.S_IWOTH:
+        raise SettingsError(
+            f"the socket's directory {directory} is writable by others "
+            f"(mode {stat.S_IMODE(st.st_mode):o}), so anyone could replace the socket; "
+            f"run `chmod o-w {directory}` or set MODELD_SOCKET to a path in a private directory"
+        )
+
+
+def _set_socket_mode(path: Path, mode: int) -> None:
+    """chmod the socket just bound through a descriptor of that very file.
+
+    ``chmod(path)`` would follow a symlink put in its place. ``fchmod`` on the listening
+    socket's own descriptor changes only the kernel's socket inode on Linux, not the file
+    clients connect through, so the file is opened ``O_PATH|O_NOFOLLOW`` and changed
+    through ``/proc/self/fd``.
+    """
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            raise Conflict(
+                f"{path} was replaced right after it was bound; find out who writes to "
+                f"{path.parent}, then start again"
+            )
+        Path(f"/proc/self/fd/{fd}").chmod(mode)
+    finally:
+        os.close(fd)
+
+
 def bind_socket(path: Path) -> socket.socket:
     """Bind and listen on ``path`` with mode 0660 from the first instant."""
     if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
@@ -79,6 +127,7 @@ def bind_socket(path: Path) -> socket.socket:
             f"MODELD_SOCKET={path}: longer than {_MAX_SOCKET_PATH} bytes; choose a shorter path"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
+    check_socket_dir(path.parent)
     _claim_socket_path(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(_SOCKET_UMASK)
@@ -89,7 +138,11 @@ def bind_socket(path: Path) -> socket.socket:
         raise
     finally:
         os.umask(old_umask)
-    path.chmod(0o660)
+    try:
+        _set_socket_mode(path, 0o660)
+    except BaseException:
+        sock.close()
+        raise
     sock.listen(128)
     sock.setblocking(False)
     return sock
@@ -154,6 +207,20 @@ def lock_state_dir(home: Path) -> IO[str]:
     return lock
 
 
+def open_state_dir(settings: Settings) -> IO[str]:
+    """Create the state dirs, lock them, and check the database; return the held lock."""
+    for d in (settings.home, settings.blobs_dir, settings.partial_dir, settings.cache_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    lock = lock_state_dir(settings.home)
+    try:
+        # Before any part opens it: a database modeld cannot use stops start-up untouched.
+        check_database(settings.db_path)
+    except BaseException:
+        lock.close()
+        raise
+    return lock
+
+
 def build_services(settings: Settings) -> Services:
     """Create every part and register its status section and hooks."""
     services = Services(settings=settings)
@@ -193,9 +260,7 @@ async def run(
     SIGHUP reloads what can change live (``lifecycle.LIVE_FIELDS``) and the registry.
     """
     notifier = notifier or Notifier.from_environ()
-    for d in (settings.home, settings.blobs_dir, settings.partial_dir, settings.cache_dir):
-        d.mkdir(parents=True, exist_ok=True)
-    lock = lock_state_dir(settings.home)
+    lock = open_state_dir(settings)
     services = build_services(settings)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -211,6 +276,8 @@ async def run(
         handle_signals=False,
         access_log=None,
         shutdown_timeout=settings.shutdown_timeout,
+        # aiohttp's idle timeout: a connection with no request running is closed after it.
+        keepalive_timeout=settings.idle_timeout,
     )
     sock: socket.socket | None = None
     inherited = False
@@ -224,8 +291,10 @@ async def run(
         sock = passed.unix
         inherited = sock is not None
         sock = sock or bind_socket(settings.socket_path)
-        await web.SockSite(runner, sock).start()
-        tcp = await _serve_tcp(runner, services, passed.tcp, keys)
+        # One guard for every listener: the connection bound is the daemon's, not a socket's.
+        guard = ConnectionGuard(settings)
+        await GuardedSite(runner, sock, guard).start()
+        tcp = await _serve_tcp(runner, services, passed.tcp, keys, guard)
         # READY only now: the sockets accept and every start hook (catalog, store) has run.
         _announce_ready(services, notifier, str(sock.getsockname()), tcp, inherited)
         if ready is not None:
@@ -274,12 +343,16 @@ def _announce_ready(
 
 
 async def _serve_tcp(
-    runner: web.AppRunner, services: Services, passed: list[socket.socket], keys: KeyRing
+    runner: web.AppRunner,
+    services: Services,
+    passed: list[socket.socket],
+    keys: KeyRing,
+    guard: ConnectionGuard,
 ) -> list[str]:
     """Start the TCP listeners; return their addresses (the port chosen for port 0)."""
     addresses: list[str] = []
     for tcp_sock in tcp_listeners(services.settings, passed):
-        await web.SockSite(runner, tcp_sock).start()
+        await GuardedSite(runner, tcp_sock, guard).start()
         address = format_address(*tcp_sock.getsockname()[:2])
         addresses.append(address)
         logs.event("listening", address=address, keys_file=str(keys.path))
@@ -305,11 +378,15 @@ async def _serve_tcp(
 def serve(settings: Settings) -> int:
     """Run the daemon; return the process exit status."""
     logs.setup(settings.log_level)
+    # Everything the daemon creates in its state dir is its own: dirs 0700, files 0600. The
+    # socket's mode is set apart (0660, at bind).
+    os.umask(0o077)
     notifier = Notifier.from_environ()
     try:
         asyncio.run(run(settings, notifier=notifier))
     except ModeldError as e:
-        logs.event("start_failed", logging.ERROR, code=e.code, message=e.message)
+        # The CLI prints the message as its one line on stderr; logging it too would print
+        # it twice there (and twice in the journal).
         notifier.status(f"failed: {e.message}")
         raise
     return 0

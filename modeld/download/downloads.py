@@ -28,10 +28,12 @@ from modeld.errors import (
     Conflict,
     CorruptModel,
     DigestConflict,
+    DiskFull,
     DownloadNotFound,
     IntegrityError,
     ModelNotFound,
     ShuttingDown,
+    disk_full,
 )
 from modeld.metrics import Metrics
 from modeld.store.vouches import MemoryVouches, VouchBook
@@ -195,7 +197,15 @@ class Downloads:
         self.settings.partial_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.settings.partial_dir / f"{target.model_id}.import-{os.getpid()}-{time.time_ns()}"
         try:
-            digest, linked = await asyncio.to_thread(_link_or_copy, path, tmp)
+            try:
+                digest, linked = await asyncio.to_thread(_link_or_copy, path, tmp)
+            except OSError as e:
+                if disk_full(e) is None:
+                    raise
+                raise DiskFull(
+                    f"no space left in {self.settings.partial_dir} to import {path} "
+                    f"({size} bytes); free space (`modeld prune`) and import it again"
+                ) from e
             by = await self._import_vouched_by(target, path, digest)
             result = await self.installer(target.model_id, tmp, digest, size, by)
         finally:

@@ -8,18 +8,23 @@ A mixin for :class:`modeld.store.store.Store`: every method runs through the sto
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from modeld import logs
+from modeld.errors import disk_full
 from modeld.hostinfo import PROBE_METHOD, runtime_version
 from modeld.store.vouches import Vouch
 
 __all__ = ["StoreRecords"]
 
 T = TypeVar("T")
+
+# The events table keeps this many rows, the newest; older ones are deleted as new ones come.
+EVENTS_KEPT = 10_000
 
 
 class _Db(Protocol):
@@ -193,15 +198,28 @@ class StoreRecords:
         )
 
     async def event(self: _Db, kind: str, **fields: Any) -> None:
-        """Append one event to the ``events`` table (and the log)."""
+        """Append one event to the ``events`` table (and the log); keep the last ``EVENTS_KEPT``.
+
+        An event is a record of something already done: a full disk loses the row (the log
+        line stays), never the outcome of the work it records.
+        """
         logs.event(kind, **fields)
         payload = json.dumps({k: v for k, v in fields.items() if v is not None}, default=str)
         now = time.time()
-        await self.write(
-            lambda c: c.execute(
+
+        def append(c: sqlite3.Connection) -> None:
+            seq = c.execute(
                 "INSERT INTO events (at, kind, fields) VALUES (?, ?, ?)", (now, kind, payload)
-            )
-        )
+            ).lastrowid
+            if seq is not None and seq > EVENTS_KEPT:
+                c.execute("DELETE FROM events WHERE seq <= ?", (seq - EVENTS_KEPT,))
+
+        try:
+            await self.write(append)
+        except sqlite3.OperationalError as e:
+            if disk_full(e) is None:
+                raise
+            logs.event("event_not_recorded", logging.WARNING, kind=kind, error=str(e))
 
     async def events(self: _Db, limit: int = 100) -> list[dict[str, Any]]:
         """The latest events, newest first."""

@@ -6,6 +6,7 @@ here touches blobs or runs a transaction of its own.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,11 +14,14 @@ from typing import Any
 
 import sqlite_utils
 
+from modeld.errors import DatabaseUnusable
+
 __all__ = [
     "BUSY_TIMEOUT_MS",
     "SCHEMA_VERSION",
     "Installed",
     "VerifyReport",
+    "check_database",
     "connect_db",
     "create_schema",
     "installed_from",
@@ -93,6 +97,59 @@ def connect_db(path: Path) -> sqlite3.Connection:
     conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     conn.execute("PRAGMA foreign_keys = ON")
     return conn
+
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def check_database(path: Path) -> None:
+    """Refuse a state database the daemon could not use, without writing to it.
+
+    Raises ``DatabaseUnusable`` for a file that cannot be opened for writing (read-only, a
+    read-only mount), is not SQLite, or fails SQLite's quick check. A missing file is fine:
+    the store creates it. Opening read-only never changes the file.
+    """
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise DatabaseUnusable(
+            f"the state dir {path.parent} is not writable by uid {os.geteuid()} (SQLite keeps "
+            "its journal beside the database); fix its owner or mode, or set MODELD_HOME"
+        )
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise DatabaseUnusable(
+            f"the state database {path} cannot be opened for writing ({e.strerror}); make it "
+            f"and its directory writable by uid {os.geteuid()}, or set MODELD_HOME elsewhere"
+        ) from None
+    try:
+        head = os.pread(fd, len(_SQLITE_MAGIC), 0)
+        empty = os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
+    why = None
+    if not empty and head != _SQLITE_MAGIC:
+        why = "is not an SQLite database"
+    else:
+        try:
+            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+            try:
+                row = conn.execute("PRAGMA quick_check(1)").fetchone()
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as e:
+            why = "cannot be read ({})".format(" ".join(str(e).split()))
+        else:
+            if row is None or row[0] != "ok":
+                # quick_check's report spans lines: keep the message on one.
+                why = "is damaged ({})".format(" ".join(str(row[0] if row else "?").split()))
+    if why is not None:
+        raise DatabaseUnusable(
+            f"the state database {path} {why}; modeld left it as it is. Restore it from a "
+            "backup, or move it away to start with an empty index (the model files stay in "
+            "blobs/ and show as orphans)"
+        )
 
 
 def create_schema(conn: sqlite3.Connection) -> None:

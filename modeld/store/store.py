@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from modeld import logs
-from modeld.errors import BadRequest, ModelNotInstalled
+from modeld.errors import BadRequest, DatabaseUnusable, ModelNotInstalled
 from modeld.store.fsutil import fsync_dir, fsync_path, place_blob
 from modeld.store.records import StoreRecords
 from modeld.store.scan import ScanReport, scan_state_dir, sha256_file
@@ -108,9 +108,16 @@ class Store(StoreRecords):
             daemon=True,
         )
         self._writer.start()
-        await started
-        self._reader = connect_db(self.db_path)
-        await self.scan()
+        try:
+            await started
+            self._reader = connect_db(self.db_path)
+            await self.scan()
+        except sqlite3.DatabaseError as e:
+            await self.close()
+            raise DatabaseUnusable(
+                f"the state database {self.db_path} cannot be used ({e}); check its "
+                "permissions and its disk, or set MODELD_HOME elsewhere"
+            ) from e
 
     async def close(self) -> None:
         """Finish queued writes and close the db (a stop hook; idempotent)."""

@@ -10,6 +10,7 @@ from PIL import Image, JpegImagePlugin
 from modeld.api.requests import IMAGE_LONG_SIDE, JPEG_QUALITY, prepare_image
 from modeld.errors import BadRequest
 
+MAX_PIXELS = 40_000_000  # the default MODELD_MAX_IMAGE_PIXELS
 EXIF_ORIENTATION = 0x0112
 
 
@@ -49,7 +50,7 @@ def test_long_side_is_bounded_and_aspect_kept(
     size: tuple[int, int], expected: tuple[int, int]
 ) -> None:
     """The long side is at most 640 px, the aspect ratio is kept, small images stay as they are."""
-    out = _open(prepare_image(_encode(Image.new("RGB", size, "red"))))
+    out = _open(prepare_image(_encode(Image.new("RGB", size, "red")), MAX_PIXELS))
     assert out.size == expected
     assert max(out.size) <= IMAGE_LONG_SIDE
 
@@ -57,7 +58,7 @@ def test_long_side_is_bounded_and_aspect_kept(
 def test_output_is_an_rgb_jpeg_at_quality_88() -> None:
     """Any input (here RGBA PNG) comes out as an RGB JPEG with quality 88's tables."""
     rgba = Image.new("RGBA", (900, 300), (10, 200, 30, 128))
-    out = _open(prepare_image(_encode(rgba)))
+    out = _open(prepare_image(_encode(rgba), MAX_PIXELS))
     assert (out.format, out.mode) == ("JPEG", "RGB")
     assert JPEG_QUALITY == 88
     assert _tables(out) == _quantization(88)
@@ -74,7 +75,7 @@ def test_exif_orientation_is_applied_before_the_resize() -> None:
     stored.paste((255, 0, 0), (0, 0, 640, 640))
     exif = Image.Exif()
     exif[EXIF_ORIENTATION] = 6
-    out = _open(prepare_image(_encode(stored, "JPEG", quality=95, exif=exif.tobytes())))
+    out = _open(prepare_image(_encode(stored, "JPEG", quality=95, exif=exif.tobytes()), MAX_PIXELS))
     assert out.size == (320, 640)
     top, bottom = out.getpixel((160, 40)), out.getpixel((160, 600))
     assert isinstance(top, tuple) and isinstance(bottom, tuple)
@@ -87,5 +88,5 @@ def test_exif_orientation_is_applied_before_the_resize() -> None:
 def test_an_undecodable_image_is_a_bad_request() -> None:
     """Bytes that are no image are a 400 that says what to send."""
     with pytest.raises(BadRequest) as info:
-        prepare_image(b"not an image at all")
+        prepare_image(b"not an image at all", MAX_PIXELS)
     assert "PNG or JPEG" in info.value.message

@@ -124,6 +124,8 @@ def test_daemon_socket_is_0660_when_started_with_umask_0(short_tmp: Path) -> Non
     """A real `modeld serve` started under umask 0 still leaves its socket at 0660."""
     old = os.umask(0)
     try:
+        # Made here for the daemon's log; a 0777 one would be refused as the socket's dir.
+        (short_tmp / "home").mkdir(mode=0o700)
         d = DaemonProcess(home=short_tmp / "home", env=daemon_env(short_tmp / "home"))
         d.start()
     finally:

@@ -1,0 +1,276 @@
+"""Connections to the socket: how many at once, and how long one may sit without a request.
+
+aiohttp bounds neither the number of connections nor the time a request head may take, and
+its idle timeout (``keepalive_timeout``) defaults to an hour: 20,000 idle connections took
+the daemon's every file descriptor. Each accepted connection is therefore wrapped here:
+
+- ``max_connections``: past it, the connection idle the longest (no request running) is
+  closed to make room; when every connection is running a request, the new one gets a 503
+  ``busy`` with ``Retry-After`` and is closed. An app holding idle connections cannot lock
+  out a new client.
+- ``header_timeout``: a request head must be complete this long after its first byte; a
+  client sending one header line a second is dropped.
+- ``idle_timeout`` (aiohttp's ``keepalive_timeout``): a connection with no request running
+  is closed after this long, counted from its opening or from its last response.
+
+``track_requests`` (a middleware) tells the wrapper when a request starts and ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from modeld import logs
+from modeld.api.peers import peer_credentials
+from modeld.config import Settings
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# A refused connection is closed once the client has read the 503, or after this long.
+_REFUSED_LINGER = 1.0
+# At most one log line a second for refused or evicted connections (a flood is one line).
+_LOG_EVERY = 1.0
+
+
+class ConnectionGuard:
+    """The connections of one listening socket: their count, and which ones are idle."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.max_connections = settings.max_connections
+        self.header_timeout = settings.header_timeout
+        # Accepted and not yet lost; ``closing`` are those this guard closed (their fds go
+        # at connection_lost, a loop turn later: a burst of accepts must not count them).
+        self.open: set[GuardedConnection] = set()
+        self.closing: set[GuardedConnection] = set()
+        # Connections with no request running, the one idle the longest first.
+        self.idle: OrderedDict[GuardedConnection, None] = OrderedDict()
+        self.refused = 0
+        self.evicted = 0
+        self._logged_at = 0.0
+        self._logged = (0, 0)
+
+    def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        """A protocol factory for ``loop.create_server`` around aiohttp's ``factory``."""
+
+        def make() -> asyncio.Protocol:
+            full = len(self.open) - len(self.closing) >= self.max_connections
+            if full and not self._evict_one():
+                self.refused += 1
+                self._log()
+                return _Refused()
+            # Counted (and evictable) from here, not from connection_made: accept() runs in
+            # bursts, and each new connection's connection_made comes a loop turn later.
+            conn = GuardedConnection(self, factory())
+            self.open.add(conn)
+            self.idle[conn] = None
+            return conn
+
+        return make
+
+    def _evict_one(self) -> bool:
+        """Close the connection idle the longest; False when none is idle."""
+        for conn in list(self.idle):
+            transport = conn.transport
+            # Output still queued is a response being sent: that connection is not idle.
+            if transport is not None and transport.get_write_buffer_size():
+                continue
+            del self.idle[conn]
+            if conn.close():
+                self.closing.add(conn)
+                self.evicted += 1
+                self._log()
+                return True
+        return False
+
+    def _log(self) -> None:
+        now = time.monotonic()
+        if now - self._logged_at < _LOG_EVERY:
+            return
+        refused, evicted = self.refused - self._logged[0], self.evicted - self._logged[1]
+        self._logged_at, self._logged = now, (self.refused, self.evicted)
+        logs.event(
+            "connections_bounded",
+            logging.WARNING,
+            open=len(self.open),
+            limit=self.max_connections,
+            refused=refused,
+            idle_closed=evicted,
+        )
+
+
+class GuardedConnection(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with the header timer and the idle mark."""
+
+    def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol) -> None:
+        self.guard = guard
+        self.inner = inner
+        self.transport: asyncio.Transport | None = None
+        self.in_request = False
+        # Closed before connection_made: closed there, and aiohttp never sees it.
+        self.doomed = False
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def close(self) -> bool:
+        """Close the connection; False when it was already closing."""
+        transport = self.transport
+        if transport is None:
+            self.doomed = True
+            return True
+        if transport.is_closing():
+            return False
+        transport.close()
+        return True
+
+    # --- what the request middleware reports ---------------------------------------------
+
+    def request_started(self) -> None:
+        self.in_request = True
+        self.guard.idle.pop(self, None)
+        self._cancel_timer()
+
+    def request_finished(self) -> None:
+        self.in_request = False
+        if self in self.guard.open:
+            self.guard.idle[self] = None
+
+    # --- asyncio.Protocol, passed on to aiohttp --------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if self.doomed:
+            transport.close()
+            return
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.doomed:
+            return
+        # The first bytes of a request head start its clock (once per head).
+        if not self.in_request and self._header_timer is None and data:
+            loop = asyncio.get_running_loop()
+            self._header_timer = loop.call_later(self.guard.header_timeout, self._head_too_slow)
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return None if self.doomed else self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        self.guard.open.discard(self)
+        self.guard.closing.discard(self)
+        self.guard.idle.pop(self, None)
+        self.transport = None
+        if not self.doomed:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def _cancel_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._header_timer = None
+        if self.in_request:
+            return
+        peer = _peer(self)
+        if self.close():
+            seconds = self.guard.header_timeout
+            logs.event("header_timeout", logging.WARNING, seconds=seconds, peer=peer)
+
+
+def _peer(conn: GuardedConnection) -> str:
+    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+    peer = peer_credentials(sock)
+    return str(peer) if peer is not None else "-"
+
+
+class _Refused(asyncio.Protocol):
+    """A connection past the limit: a 503 with ``Retry-After``, then closed."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        body = json.dumps(
+            {
+                "error": {
+                    "code": "busy",
+                    "message": "too many connections to modeld (MODELD_MAX_CONNECTIONS), all "
+                    "of them running a request; retry shortly",
+                }
+            }
+        ).encode()
+        head = (
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+        )
+        transport.write(head.encode() + body)
+        # Half-close: the client reads the answer to its end; its request is never read.
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(_REFUSED_LINGER, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        del data  # the request is not read: it is refused whatever it says
+
+    def eof_received(self) -> bool:
+        return False  # the client is done too: close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self.transport = None
+
+
+def connection_of(request: web.Request) -> GuardedConnection | None:
+    transport = request.transport
+    protocol: Any = transport.get_protocol() if transport is not None else None
+    return protocol if isinstance(protocol, GuardedConnection) else None
+
+
+@web.middleware
+async def track_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Mark the connection busy while a request runs (no header timer, never evicted)."""
+    conn = connection_of(request)
+    if conn is None:
+        return await handler(request)
+    conn.request_started()
+    try:
+        return await handler(request)
+    finally:
+        conn.request_finished()
+
+
+class GuardedSite(web.SockSite):
+    """aiohttp's ``SockSite`` whose connections go through a ``ConnectionGuard``."""
+
+    def __init__(self, runner: web.AppRunner, sock: Any, guard: ConnectionGuard) -> None:
+        super().__init__(runner, sock)
+        self.guard = guard
+
+    async def start(self) -> None:
+        # SockSite.start, with the guard around the server's protocol factory.
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self.guard.wrap(server), sock=self._sock, backlog=self._backlog
+        )
