@@ -133,6 +133,12 @@ class BackendConstraint(Refused):
     code = "backend_constraint"
 
 
+class NotEmbeddingModel(Refused):
+    """``/v1/embeddings`` asked of a model that generates text."""
+
+    code = "not_embedding_model"
+
+
 class ImageProbeFailed(Refused):
     """The plan could not run an image when probed on this host; text still runs."""
 

@@ -78,6 +78,8 @@ ROUTES: dict[tuple[str, str], Rule] = {
     ("GET", "/v1/models"): Rule(Role.USE, "list models"),
     ("GET", "/v1/models/{model}"): Rule(Role.USE, "show a model"),
     ("POST", "/v1/chat/completions"): Rule(Role.USE, "chat", ("allow_unverified",)),
+    ("POST", "/v1/completions"): Rule(Role.USE, "complete", ("allow_unverified",)),
+    ("POST", "/v1/embeddings"): Rule(Role.USE, "embed"),
     ("POST", "/api/models/{id}/pull"): Rule(Role.ADMIN, "pull"),
     ("POST", "/api/models/import"): Rule(Role.ADMIN, "import"),
     ("POST", "/api/models/{id}/verify"): Rule(Role.ADMIN, "verify"),

@@ -1,14 +1,34 @@
-"""OpenAI wire format on the socket: ``GET /v1/models`` and ``POST /v1/chat/completions``.
+"""OpenAI wire format: ``/v1/models[/{id}]``, ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/embeddings``.
 
-The ``openai`` client (and similar ones) work unchanged with an httpx Unix-socket transport.
-Requests go through the native generation path (``requests.start``); images come as
-``image_url`` data URLs and take the native image path. Errors keep modeld's ``code`` and
-``message`` and add OpenAI's ``type`` and ``param``. Unknown OpenAI fields are ignored (clients
-send many defaults), except those whose meaning modeld cannot honour (``n`` > 1, tools).
+The ``openai`` client (and LangChain's ``ChatOpenAI``, litellm, ...) work unchanged, over the
+socket (an httpx Unix-socket transport) or TCP with a key. Requests go through the native
+generation path (``requests.start``); images come as ``image_url`` data URLs and take the
+native image path. Errors keep modeld's ``code`` and ``message`` and add OpenAI's ``type`` and
+``param``.
+
+What maps to the runtime (LiteRT-LM's conversation API):
+- ``temperature``, ``top_p``, ``top_k``, ``seed``: its sampler; ``presence_penalty``,
+  ``frequency_penalty`` (and modeld's ``repetition_penalty``): its repetition settings;
+  ``max_tokens``/``max_completion_tokens``: ``max_output_tokens``; ``stop``: cut here.
+- ``response_format`` ``json_object``/``json_schema``: its constrained decoding (llguidance);
+  with ``strict`` the finished reply is also validated, and ``modeld.json.status`` says
+  ``schema_mismatch`` when complete JSON does not match.
+- ``tools``: given to the runtime with automatic tool calling off, so the calls the model
+  makes come back to the caller (``finish_reason: "tool_calls"``). ``tool_choice: "required"``
+  or a named function constrains the reply to a call (a JSON object naming one of the tools,
+  its arguments matching the tool's parameters), which modeld returns as the call.
+  ``tool_choice: "none"`` gives the model no tools.
+
+A field modeld cannot honour (``logprobs``, ``logit_bias``, ``n`` > 1, ``audio``, ...) is a 400
+naming it; an unknown field is a 400 too. Only fields that identify the caller and change no
+output (``user``, ``metadata``, ``safety_identifier``, ``prompt_cache_key``) are accepted and
+not used.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -18,12 +38,21 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from modeld.api import requests
+from modeld.api import access, requests
 from modeld.api.guards import check_model_id
 from modeld.api.requests import INT32, Backends, Duration, Generation, ModelId, Number, Turn
-from modeld.errors import BadRequest, Busy, ModeldError, ModelNotInstalled, TooLarge
+from modeld.errors import (
+    BadRequest,
+    Busy,
+    ModeldError,
+    ModelNotFound,
+    ModelNotInstalled,
+    NotEmbeddingModel,
+    TooLarge,
+)
+from modeld.modelfile import header as litertlm
 from modeld.services.parts import Services
 
 SSE = "text/event-stream"
@@ -33,8 +62,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class _Loose(BaseModel):
-    # OpenAI clients send fields modeld has no use for (user, logit_bias, ...): ignore them.
+    # Message parts and objects inside messages: fields modeld does not use (a participant's
+    # ``name``, an assistant's ``refusal``) change nothing it does, so they are let through.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class _Body(BaseModel):
+    """A top-level body: an unknown field is an error, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    # They identify the caller for OpenAI's own bookkeeping and change no output.
+    user: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
 
 
 class ImageUrl(_Loose):
@@ -54,40 +96,186 @@ class ImagePart(_Loose):
 
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class CalledFunction(_Loose):
+    name: FunctionName
+    arguments: StrictStr
+
+
+class ToolCallIn(_Loose):
+    """A call an earlier assistant message made (sent back with the tool's result)."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
 
 class ChatMessage(_Loose):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[Part] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: StrictStr | None = None
+
+
+class FunctionDef(_Loose):
+    name: FunctionName
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDef(_Loose):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Loose):
+    name: FunctionName
+
+
+class NamedTool(_Loose):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchema(_Loose):
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] = "response"
+    description: StrictStr | None = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema")] = {}
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(_Loose):
-    type: Literal["text", "json_object"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('"response_format.json_schema" is required for type json_schema')
+        return self
 
 
 class StreamOptions(_Loose):
     include_usage: StrictBool = False
 
 
-class ChatBody(_Loose):
-    """``POST /v1/chat/completions``; ``top_k``, ``keep_alive``, ``backends`` are modeld's."""
+Penalty = Annotated[Number, Field(ge=-2, le=2)]
+
+
+class _Sampled(_Body):
+    """Sampling fields of both completion bodies; ``top_k``, ``repetition_penalty``,
+    ``keep_alive``, ``backends`` and ``allow_unverified`` are modeld's."""
 
     model: ModelId
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32)] | None = None
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT32)] | None = None
     temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
     top_p: Annotated[Number, Field(ge=0, le=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=1, le=INT32)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, le=INT32)] | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None = None
-    response_format: ResponseFormat | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[Number, Field(ge=1, le=10)] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     n: Literal[1] | None = None
-    tools: list[Any] | None = None
     keep_alive: Duration | None = None
     allow_unverified: StrictBool = False
     backends: Backends | None = None
+
+
+class ChatBody(_Sampled):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=INT32)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    # At most one call is made when a call is required; "auto" returns what the model made.
+    parallel_tool_calls: StrictBool | None = None
+
+
+class CompletionBody(_Sampled):
+    """``POST /v1/completions``: the prompt goes to the model without the chat template."""
+
+    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+    # OpenAI's default for this route.
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32)] | None = 16
+
+
+class EmbeddingBody(_Body):
+    """``POST /v1/embeddings``."""
+
+    model: ModelId
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[StrictInt, Field(ge=1)] | None = None
+    keep_alive: Duration | None = None
+
+
+# Fields of OpenAI's bodies that modeld cannot honour, with why; each is a 400 when it asks for
+# something (a value that asks for nothing, such as ``logprobs: false``, passes).
+_CANNOT: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logprobs": (
+        lambda v: v not in (None, False, 0),
+        "log probabilities are not available from the LiteRT-LM runtime",
+    ),
+    "top_logprobs": (
+        lambda v: v not in (None, 0),
+        "log probabilities are not available from the LiteRT-LM runtime",
+    ),
+    "logit_bias": (bool, "the LiteRT-LM runtime takes no per-token bias"),
+    "n": (lambda v: v not in (None, 1), "modeld makes one choice per request; send n: 1"),
+    "best_of": (lambda v: v not in (None, 1), "modeld makes one choice per request"),
+    "echo": (bool, "modeld does not echo the prompt"),
+    "suffix": (lambda v: v not in (None, ""), "the LiteRT-LM runtime has no insertion mode"),
+    "functions": (lambda v: v is not None, "use tools instead (the legacy field is not taken)"),
+    "function_call": (
+        lambda v: v is not None,
+        "use tool_choice instead (the legacy field is not taken)",
+    ),
+    "audio": (lambda v: v is not None, "modeld answers with text only"),
+    "modalities": (lambda v: v not in (None, ["text"]), "modeld answers with text only"),
+    "prediction": (lambda v: v is not None, "predicted outputs are not supported"),
+    "web_search_options": (lambda v: v is not None, "modeld has no web search"),
+    "reasoning_effort": (lambda v: v is not None, "modeld has no reasoning-effort setting"),
+    "verbosity": (lambda v: v is not None, "modeld has no verbosity setting"),
+    "store": (bool, "modeld stores no completions"),
+    "service_tier": (
+        lambda v: v not in (None, "auto", "default"),
+        "modeld has one service tier",
+    ),
+}
+
+
+def refuse_unhonoured(data: dict[str, Any]) -> None:
+    """A 400 naming each field that asks for what modeld cannot do (before validation)."""
+    found = [
+        f'"{name}": {why}; leave it out'
+        for name, (asks, why) in _CANNOT.items()
+        if name in data and asks(data[name])
+    ]
+    if found:
+        raise BadRequest("; ".join(found))
+    for name in ("n", "best_of", "echo", "suffix", "store", "service_tier", "modalities"):
+        data.pop(name, None)  # passed the check above: asks for nothing
+    for name in ("logprobs", "top_logprobs", "logit_bias", "functions", "function_call"):
+        data.pop(name, None)
+    for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
+        data.pop(name, None)
+
+
+async def read_openai_body(request: web.Request, model: type[requests.B]) -> requests.B:
+    """The body as ``model``: unhonoured fields, then validation, then admin-only fields."""
+    data = await requests.read_json(request)
+    refuse_unhonoured(data)
+    body = requests.parse(model, data)
+    access.check_body(request, body)
+    return body
 
 
 # --- errors in OpenAI's shape ------------------------------------------------------------------
@@ -136,46 +324,129 @@ def _image(url: str, where: str) -> bytes:
     return requests.decode_base64(data, where)
 
 
-def _turn(i: int, m: ChatMessage) -> Turn:
+def _arguments(call: ToolCallIn, where: str) -> dict[str, Any]:
+    try:
+        args = json.loads(call.function.arguments or "{}")
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"{where}.function.arguments: not JSON ({e.msg})") from e
+    if not isinstance(args, dict):
+        raise BadRequest(f"{where}.function.arguments: must be a JSON object")
+    return args
+
+
+def _turn(i: int, m: ChatMessage, names: dict[str, str]) -> Turn:
+    """One message as a ``Turn``; ``names`` maps earlier tool call ids to their function."""
     role = "system" if m.role == "developer" else m.role
+    where = f'"messages[{i}]'
+    if role == "tool":
+        if m.tool_call_id is None or m.tool_call_id not in names:
+            raise BadRequest(
+                f'{where}.tool_call_id": must name a call of an earlier assistant message'
+            )
+        text = m.content if isinstance(m.content, str) else None
+        if text is None:
+            parts = m.content or []
+            text = "\n".join(p.text for p in parts if isinstance(p, TextPart))
+        return Turn("tool", text, name=names[m.tool_call_id])
+    calls = []
+    for j, call in enumerate(m.tool_calls or []):
+        if role != "assistant":
+            raise BadRequest(f'{where}.tool_calls": only assistant messages make tool calls')
+        names[call.id] = call.function.name
+        args = _arguments(call, f'{where}.tool_calls[{j}]"')
+        calls.append({"name": call.function.name, "arguments": args})
     if m.content is None:
         if role != "assistant":
-            raise BadRequest(f'"messages[{i}].content": is required for role {m.role}')
-        return Turn(role, "")
+            raise BadRequest(f'{where}.content": is required for role {m.role}')
+        return Turn(role, "", tool_calls=calls)
     if isinstance(m.content, str):
-        return Turn(role, m.content)
+        return Turn(role, m.content, tool_calls=calls)
     texts, images = [], []
     for j, part in enumerate(m.content):
         if isinstance(part, TextPart):
             texts.append(part.text)
             continue
         url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-        images.append(_image(url, f'"messages[{i}].content[{j}].image_url"'))
+        images.append(_image(url, f'{where}.content[{j}].image_url"'))
     if images and role != "user":
-        raise BadRequest(f'"messages[{i}]": only user messages may carry images')
-    return Turn(role, "\n".join(texts), images)
+        raise BadRequest(f'{where}": only user messages may carry images')
+    return Turn(role, "\n".join(texts), images, tool_calls=calls)
 
 
-def generation_of(body: ChatBody) -> Generation:
-    """A chat completion body as the native ``Generation``."""
-    if body.tools:
-        raise BadRequest('"tools": tool calling is not supported; send plain messages')
-    fmt = "json" if body.response_format and body.response_format.type == "json_object" else None
-    return Generation(
-        model=body.model,
-        turns=[_turn(i, m) for i, m in enumerate(body.messages)],
-        max_tokens=body.max_completion_tokens or body.max_tokens,
-        temperature=body.temperature,
-        top_k=body.top_k,
-        top_p=body.top_p,
-        seed=body.seed,
-        stop=requests.stops(body.stop),
-        format=fmt,
-        stream=bool(body.stream),
-        keep_alive=body.keep_alive,
-        allow_unverified=body.allow_unverified,
-        backends=body.backends.model_dump(exclude_none=True) if body.backends else None,
-    )
+def forced_call_schema(tools: list[ToolDef], name: str | None) -> dict[str, Any]:
+    """The JSON schema of one call to ``name`` (or to any of ``tools``)."""
+    options = []
+    for tool in tools:
+        fn = tool.function
+        if name is not None and fn.name != name:
+            continue
+        params = fn.parameters or {"type": "object", "properties": {}}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn.name}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    if not options:
+        raise BadRequest(f'"tool_choice.function.name": {name!r} is not one of the tools')
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _sampling(body: _Sampled) -> dict[str, Any]:
+    return {
+        "model": body.model,
+        "max_tokens": body.max_tokens,
+        "temperature": body.temperature,
+        "top_k": body.top_k,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "stop": requests.stops(body.stop),
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "stream": bool(body.stream),
+        "keep_alive": body.keep_alive,
+        "allow_unverified": body.allow_unverified,
+        "backends": body.backends.model_dump(exclude_none=True) if body.backends else None,
+    }
+
+
+def generation_of(body: ChatBody) -> tuple[Generation, bool]:
+    """A chat completion body as the native ``Generation``, and whether a call is forced."""
+    names: dict[str, str] = {}
+    turns = [_turn(i, m, names) for i, m in enumerate(body.messages)]
+    gen = Generation(turns=turns, **_sampling(body))
+    gen.max_tokens = body.max_completion_tokens or body.max_tokens
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        gen.format = "json"
+    elif fmt is not None and fmt.json_schema is not None:
+        gen.schema = fmt.json_schema.schema_ or {"type": "object"}
+        gen.strict = bool(fmt.json_schema.strict)
+    choice = body.tool_choice
+    if choice is not None and not body.tools:
+        raise BadRequest('"tool_choice": needs "tools"')
+    forced = False
+    if body.tools and choice != "none":
+        gen.tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        if choice == "required" or isinstance(choice, NamedTool):
+            if gen.schema is not None or gen.format is not None:
+                raise BadRequest(
+                    '"response_format": cannot be combined with a required tool call; '
+                    "the reply is then the call"
+                )
+            name = choice.function.name if isinstance(choice, NamedTool) else None
+            gen.schema = forced_call_schema(body.tools, name)
+            gen.strict = True
+            forced = True
+    return gen, forced
+
+
+def completion_generation(body: CompletionBody) -> Generation:
+    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    return Generation(turns=[Turn("user", prompt)], raw=True, **_sampling(body))
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -191,10 +462,6 @@ def usage_of(final: dict[str, Any]) -> dict[str, int]:
     }
 
 
-def _finish(final: dict[str, Any]) -> str:
-    return "length" if final.get("finish") == "length" else "stop"
-
-
 def _extension(final: dict[str, Any]) -> dict[str, Any]:
     """modeld's own fields: engine, phase timings and, for JSON output, the diagnostics."""
     out = {"engine": final.get("engine"), "timings": final.get("timings")}
@@ -203,15 +470,47 @@ def _extension(final: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def tool_calls_of(final: dict[str, Any], text: str, forced: bool) -> list[dict[str, Any]]:
+    """The reply's tool calls in OpenAI's shape: the runtime's, or a forced reply as one call.
+
+    A forced reply was constrained to the call's schema and validated against it; one cut
+    short (``max_tokens``) is no call, and its text is returned as content instead.
+    """
+    calls = list(final.get("tool_calls") or [])
+    if forced and (final.get("json") or {}).get("status") == "complete":
+        doc = json.loads(text)
+        calls = [{"name": doc["name"], "arguments": doc["arguments"]}]
+    return [
+        {
+            "id": "call_" + secrets.token_hex(12),
+            "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+        }
+        for c in calls
+    ]
+
+
+def _finish(final: dict[str, Any], calls: list[dict[str, Any]]) -> str:
+    if calls:
+        return "tool_calls"
+    return "length" if final.get("finish") == "length" else "stop"
+
+
 def _compact(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-class _Chat:
-    """One completion's identity, shared by its chunks."""
+def _event(doc: dict[str, Any]) -> bytes:
+    return b"data: " + _compact(doc) + b"\n\n"
 
-    def __init__(self, model: str) -> None:
-        self.id = "chatcmpl-" + secrets.token_hex(12)
+
+class _Reply:
+    """One completion's identity and shape (chat or text), shared by its chunks."""
+
+    def __init__(self, model: str, *, chat: bool, forced: bool = False) -> None:
+        self.chat = chat
+        self.forced = forced
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.model = model
 
@@ -219,22 +518,70 @@ class _Chat:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        doc = self.head("chat.completion.chunk")
-        doc["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-        return b"data: " + _compact(doc) + b"\n\n"
+        """A streamed chunk: a chat ``delta``, or a text completion's ``{"text": ...}``."""
+        if self.chat:
+            doc = self.head("chat.completion.chunk")
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            doc = self.head("text_completion")
+            choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None}
+            choice["finish_reason"] = finish
+        doc["choices"] = [choice]
+        return _event(doc)
+
+    def usage_chunk(self, final: dict[str, Any]) -> bytes:
+        doc = self.head("chat.completion.chunk" if self.chat else "text_completion")
+        doc.update(choices=[], usage=usage_of(final), modeld=_extension(final))
+        return _event(doc)
 
     def completion(self, text: str, final: dict[str, Any]) -> dict[str, Any]:
-        doc = self.head("chat.completion")
-        message = {"role": "assistant", "content": text, "refusal": None}
-        doc["choices"] = [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish(final)}
-        ]
+        calls = tool_calls_of(final, text, self.forced)
+        finish = _finish(final, calls)
+        if self.chat:
+            doc = self.head("chat.completion")
+            content = None if calls and (self.forced or not text) else text
+            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        else:
+            doc = self.head("text_completion")
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        doc["choices"] = [choice]
         doc["usage"] = usage_of(final)
         doc["modeld"] = _extension(final)
         return doc
 
+    def opening(self) -> list[bytes]:
+        """A chat stream starts with the role; a text completion's starts with text."""
+        return [self.chunk({"role": "assistant", "content": ""})] if self.chat else []
 
-async def _collect(chat: _Chat, records: AsyncGenerator[dict[str, Any], None]) -> dict[str, Any]:
+    def ending(self, final: dict[str, Any], held: str, include_usage: bool) -> list[bytes]:
+        """The chunks after the last token: tool calls, the finish, then usage if asked."""
+        calls = tool_calls_of(final, held, self.forced)
+        out = []
+        if self.forced and not calls and held:
+            out.append(self.chunk({"content": held}))  # cut short: no call, the text as it is
+        out += self.call_chunks(calls)
+        out.append(self.chunk({}, _finish(final, calls)))
+        if include_usage:
+            out.append(self.usage_chunk(final))
+        return out
+
+    def call_chunks(self, calls: list[dict[str, Any]]) -> list[bytes]:
+        """Tool calls as OpenAI streams them: id, type and name first, then the arguments."""
+        out = []
+        for i, call in enumerate(calls):
+            fn = call["function"]
+            head = {"index": i, "id": call["id"], "type": "function"}
+            head["function"] = {"name": fn["name"], "arguments": ""}
+            out.append(self.chunk({"tool_calls": [head]}))
+            args = {"index": i, "function": {"arguments": fn["arguments"]}}
+            out.append(self.chunk({"tool_calls": [args]}))
+        return out
+
+
+async def _collect(reply: _Reply, records: AsyncGenerator[dict[str, Any], None]) -> dict[str, Any]:
     parts: list[str] = []
     final: dict[str, Any] = {}
     async with contextlib.aclosing(records):
@@ -245,16 +592,19 @@ async def _collect(chat: _Chat, records: AsyncGenerator[dict[str, Any], None]) -
                 final = rec
     # A non-streamed job's final record carries the whole text (no token records).
     text = final.pop("text", None)
-    return chat.completion("".join(parts) if text is None else text, final)
+    return reply.completion("".join(parts) if text is None else text, final)
 
 
 async def _sse(
     request: web.Request,
-    chat: _Chat,
+    reply: _Reply,
     records: AsyncGenerator[dict[str, Any], None],
     include_usage: bool,
 ) -> web.StreamResponse:
-    """Stream chunks as server-sent events; refusals before the first token keep their status."""
+    """Stream chunks as server-sent events; refusals before the first token keep their status.
+
+    A forced tool call's text is held back: it is the call, sent as ``tool_calls`` deltas.
+    """
     try:
         first: dict[str, Any] | None = await anext(records)
     except StopAsyncIteration:
@@ -264,18 +614,18 @@ async def _sse(
         raise
     response = web.StreamResponse(headers={"Content-Type": SSE, "Cache-Control": "no-cache"})
     await response.prepare(request)
+    held: list[str] = []
     try:
-        await response.write(chat.chunk({"role": "assistant", "content": ""}))
+        await response.write(b"".join(reply.opening()))
         rec = first
         while rec is not None:
-            if "token" in rec:
-                await response.write(chat.chunk({"content": rec["token"]}))
+            if "token" not in rec:
+                for chunk in reply.ending(rec, "".join(held), include_usage):
+                    await response.write(chunk)
+            elif reply.forced:
+                held.append(rec["token"])
             else:
-                await response.write(chat.chunk({}, _finish(rec)))
-                if include_usage:
-                    doc = chat.head("chat.completion.chunk")
-                    doc.update(choices=[], usage=usage_of(rec), modeld=_extension(rec))
-                    await response.write(b"data: " + json.dumps(doc).encode() + b"\n\n")
+                await response.write(reply.chunk({"content": rec["token"]}))
             rec = await anext(records, None)
         await response.write(_DONE)
     except ModeldError as e:
@@ -322,17 +672,53 @@ def add_routes(app: web.Application, services: Services) -> None:
             )
         return web.json_response(doc)
 
-    @openai_errors
-    async def chat_completions(request: web.Request) -> web.StreamResponse:
-        body = await requests.read_body(request, ChatBody)
-        chat = _Chat(body.model)
-        _, records = await requests.start(services, generation_of(body))
+    async def answer(
+        request: web.Request, reply: _Reply, gen: Generation, body: _Sampled
+    ) -> web.StreamResponse:
+        _, records = await requests.start(services, gen)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await _sse(request, chat, records, usage)
-        doc = await _collect(chat, records)
+            return await _sse(request, reply, records, usage)
+        doc = await _collect(reply, records)
         return web.Response(body=_compact(doc), content_type="application/json")
+
+    @openai_errors
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        body = await read_openai_body(request, ChatBody)
+        gen, forced = generation_of(body)
+        return await answer(request, _Reply(body.model, chat=True, forced=forced), gen, body)
+
+    @openai_errors
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await read_openai_body(request, CompletionBody)
+        gen = completion_generation(body)
+        return await answer(request, _Reply(body.model, chat=False), gen, body)
+
+    @openai_errors
+    async def embeddings(request: web.Request) -> web.StreamResponse:
+        body = await read_openai_body(request, EmbeddingBody)
+        catalog, store = services.parts["catalog"], services.parts["store"]
+        if catalog.find(body.model) is None:
+            raise ModelNotFound(f"no model {body.model!r}; `modeld list` shows the catalog")
+        inst = await store.installed(body.model)
+        if inst is None:
+            raise ModelNotInstalled(
+                f"model {body.model} is not installed; run `modeld pull {body.model}` first"
+            )
+        info = await asyncio.to_thread(litertlm.read_header, inst.path, model_id=body.model)
+        if info.role_section("main") is not None:
+            raise NotEmbeddingModel(
+                f"model {body.model} is not an embedding model (it generates text: its file "
+                "has a prefill/decode section); use /v1/chat/completions with it, or send "
+                "an embedding model's id"
+            )
+        raise NotEmbeddingModel(
+            f"model {body.model} has no text decoder, and modeld does not run LiteRT-LM "
+            "embedding engines yet; no model it can load produces embeddings"
+        )
 
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)

@@ -289,11 +289,35 @@ def decode_base64(item: str, where: str) -> bytes:
 
 @dataclass
 class Turn:
-    """One message: its role, its text and the raw bytes of its images."""
+    """One message: its role, its text and the raw bytes of its images.
+
+    An assistant turn may carry the tool calls it made (``{"name", "arguments"}`` with the
+    arguments as an object); a ``tool`` turn names the tool whose result its text is.
+    """
 
     role: str
     text: str
     images: list[bytes] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    name: str | None = None
+
+    def message(self, prepared: Callable[[bytes], bytes]) -> dict[str, Any]:
+        """The turn in the runtime's message format (litert-lm's ``Message.to_json``)."""
+        if self.role == "tool":
+            part = {"type": "tool_response", "name": self.name or "", "response": self.text}
+            return {"role": "tool", "content": [part]}
+        if not self.images:
+            msg: dict[str, Any] = {"role": self.role, "content": self.text}
+        else:
+            content: list[dict[str, Any]] = [{"type": "text", "text": self.text}]
+            content += [
+                {"type": "image", "blob": base64.b64encode(prepared(b)).decode()}
+                for b in self.images
+            ]
+            msg = {"role": self.role, "content": content}
+        if self.tool_calls:
+            msg["tool_calls"] = [{"type": "function", "function": c} for c in self.tool_calls]
+        return msg
 
 
 @dataclass
@@ -309,6 +333,19 @@ class Generation:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     format: str | None = None
+    # Repetition settings (the runtime's RepetitionPenaltyConfig).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    # A JSON schema the reply is constrained to (the runtime's constrained decoding), and
+    # whether the daemon also checks the finished reply against it.
+    schema: dict[str, Any] | None = None
+    strict: bool = False
+    # OpenAI tool descriptions (``{"type": "function", "function": {...}}``) given to the
+    # runtime, which hands calls back instead of running them.
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    # The prompt goes to the model as it is, without the chat template (``/v1/completions``).
+    raw: bool = False
     keep_alive: Any = None
     allow_unverified: bool = False
     backends: dict[str, Any] | None = None
@@ -321,18 +358,8 @@ class Generation:
 
     def job(self, prepared: Callable[[bytes], bytes]) -> dict[str, Any]:
         """The runner's ``generate`` fields; ``prepared`` re-encodes each image."""
-        messages: list[dict[str, Any]] = []
-        for t in self.turns:
-            if not t.images:
-                messages.append({"role": t.role, "content": t.text})
-                continue
-            content: list[dict[str, Any]] = [{"type": "text", "text": t.text}]
-            content += [
-                {"type": "image", "blob": base64.b64encode(prepared(b)).decode()} for b in t.images
-            ]
-            messages.append({"role": t.role, "content": content})
-        return {
-            "messages": messages,
+        job: dict[str, Any] = {
+            "messages": [t.message(prepared) for t in self.turns],
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_k": self.top_k,
@@ -342,6 +369,18 @@ class Generation:
             "format": self.format,
             "stream": self.stream,
         }
+        extra = {
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "schema": self.schema,
+            "strict": self.strict or None,
+            "tools": self.tools or None,
+            "raw": self.raw or None,
+        }
+        # Only what is set: a plain request's frame stays as it was.
+        job.update({k: v for k, v in extra.items() if v is not None})
+        return job
 
 
 def stops(value: str | list[str] | None) -> list[str]:
@@ -387,8 +426,8 @@ async def start(
     from modeld.engine.pool import validate_keep_alive
 
     engines, pool = services.parts["engines"], services.parts["pool"]
-    if not gen.turns or gen.turns[-1].role != "user":
-        raise BadRequest("the last message must have role user")
+    if not gen.turns or gen.turns[-1].role not in ("user", "tool"):
+        raise BadRequest("the last message must have role user (or tool, with tool results)")
     limit = engines.max_images(gen.model)
     if gen.image_count > limit:
         raise TooLarge(f"{gen.image_count} images sent; model {gen.model} takes at most {limit}")

@@ -7,14 +7,18 @@ import io
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+import litert_lm
 import openai
 import pytest
 from PIL import Image
+from pydantic import BaseModel
 
+from modeld.api.openai import _Reply
 from modeld.config import load_settings
+from modeld.engine.runner.generate import _calls_of
 from tests.support.daemon import InProcessDaemon, running_daemon
 from tests.support.state import MODELS, install_fixture
 
@@ -47,6 +51,21 @@ def oa(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
         http_client=http,  # type: ignore[arg-type]  # openai types name its own httpx copy
         max_retries=0,
     )
+
+
+WEATHER_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def png_data_url() -> str:
@@ -228,10 +247,41 @@ async def test_image_data_url_takes_the_image_path(
         ({"model": "../etc"}, 400, '"model": is not a valid model id'),
         ({"model": "nope"}, 404, "no model 'nope'"),
         ({"messages": []}, 400, '"messages": list should have at least 1 item'),
-        ({"messages": [{"role": "tool", "content": "x"}]}, 400, '"messages[0].role"'),
-        ({"n": 2}, 400, '"n": must be 1'),
-        ({"response_format": {"type": "json_schema"}}, 400, '"response_format.type"'),
-        ({"tools": [{"type": "function"}]}, 400, "tool calling is not supported"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, 400, '"messages[0].role"'),
+        (
+            {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]},
+            400,
+            '"messages[0].tool_call_id": must name a call of an earlier assistant message',
+        ),
+        ({"n": 2}, 400, '"n": modeld makes one choice per request'),
+        ({"logprobs": True}, 400, '"logprobs": log probabilities are not available'),
+        ({"top_logprobs": 2}, 400, '"top_logprobs": log probabilities'),
+        ({"logit_bias": {"50": 10}}, 400, '"logit_bias": the LiteRT-LM runtime takes no'),
+        ({"functions": [{"name": "f"}]}, 400, '"functions": use tools instead'),
+        ({"audio": {"voice": "x"}}, 400, '"audio": modeld answers with text only'),
+        ({"store": True}, 400, '"store": modeld stores no completions'),
+        ({"frobnicate": 1}, 400, '"frobnicate": unknown field; allowed:'),
+        ({"presence_penalty": 3}, 400, '"presence_penalty": must be ≤ 2'),
+        ({"response_format": {"type": "json_schema"}}, 400, '"response_format.json_schema" is'),
+        ({"tools": [{"type": "function"}]}, 400, '"tools[0].function": is required'),
+        ({"tool_choice": "auto"}, 400, '"tool_choice": needs "tools"'),
+        (
+            {
+                "tools": [WEATHER_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "x"}},
+            },
+            400,
+            "'x' is not one of the tools",
+        ),
+        (
+            {
+                "tools": [WEATHER_TOOL],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            "cannot be combined with a required tool call",
+        ),
         ({"stop": 3}, 400, '"stop": must be a string or a list of strings'),
         (
             {
@@ -248,7 +298,7 @@ async def test_image_data_url_takes_the_image_path(
         (
             {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
             400,
-            "the last message must have role user",
+            "the last message must have role user (or tool",
         ),
     ],
 )
@@ -319,3 +369,241 @@ async def test_daemon_serves_after_bad_requests(
         model="tiny-text", messages=[{"role": "user", "content": "x"}], max_tokens=1
     )
     assert r2.usage is not None and r2.usage.completion_tokens == 1
+
+
+# --- runtime features: schemas, tools, sampling, completions, embeddings --------------------------
+
+
+class Verdict(BaseModel):
+    """A reply whose every value is short, so random weights finish it within the limit."""
+
+    ok: bool
+    color: Literal["red", "blue"]
+
+
+VERDICT_SCHEMA: Any = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
+    "required": ["ok", "color"],
+    "additionalProperties": False,
+}
+SCHEMA_FORMAT: Any = {
+    "type": "json_schema",
+    "json_schema": {"name": "verdict", "schema": VERDICT_SCHEMA, "strict": True},
+}
+ASK: Any = [{"role": "user", "content": "weather?"}]
+
+
+async def test_json_schema_constrains_the_reply(oa: openai.AsyncOpenAI) -> None:
+    """``json_schema`` runs the runtime's constrained decoding: the random model's reply is
+    JSON that matches the schema, streamed or not, and strict checks it (status complete)."""
+    r = await oa.chat.completions.create(
+        model="tiny-text",
+        messages=ASK,
+        max_tokens=80,
+        response_format=SCHEMA_FORMAT,
+    )
+    content = r.choices[0].message.content or ""
+    Verdict.model_validate_json(content)
+    assert (r.model_extra or {})["modeld"]["json"]["status"] == "complete"
+    assert r.choices[0].finish_reason == "stop"
+    stream = await oa.chat.completions.create(
+        model="tiny-text",
+        messages=ASK,
+        max_tokens=80,
+        seed=3,
+        stream=True,
+        response_format=SCHEMA_FORMAT,
+    )
+    streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    Verdict.model_validate_json(streamed)
+
+
+async def test_openai_parse_helper_gets_a_pydantic_object(oa: openai.AsyncOpenAI) -> None:
+    """The client's own structured-output helper (a strict schema made from a pydantic model)
+    gets back a parsed object."""
+    r = await oa.chat.completions.parse(
+        model="tiny-text", messages=ASK, max_tokens=80, response_format=Verdict
+    )
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Verdict)
+
+
+async def test_required_tool_call_comes_back_to_the_caller(oa: openai.AsyncOpenAI) -> None:
+    """``tool_choice`` naming a function makes the model call it: the call comes back with an
+    id, the name and JSON arguments matching the tool's parameters (finish ``tool_calls``);
+    the tool's result sent back in a ``tool`` message gets the model's answer."""
+    r = await oa.chat.completions.create(
+        model="tiny-text",
+        messages=ASK,
+        max_tokens=80,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].id.startswith("call_") and calls[0].type == "function"
+    fn = calls[0].function
+    assert fn.name == "get_weather"
+    assert json.loads(fn.arguments)["city"] in ("Paris", "Rome")
+    history: Any = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny, 21 C"},
+    ]
+    follow = await oa.chat.completions.create(
+        model="tiny-text",
+        messages=history,
+        max_tokens=4,
+        tools=[WEATHER_TOOL],
+    )
+    # The tiny model's template has no tool syntax: the runtime gets the result, and it answers.
+    assert follow.choices[0].message.content
+    assert follow.usage is not None and follow.usage.completion_tokens == 4
+
+
+async def test_required_tool_call_streams_as_openai_streams_it(oa: openai.AsyncOpenAI) -> None:
+    """Streamed, a call arrives as ``delta.tool_calls``: index, id, type and name first, then
+    argument chunks that join into the JSON arguments; the last chunk finishes ``tool_calls``."""
+    stream = await oa.chat.completions.create(
+        model="tiny-text",
+        messages=ASK,
+        max_tokens=80,
+        stream=True,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+    )
+    chunks = [c async for c in stream]
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas and deltas[0].index == 0 and deltas[0].id and deltas[0].id.startswith("call_")
+    assert deltas[0].function is not None and deltas[0].function.name == "get_weather"
+    args = "".join(d.function.arguments or "" for d in deltas if d.function)
+    assert json.loads(args)["city"] in ("Paris", "Rome")
+    assert all(d.index == 0 for d in deltas) and all(d.id is None for d in deltas[1:])
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+async def test_tool_choice_none_and_auto_answer_with_text(oa: openai.AsyncOpenAI) -> None:
+    """With ``auto`` the tools go to the runtime, which hands back any call the model's own
+    syntax makes; the tiny model has none, so it answers with text (as with ``none``)."""
+    choices: list[Any] = ["auto", "none"]
+    for choice in choices:
+        r = await oa.chat.completions.create(
+            model="tiny-text",
+            messages=ASK,
+            max_tokens=3,
+            tools=[WEATHER_TOOL],
+            tool_choice=choice,
+        )
+        assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+        assert r.choices[0].finish_reason == "length"
+
+
+async def test_penalties_reach_the_sampler(oa: openai.AsyncOpenAI) -> None:
+    """Presence and frequency penalties change what the same seed produces (the random model
+    repeats itself without them); the same penalties and seed give the same text again."""
+    kw: dict[str, Any] = {"model": "tiny-text", "messages": ASK, "max_tokens": 24, "seed": 5}
+    plain = await oa.chat.completions.create(**kw)
+    pen: dict[str, Any] = {"presence_penalty": 2.0, "frequency_penalty": 2.0}
+    one = await oa.chat.completions.create(**kw, **pen)
+    two = await oa.chat.completions.create(**kw, **pen)
+    assert one.choices[0].message.content == two.choices[0].message.content
+    assert one.choices[0].message.content != plain.choices[0].message.content
+
+
+async def test_completions_send_the_prompt_without_the_chat_template(
+    oa: openai.AsyncOpenAI,
+) -> None:
+    """``/v1/completions`` sends the prompt as it is (fewer prompt tokens than the same text as
+    a chat turn), stops at OpenAI's default 16 tokens, and streams text chunks."""
+    prompt = "Once upon a time"
+    r = await oa.completions.create(model="tiny-text", prompt=prompt)
+    chat = await oa.chat.completions.create(
+        model="tiny-text", messages=[{"role": "user", "content": prompt}], max_tokens=1
+    )
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text and r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 16
+    assert chat.usage is not None and 0 < r.usage.prompt_tokens < chat.usage.prompt_tokens
+    stream = await oa.completions.create(
+        model="tiny-text",
+        prompt=[prompt],
+        max_tokens=5,
+        seed=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    whole = await oa.completions.create(model="tiny-text", prompt=prompt, max_tokens=5, seed=2)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+
+async def test_completions_refuse_what_they_cannot_honour(http: httpx.AsyncClient) -> None:
+    """``echo``, ``suffix``, ``best_of`` > 1 and ``logprobs`` are 400s naming the field."""
+    for extra, needle in (
+        ({"echo": True}, '"echo"'),
+        ({"suffix": "end"}, '"suffix"'),
+        ({"best_of": 3}, '"best_of"'),
+        ({"logprobs": 2}, '"logprobs"'),
+    ):
+        r = await http.post("/v1/completions", json={"model": "tiny-text", "prompt": "x", **extra})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+async def test_embeddings_of_a_text_model_say_it_is_not_one(oa: openai.AsyncOpenAI) -> None:
+    """``/v1/embeddings`` names the model that is not an embedding model (422), and an
+    unknown one (404); no runner starts."""
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        await oa.embeddings.create(model="tiny-text", input="hello")
+    assert refused.value.code == "not_embedding_model"
+    assert "model tiny-text is not an embedding model" in str(refused.value.message)
+    with pytest.raises(openai.NotFoundError):
+        await oa.embeddings.create(model="no-such-model", input="hello")
+
+
+def test_runtime_tool_calls_take_openai_shape() -> None:
+    """A call the runtime parsed from a model's own syntax (a real ``litert_lm.Message`` as the
+    runtime returns it with automatic tool calling off) comes back in OpenAI's shape, whole and
+    streamed: arguments as a JSON string, ``finish_reason: "tool_calls"``."""
+    message = litert_lm.Message.from_json(
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": ""}],
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Rome"}},
+                },
+                {"type": "function", "function": {"name": "get_time", "arguments": {}}},
+            ],
+        }
+    )
+    final = {"finish": "stop", "tokens": 9, "prompt_tokens": 4, "tool_calls": _calls_of(message)}
+    reply = _Reply("m", chat=True)
+    doc = reply.completion("", dict(final))
+    choice = doc["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
+    assert calls[1]["function"]["arguments"] == "{}"
+    assert len({c["id"] for c in calls}) == 2
+    events = [
+        json.loads(e[6:])
+        for e in b"".join(reply.ending(final, "", True)).decode().split("\n\n")
+        if e
+    ]
+    deltas = [
+        d for e in events if e["choices"] for d in e["choices"][0]["delta"].get("tool_calls", [])
+    ]
+    assert [d["index"] for d in deltas] == [0, 0, 1, 1]
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""} and deltas[0]["id"]
+    assert json.loads(deltas[1]["function"]["arguments"]) == {"city": "Rome"}
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    assert events[-1]["usage"]["completion_tokens"] == 9

@@ -235,6 +235,25 @@ def test_classify_json(text: str, finish: str, status: str) -> None:
     assert result["status"] == status and result["raw"] == text
 
 
+def test_classify_json_with_a_schema_tells_a_mismatch_apart() -> None:
+    """With a strict schema, complete JSON that does not match is *schema_mismatch*, naming
+    where and why; matching JSON stays complete, and a cut reply stays truncated."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "maximum": 9}},
+        "required": ["n"],
+    }
+    bad = classify_json('{"n": 12}', "stop", schema)
+    assert bad["status"] == "schema_mismatch" and bad["raw"] == '{"n": 12}'
+    assert bad["error"].startswith("complete but does not match the schema at n: 12 is greater")
+    missing = classify_json("{}", "stop", schema)
+    assert (
+        missing["status"] == "schema_mismatch" and "'n' is a required property" in missing["error"]
+    )
+    assert classify_json('{"n": 3}', "stop", schema)["status"] == "complete"
+    assert classify_json('{"n": 3', "length", schema)["status"] == "truncated"
+
+
 def test_crash_reason_keeps_tflite_errors_and_the_first_cause() -> None:
     """TFLite's ``ERROR: `` lines count, and the first one (the cause) survives a long tail."""
     tail = [
