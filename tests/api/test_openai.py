@@ -13,8 +13,9 @@ import httpx
 import litert_lm
 import openai
 import pytest
+from langchain_openai import ChatOpenAI
 from PIL import Image
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
 from modeld.api.openai import _Reply
 from modeld.config import load_settings
@@ -607,3 +608,45 @@ def test_runtime_tool_calls_take_openai_shape() -> None:
     assert json.loads(deltas[1]["function"]["arguments"]) == {"city": "Rome"}
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
     assert events[-1]["usage"]["completion_tokens"] == 9
+
+
+# --- a second real client: LangChain's ChatOpenAI ----------------------------------------------
+
+
+def langchain_chat(http: httpx.AsyncClient, **kw: Any) -> ChatOpenAI:
+    return ChatOpenAI(
+        model="tiny-text",
+        base_url="http://modeld/v1",
+        api_key=SecretStr("x"),
+        http_async_client=http,
+        max_retries=0,
+        **kw,
+    )
+
+
+async def test_langchain_chat_streamed_and_not(http: httpx.AsyncClient) -> None:
+    """LangChain's ``ChatOpenAI`` gets a reply with usage, and the same text streamed."""
+    llm = langchain_chat(http, max_completion_tokens=6, seed=9)
+    whole = await llm.ainvoke([("system", "be brief"), ("human", "hello")])
+    assert isinstance(whole.content, str) and whole.content
+    assert whole.usage_metadata is not None and whole.usage_metadata["output_tokens"] == 6
+    parts = [c.content async for c in llm.astream([("system", "be brief"), ("human", "hello")])]
+    assert "".join(str(p) for p in parts) == whole.content
+
+
+async def test_langchain_structured_output_and_tools(http: httpx.AsyncClient) -> None:
+    """``with_structured_output`` (a strict json_schema) gets a pydantic object; ``bind_tools``
+    with a required tool gets a tool call, whole and streamed (LangChain merges the chunks)."""
+    llm = langchain_chat(http, max_completion_tokens=80)
+    verdict = await llm.with_structured_output(Verdict, method="json_schema").ainvoke("weather?")
+    assert isinstance(verdict, Verdict)
+    tooled = llm.bind_tools([WEATHER_TOOL], tool_choice="get_weather")
+    ai = await tooled.ainvoke("weather?")
+    assert [c["name"] for c in ai.tool_calls] == ["get_weather"]
+    assert ai.tool_calls[0]["args"]["city"] in ("Paris", "Rome") and ai.tool_calls[0]["id"]
+    merged: Any = None
+    async for chunk in tooled.astream("weather?"):
+        merged = chunk if merged is None else merged + chunk
+    assert [c["name"] for c in merged.tool_calls] == ["get_weather"]
+    assert merged.tool_calls[0]["args"]["city"] in ("Paris", "Rome")
+    assert merged.response_metadata["finish_reason"] == "tool_calls"

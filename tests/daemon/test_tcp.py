@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import openai
 import pytest
@@ -220,6 +220,90 @@ def test_openai_package_over_tcp_with_a_key(tcp: Tcp) -> None:
     )
     with pytest.raises(openai.AuthenticationError):
         stranger.models.list()
+
+
+VERDICT: Any = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "verdict",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
+            "required": ["ok", "color"],
+            "additionalProperties": False,
+        },
+    },
+}
+WEATHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            # Closed, as OpenAI's strict tools are: random weights never close an open object.
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_openai_package_over_tcp_with_schema_and_tools(tcp: Tcp) -> None:
+    """Over TCP with a key, the `openai` client gets schema-constrained JSON and a required
+    tool call, each streamed and not."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{tcp.port}/v1", api_key=tcp.use_key, max_retries=0
+    )
+    kw: Any = {"model": "tiny-text", "messages": [{"role": "user", "content": "w?"}]}
+    kw["max_tokens"] = 80
+    whole = client.chat.completions.create(**kw, response_format=VERDICT)
+    assert set(json.loads(whole.choices[0].message.content or "")) == {"ok", "color"}
+    stream = client.chat.completions.create(**kw, response_format=VERDICT, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert json.loads(text)["color"] in ("red", "blue")
+    called = client.chat.completions.create(**kw, tools=[WEATHER], tool_choice="required")
+    assert called.choices[0].finish_reason == "tool_calls"
+    call: Any = (called.choices[0].message.tool_calls or [])[0]
+    assert call.function.name == "get_weather"
+    stream = client.chat.completions.create(
+        **kw, tools=[WEATHER], tool_choice="required", stream=True
+    )
+    deltas = [d for c in stream if c.choices for d in c.choices[0].delta.tool_calls or []]
+    args = "".join(d.function.arguments or "" for d in deltas if d.function)
+    assert deltas[0].function and deltas[0].function.name == "get_weather"
+    assert json.loads(args)["city"] in ("Paris", "Rome")
+
+
+def test_langchain_over_tcp_with_a_key(tcp: Tcp) -> None:
+    """LangChain's ``ChatOpenAI`` over TCP with a key: a reply and a stream, a structured
+    output and a tool call; a wrong key is refused."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, SecretStr
+
+    class Verdict(BaseModel):
+        ok: bool
+        color: Literal["red", "blue"]
+
+    def chat(key: str) -> ChatOpenAI:
+        return ChatOpenAI(
+            model="tiny-text",
+            base_url=f"http://127.0.0.1:{tcp.port}/v1",
+            api_key=SecretStr(key),
+            max_retries=0,
+            max_completion_tokens=80,
+        )
+
+    llm = chat(tcp.use_key)
+    assert llm.invoke("hello", max_completion_tokens=3).content
+    assert "".join(str(c.content) for c in llm.stream("hello", max_completion_tokens=3))
+    structured = llm.with_structured_output(Verdict, method="json_schema")
+    assert isinstance(structured.invoke("w?"), Verdict)
+    ai = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("w?")
+    assert ai.tool_calls[0]["name"] == "get_weather"
+    with pytest.raises(openai.AuthenticationError):
+        chat("mdk_" + "D" * 43).invoke("hello")
 
 
 def test_keys_never_reach_the_log_and_nothing_in_it_opens_the_api(tcp: Tcp) -> None:
