@@ -13,8 +13,11 @@ JSON object. Parent -> child ops, each with an ``id``:
   ``options`` are the settings the engine was created with, read back from the runtime's
   ``Engine`` object (``engine_options``)
 - ``generate``: messages (role/content, last one is sent), max_tokens, sampler, stop,
-  format, stream -> token frames... then ``{"id", "done": true, "finish", "timings"...}``;
-  with ``"stream": false`` no token frames, and the final record carries ``text``
+  format, stream; when set: presence/frequency/repetition_penalty, schema (+ strict),
+  tools (OpenAI descriptions; calls come back, never run), raw (no chat template)
+  -> token frames... then ``{"id", "done": true, "finish", "timings"...}`` (with
+  ``tool_calls`` when the model made some); with ``"stream": false`` no token frames, and
+  the final record carries ``text``
 - ``cancel``: ``target`` (a generate id) -> no reply of its own; the generation ends
   with ``finish: "cancelled"``
 - ``stats`` -> ``{"id", "ok": true, "pss", "rss"}``
