@@ -195,7 +195,7 @@ class ChatBody(_Sampled):
     response_format: ResponseFormat | None = None
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
-    # At most one call is made when a call is required; "auto" returns what the model made.
+    # false: at most one call comes back (a required call is always one).
     parallel_tool_calls: StrictBool | None = None
 
 
@@ -507,12 +507,19 @@ def _event(doc: dict[str, Any]) -> bytes:
 class _Reply:
     """One completion's identity and shape (chat or text), shared by its chunks."""
 
-    def __init__(self, model: str, *, chat: bool, forced: bool = False) -> None:
+    def __init__(
+        self, model: str, *, chat: bool, forced: bool = False, parallel: bool = True
+    ) -> None:
         self.chat = chat
         self.forced = forced
+        self.parallel = parallel
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.model = model
+
+    def calls(self, final: dict[str, Any], text: str) -> list[dict[str, Any]]:
+        calls = tool_calls_of(final, text, self.forced)
+        return calls if self.parallel else calls[:1]
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -535,7 +542,7 @@ class _Reply:
         return _event(doc)
 
     def completion(self, text: str, final: dict[str, Any]) -> dict[str, Any]:
-        calls = tool_calls_of(final, text, self.forced)
+        calls = self.calls(final, text)
         finish = _finish(final, calls)
         if self.chat:
             doc = self.head("chat.completion")
@@ -558,7 +565,7 @@ class _Reply:
 
     def ending(self, final: dict[str, Any], held: str, include_usage: bool) -> list[bytes]:
         """The chunks after the last token: tool calls, the finish, then usage if asked."""
-        calls = tool_calls_of(final, held, self.forced)
+        calls = self.calls(final, held)
         out = []
         if self.forced and not calls and held:
             out.append(self.chunk({"content": held}))  # cut short: no call, the text as it is
@@ -686,7 +693,9 @@ def add_routes(app: web.Application, services: Services) -> None:
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = await read_openai_body(request, ChatBody)
         gen, forced = generation_of(body)
-        return await answer(request, _Reply(body.model, chat=True, forced=forced), gen, body)
+        parallel = body.parallel_tool_calls is not False
+        reply = _Reply(body.model, chat=True, forced=forced, parallel=parallel)
+        return await answer(request, reply, gen, body)
 
     @openai_errors
     async def completions(request: web.Request) -> web.StreamResponse:

@@ -571,7 +571,8 @@ async def test_embeddings_of_a_text_model_say_it_is_not_one(oa: openai.AsyncOpen
 def test_runtime_tool_calls_take_openai_shape() -> None:
     """A call the runtime parsed from a model's own syntax (a real ``litert_lm.Message`` as the
     runtime returns it with automatic tool calling off) comes back in OpenAI's shape, whole and
-    streamed: arguments as a JSON string, ``finish_reason: "tool_calls"``."""
+    streamed: arguments as a JSON string, ``finish_reason: "tool_calls"``; one call only with
+    ``parallel_tool_calls: false``."""
     message = litert_lm.Message.from_json(
         {
             "role": "assistant",
@@ -608,6 +609,11 @@ def test_runtime_tool_calls_take_openai_shape() -> None:
     assert json.loads(deltas[1]["function"]["arguments"]) == {"city": "Rome"}
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
     assert events[-1]["usage"]["completion_tokens"] == 9
+    # parallel_tool_calls: false: at most one call comes back.
+    one = _Reply("m", chat=True, parallel=False).completion("", dict(final))
+    assert [c["function"]["name"] for c in one["choices"][0]["message"]["tool_calls"]] == [
+        "get_weather"
+    ]
 
 
 # --- a second real client: LangChain's ChatOpenAI ----------------------------------------------
