@@ -505,7 +505,12 @@ async def test_tool_choice_none_and_auto_answer_with_text(oa: openai.AsyncOpenAI
 
 async def test_penalties_reach_the_sampler(oa: openai.AsyncOpenAI) -> None:
     """Presence and frequency penalties change what the same seed produces (the random model
-    repeats itself without them); the same penalties and seed give the same text again."""
+    repeats itself without them); the same penalties and seed give the same text again.
+
+    24 tokens, not more: the tiny tokenizer has 487 tokens for the model's 512 logits, so a
+    penalty pushes sampling toward ids it cannot decode, and the runtime then fails with
+    "Invalid token id" (seed 5 stays clear of them within 24 tokens; real models' vocabularies
+    match)."""
     kw: dict[str, Any] = {"model": "tiny-text", "messages": ASK, "max_tokens": 24, "seed": 5}
     plain = await oa.chat.completions.create(**kw)
     pen: dict[str, Any] = {"presence_penalty": 2.0, "frequency_penalty": 2.0}
