@@ -41,6 +41,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from modeld.api import access, requests
+from modeld.api.bodies import read_json
 from modeld.api.guards import check_model_id
 from modeld.api.requests import INT32, Backends, Duration, Generation, ModelId, Number, Turn
 from modeld.errors import (
@@ -271,7 +272,7 @@ def refuse_unhonoured(data: dict[str, Any]) -> None:
 
 async def read_openai_body(request: web.Request, model: type[requests.B]) -> requests.B:
     """The body as ``model``: unhonoured fields, then validation, then admin-only fields."""
-    data = await requests.read_json(request)
+    data = await read_json(request)
     refuse_unhonoured(data)
     body = requests.parse(model, data)
     access.check_body(request, body)
