@@ -400,7 +400,7 @@ def test_image_bomb_is_refused_from_its_header(short_tmp: Path) -> None:
     plan takes no images (422) and for one that takes them (413 naming the pixel bound);
     the daemon's peak RSS stays within 100 MiB of where it was."""
     home, registry = short_tmp / "home", short_tmp / "registry"
-    for name in ("tiny-text", "vision-cpu-ok"):
+    for name in ("tiny-text", "tiny-vision"):
         install_fixture(home, name, MODELS / f"{name}.litertlm", registry=registry)
     write_entry(registry, "absent", size=1000)
     d = DaemonProcess(home=home, env=daemon_env(home, MODELD_REGISTRY=str(registry)))
@@ -412,7 +412,7 @@ def test_image_bomb_is_refused_from_its_header(short_tmp: Path) -> None:
         for model, status, code in (
             ("absent", 404, "model_not_installed"),
             ("tiny-text", 422, "refused"),
-            ("vision-cpu-ok", 413, "too_large"),
+            ("tiny-vision", 413, "too_large"),
         ):
             body = {"model": model, "prompt": "what is this?", "images": [bomb]}
             got, _, raw = http(d.socket, "POST", "/api/generate", json.dumps(body).encode())
