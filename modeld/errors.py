@@ -99,6 +99,12 @@ class ModelInUse(Conflict):
     code = "model_in_use"
 
 
+class ReplacesVerified(Conflict):
+    """An unverified file would replace a verified install; it never does."""
+
+    code = "replaces_verified"
+
+
 # --- too slow (408) -------------------------------------------------------------------
 
 

@@ -122,10 +122,25 @@ class PullBody(Strict):
 
 
 class ImportBody(Strict):
-    """``POST /api/models/import``."""
+    """``POST /api/models/import``: a ``path`` the daemon opens, or ``fd: true`` and the
+    file's ``name``, the descriptor following over the socket (``SCM_RIGHTS``)."""
 
-    path: Annotated[StrictStr, Field(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$")]
+    path: (
+        Annotated[StrictStr, Field(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$")] | None
+    ) = None
+    fd: StrictBool = False
+    name: (
+        Annotated[StrictStr, Field(min_length=1, max_length=255, pattern=r"^[^/\x00]+$")] | None
+    ) = None
     id: ModelId | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ImportBody:
+        if self.fd == (self.path is not None):
+            raise ValueError("give either path or fd (with name), not both or neither")
+        if self.fd and self.name is None:
+            raise ValueError("fd needs the file's name")
+        return self
 
 
 # --- validation messages -------------------------------------------------------------------

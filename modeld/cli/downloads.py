@@ -151,8 +151,7 @@ def pull(ctx: click.Context, model_id: str, detach: bool, cancel: bool, as_json:
 @click.pass_context
 def import_(ctx: click.Context, path: Path, model_id: str | None, as_json: bool) -> None:
     """Adopt a local .litertlm file (checked like a download); ID defaults from its name."""
-    body = {"path": str(path.resolve()), "id": model_id}
-    doc = call(ctx, lambda c: c.request("POST", "/api/models/import", body))
+    doc = call(ctx, lambda c: c.import_file(path, model_id))
 
     def human(d: dict[str, Any]) -> None:
         inst = d["installed"]

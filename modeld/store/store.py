@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from modeld import logs
-from modeld.errors import BadRequest, DatabaseUnusable, ModelNotInstalled
+from modeld.errors import BadRequest, DatabaseUnusable, ModelNotInstalled, ReplacesVerified
 from modeld.store.fsutil import fsync_dir, fsync_path, place_blob
 from modeld.store.records import StoreRecords
 from modeld.store.scan import ScanReport, scan_state_dir, sha256_file
@@ -243,6 +243,8 @@ class Store(StoreRecords):
             return old["digest"] if old is not None and old["digest"] != digest else None
 
         async with self._blob_lock:
+            if verified_by is None:
+                verified_by = await self._keep_verification(model_id, digest)
             await asyncio.to_thread(place_blob, Path(src), dest, size)
             replaced = await self.write(tx)
         if replaced is not None:
@@ -251,6 +253,26 @@ class Store(StoreRecords):
             "installed", model=model_id, digest=digest, size=size, verified_by=verified_by
         )
         return Installed(model_id, digest, size, verified_by, now, None, dest)
+
+    async def _keep_verification(self, model_id: str, digest: str) -> str | None:
+        """What vouches for an unverified ``digest`` about to be installed as ``model_id``:
+        the old row's source when it is the same file; a verified install of another file
+        is never replaced by an unverified one (``ReplacesVerified``)."""
+        old = await self.read(
+            lambda c: c.execute(
+                "SELECT digest, verified_by FROM installed WHERE id = ?", (model_id,)
+            ).fetchone()
+        )
+        if old is None or old["verified_by"] is None:
+            return None
+        if old["digest"] == digest:
+            kept: str = old["verified_by"]
+            return kept
+        raise ReplacesVerified(
+            f"model {model_id} is installed verified (by {old['verified_by']}); a file no "
+            "source vouches for never replaces it. Import a file matching the verified "
+            f"digest, or `modeld rm {model_id}` first if you mean to drop the verified one"
+        )
 
     async def installed(self, model_id: str) -> Installed | None:
         """The model's install, or None (also when start-up found its blob missing)."""
