@@ -231,6 +231,47 @@ def memory_total_bytes() -> int:
     return total
 
 
+# What a child process (a runner, a probe) gets of the daemon's environment: what Python,
+# the dynamic linker, the locale and the GPU stacks read, nothing else. No MODELD_* (the
+# settings are the daemon's), no HF_* or other credentials: a child runs the runtime on a
+# downloaded file and never needs them.
+_CHILD_ENV_NAMES = frozenset(
+    {
+        "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR",
+        "PYTHONPATH", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE", "PYTHONSAFEPATH",
+        "LD_LIBRARY_PATH", "XDG_RUNTIME_DIR", "XDG_CACHE_HOME", "XDG_DATA_DIRS",
+        "XDG_CONFIG_DIRS", "COVERAGE_PROCESS_START",
+    }
+)  # fmt: skip
+_CHILD_ENV_PREFIXES = (
+    "LC_", "CUDA_", "NVIDIA_", "VK_", "MESA_", "__GLX_", "__EGL_", "LIBGL_", "OCL_",
+    "ROCR_", "HIP_", "GLOG_", "TF_CPP_", "COV_CORE_",
+)  # fmt: skip
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "_KEY")
+
+
+def child_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a runner or probe child starts with (see ``_CHILD_ENV_NAMES``)."""
+    source = os.environ if environ is None else environ
+    return {
+        name: value
+        for name, value in source.items()
+        if (name in _CHILD_ENV_NAMES or name.startswith(_CHILD_ENV_PREFIXES))
+        and not any(word in name.upper() for word in _SECRET_WORDS)
+    }
+
+
+def runner_data_limit(memory_budget: int) -> int:
+    """A runner's ``RLIMIT_DATA``: the whole memory budget, as no single engine may take
+    more, but at least ``RUNNER_DATA_FLOOR`` so the runtime itself can start."""
+    return max(memory_budget, RUNNER_DATA_FLOOR)
+
+
+# The least data limit a runner gets, however small the budget (Python and the runtime's
+# own allocations, before any model).
+RUNNER_DATA_FLOOR = 1 << 30
+
+
 def config_file_path(environ: dict[str, str] | None = None) -> Path | None:
     """The config file in effect, or None when there is none."""
     env = os.environ if environ is None else environ

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -16,6 +17,7 @@ from typing import Any
 
 from modeld import logs
 from modeld.catalog.catalog import Entry
+from modeld.config import runner_data_limit
 from modeld.engine.pool import Pool, PoolConfig, Target
 from modeld.engine.runner.client import Runner
 from modeld.errors import (
@@ -503,7 +505,7 @@ def register(services: Any, *, spare: bool = True) -> Engines:
 
     pool = Pool(
         PoolConfig(budget=s.memory_budget, keep_alive=s.keep_alive, spare=spare),
-        Runner.start,
+        functools.partial(Runner.start, data_limit=runner_data_limit(s.memory_budget)),
         metrics=services.metrics,
         on_learned=on_learned,
         journal=journal,

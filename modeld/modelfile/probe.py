@@ -197,12 +197,16 @@ async def probe_spec(
     image = bool(spec.get(IMAGE_KEY))
     report: dict[str, Any] = {}
     start = time.monotonic()
+    # Imported here: this module is also the child's main, which needs no settings.
+    from modeld.config import child_environ
+
     proc = await asyncio.create_subprocess_exec(
         *child_argv(spec),
+        close_fds=True,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=env,
+        env=child_environ() if env is None else env,
         # Its own session: a terminal's Ctrl-C reaches the daemon, not the probe, so a
         # foreground `modeld serve` stopped mid-probe never records a false GPU failure.
         start_new_session=True,

@@ -293,3 +293,47 @@ def test_stderr_log_keeps_everything_up_to_its_limit_then_head_and_tail() -> Non
     marker = next(ln for ln in kept if ln.startswith("[..."))
     dropped = int(marker.split()[1])
     assert len(kept) - 1 + dropped == 200
+
+
+def test_runner_gets_no_secrets_no_descriptors_and_a_data_limit(short_tmp: Path) -> None:
+    """A real daemon's runner has a scrubbed environment (no token, no MODELD_*), only its
+    socket besides stdio, and an RLIMIT_DATA equal to the memory budget."""
+    from tests.support.daemon import DaemonProcess, daemon_env
+    from tests.support.state import install_fixture
+
+    home, registry = short_tmp / "home", short_tmp / "registry"
+    install_fixture(home, "tiny-text", TINY, registry=registry)
+    budget = 3 << 30
+    d = DaemonProcess(
+        home=home,
+        env=daemon_env(
+            home,
+            MODELD_REGISTRY=str(registry),
+            MODELD_MEMORY_BUDGET=str(budget),
+            MODELD_HF_TOKEN="hf_modeldsecret",
+            HF_TOKEN="hf_hubsecret",
+            GITHUB_TOKEN="ghp_othersecret",
+        ),
+    )
+    d.start()
+    try:
+        d.cli_json("load", "tiny-text")
+        (engine,) = d.cli_json("ps")["engines"]
+        pid = engine["pid"]
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert b"secret" not in environ and b"MODELD_" not in environ, environ
+        assert b"PATH=" in environ
+        limits = Path(f"/proc/{pid}/limits").read_text()
+        (line,) = [x for x in limits.splitlines() if x.startswith("Max data size")]
+        assert line.split()[3:5] == [str(budget), str(budget)], line
+        fds = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        sockets = [n for n, target in fds.items() if n > 2 and target.startswith("socket:")]
+        assert len(sockets) == 1, fds
+        # Past stdio and the socket: only what the child opened itself (the model, /dev).
+        assert all(
+            not t.startswith(("socket:", "pipe:", str(home / "modeld.db")))
+            for n, t in fds.items()
+            if n > 2 and n not in sockets
+        ), fds
+    finally:
+        d.stop()
