@@ -1,4 +1,5 @@
-"""``GET/POST /api/engines``, ``DELETE /api/engines/{id}`` and ``POST /api/generate``.
+"""``GET/POST /api/engines``, ``DELETE /api/engines/{id}``, ``POST /api/generate`` and
+``DELETE /api/models/{id}/memory`` (forget the peaks learned for a model's file).
 
 Bodies are validated by the pydantic models in ``modeld.api.requests``; generation goes
 through ``requests.start``, which the OpenAI routes share.
@@ -44,6 +45,10 @@ def add_routes(app: web.Application, services: Services) -> None:
         pool = parts()[1]
         return web.json_response({"unloaded": await pool.unload(request.match_info["id"])})
 
+    async def forget_memory(request: web.Request) -> web.Response:
+        engines, _ = parts()
+        return web.json_response(await engines.forget_memory(request.match_info["id"]))
+
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await requests.read_body(request, GenerateBody)
         _, records = await requests.start(services, requests.from_native(body))
@@ -53,3 +58,4 @@ def add_routes(app: web.Application, services: Services) -> None:
     app.router.add_post("/api/engines", load)
     app.router.add_delete("/api/engines/{id}", unload)
     app.router.add_post("/api/generate", generate)
+    app.router.add_delete("/api/models/{id}/memory", forget_memory)

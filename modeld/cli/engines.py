@@ -15,6 +15,7 @@ from rich.markup import escape
 from modeld.cli.common import call, console, emit, err_console, json_option, table
 from modeld.client import Client
 from modeld.config import format_duration, format_size
+from modeld.errors import EngineNotFound
 
 _BACKEND = click.Choice(["cpu", "gpu"])
 
@@ -113,18 +114,40 @@ def _print_loaded(v: dict[str, Any]) -> None:
 
 @click.command()
 @click.argument("engine_or_model")
+@click.option(
+    "--forget-memory",
+    is_flag=True,
+    help="Also forget the memory learned for the model's file (admin); its next load "
+    "reserves the estimate from the file again.",
+)
 @json_option
 @click.pass_context
-def unload(ctx: click.Context, engine_or_model: str, as_json: bool) -> None:
+def unload(ctx: click.Context, engine_or_model: str, forget_memory: bool, as_json: bool) -> None:
     """Stop an engine (or every engine of a model) after its in-flight requests."""
-    doc = call(
-        ctx, lambda c: c.request("DELETE", f"/api/engines/{quote(engine_or_model, safe='')}")
-    )
-    emit(
-        as_json,
-        doc,
-        lambda d: console.print("unloaded " + ", ".join(e["id"] for e in d["unloaded"])),
-    )
+    quoted = quote(engine_or_model, safe="")
+
+    async def go(c: Client) -> dict[str, Any]:
+        if not forget_memory:
+            doc: dict[str, Any] = await c.request("DELETE", f"/api/engines/{quoted}")
+            return doc
+        model = engine_or_model.split(":", 1)[0]
+        forgot = await c.request("DELETE", f"/api/models/{quote(model, safe='')}/memory")
+        try:
+            unloaded = (await c.request("DELETE", f"/api/engines/{quoted}"))["unloaded"]
+        except EngineNotFound:
+            unloaded = []
+        return {"unloaded": unloaded, "memory": forgot}
+
+    def human(d: dict[str, Any]) -> None:
+        if d["unloaded"]:
+            console.print("unloaded " + ", ".join(e["id"] for e in d["unloaded"]))
+        if "memory" in d:
+            console.print(
+                f"forgot {d['memory']['forgot']} learned peak(s) of {d['memory']['id']}; "
+                "its next load reserves the estimate from the file"
+            )
+
+    emit(as_json, call(ctx, go), human)
 
 
 def _timings_line(final: dict[str, Any]) -> str:

@@ -114,6 +114,64 @@ def check_runtime(model_id: str, entry: Entry | None, info: ModelInfo, runtime: 
             )
 
 
+# A measured peak above this many times the file's estimate is learned only once confirmed:
+# a second engine of the same file and plan (another runner) measures that much too. One
+# odd runner (a runtime leak, a request that got through every bound) then cannot make the
+# model refuse to load for everyone; a model that truly needs it pays one more eviction.
+LEARN_CONFIRM_FACTOR = 3.0
+
+MemoryKey = tuple[str, str, int]  # (digest, plan key, max_tokens)
+
+
+class LearnedMemory:
+    """The measured peaks that admission reserves instead of the estimate (``memory`` rows)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        # Valid while the store's write generation is unchanged (rm, a reset write).
+        self._cache: dict[MemoryKey, tuple[int, int | None]] = {}
+        # A peak above LEARN_CONFIRM_FACTOR x the estimate, waiting for a second engine.
+        self._unconfirmed: dict[MemoryKey, tuple[Target, int]] = {}
+
+    async def expected(self, key: MemoryKey) -> int | None:
+        generation = self.store.generation
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == generation:
+            return hit[1]
+        value: int | None = await self.store.measured_memory(*key)
+        if self.store.generation == generation:
+            self._cache[key] = (generation, value)
+        return value
+
+    async def offer(self, target: Target, pss: int) -> bool:
+        """Learn ``pss`` for ``target``'s file and plan, unless it still needs confirming."""
+        key = (target.digest, str(target.plan["key"]), target.max_tokens)
+        if pss > target.estimate * LEARN_CONFIRM_FACTOR:
+            first = self._unconfirmed.get(key)
+            if first is None or first[0] is target:
+                self._unconfirmed[key] = (target, max(pss, first[1] if first else 0))
+                logs.event(
+                    "memory_unconfirmed",
+                    engine=target.engine_id,
+                    pss=pss,
+                    estimate=target.estimate,
+                    factor=LEARN_CONFIRM_FACTOR,
+                )
+                return False
+            del self._unconfirmed[key]
+            pss = min(pss, first[1])  # both engines took at least this much
+        await self.store.record_memory(*key, pss)
+        logs.event("memory_learned", engine=target.engine_id, pss=pss, estimate=target.estimate)
+        return True
+
+    async def forget(self, digest: str) -> int:
+        for key in [k for k in self._unconfirmed if k[0] == digest]:
+            del self._unconfirmed[key]
+        forgot: int = await self.store.forget_memory(digest)
+        logs.event("memory_forgotten", digest=digest, rows=forgot)
+        return forgot
+
+
 class Engines:
     """Resolves requests to targets and hands them to the pool."""
 
@@ -136,7 +194,7 @@ class Engines:
         # digest -> plan key -> the image probe's row (``Store.image_probes``).
         self._image_probes: dict[str, dict[str, dict[str, Any]]] = {}
         self._image_probing: dict[tuple[str, str], asyncio.Task[dict[str, Any]]] = {}
-        self._learned: dict[tuple[str, str, int], int | None] = {}
+        self.memory = LearnedMemory(self.store)
         # Installed rows, valid while the store's write generation is unchanged: any write
         # (install, remove, verify, scan, touch) invalidates them, so they are never stale.
         self._installed: dict[str, tuple[int, Installed | None]] = {}
@@ -406,9 +464,7 @@ class Engines:
         spec, max_tokens = self._spec(entry, info, installed, plan)
         base = self.pool.spare_reserved if self.pool.spare is not None else RUNNER_BASE
         mkey = (installed.digest, plan.key, max_tokens)
-        if mkey not in self._learned:
-            self._learned[mkey] = await self.store.measured_memory(*mkey)
-        learned = self._learned[mkey]
+        learned = await self.memory.expected(mkey)
         adapter = None
         if "gpu" in plan.backends():
             adapter = (await self._probe_rows(installed.digest)).get("gpu", {}).get("adapter")
@@ -480,11 +536,18 @@ class Engines:
         return 1 if limit is None else int(limit)
 
     async def learned(self, target: Target, pss: int) -> None:
-        """Keep an engine's measured peak PSS for its next admission (SQLite, and here)."""
-        key = (target.digest, str(target.plan["key"]), target.max_tokens)
-        self._learned[key] = max(pss, self._learned.get(key) or 0)
-        await self.store.record_memory(*key, pss)
-        logs.event("memory_learned", engine=target.engine_id, pss=pss, estimate=target.estimate)
+        """Keep an engine's measured peak PSS for its next admission (``LearnedMemory``)."""
+        await self.memory.offer(target, pss)
+
+    async def forget_memory(self, model_id: str) -> dict[str, Any]:
+        """Forget the peaks learned for ``model_id``'s file (an admin's reset)."""
+        installed = await self._installed_row(model_id)
+        if installed is None:
+            raise ModelNotInstalled(
+                f"model {model_id} is not installed; nothing was learned about it"
+            )
+        forgot = await self.memory.forget(installed.digest)
+        return {"id": model_id, "digest": installed.digest, "forgot": forgot}
 
 
 def register(services: Any, *, spare: bool = True) -> Engines:

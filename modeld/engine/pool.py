@@ -468,6 +468,7 @@ class Pool(Admission, Views):
                         yield rec
                     return
             except RunnerError as err:
+                e.tainted = True
                 cls = BadRequest if err.code == "bad_request" else EngineError
                 raise cls(f"model {target.model_id}: {err.message}") from err
             except RunnerDied as died:

@@ -109,6 +109,9 @@ class Engine:
     measured_at: float = 0.0  # monotonic time of the last PSS reading
     peak: int = 0
     recorded: int = 0  # the peak last handed to on_learned
+    # Set when a request on it failed or was refused: what it holds since proves nothing
+    # about the model, so nothing it measures is learned (a huge prompt must not teach).
+    tainted: bool = False
     users: int = 0  # requests waiting for the load, queued on the lock, or running
     served: int = 0
     pinned: bool = False

@@ -58,6 +58,13 @@ class StoreRecords:
         )
         return int(row["pss"]) if row is not None else None
 
+    async def forget_memory(self: _Db, digest: str) -> int:
+        """Drop every measured peak of ``digest``; the next load starts from the estimate."""
+        cur = await self.write(
+            lambda c: c.execute("DELETE FROM memory WHERE digest = ?", (digest,))
+        )
+        return int(cur.rowcount)
+
     async def record_probe(
         self: _Db,
         digest: str,

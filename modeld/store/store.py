@@ -312,6 +312,8 @@ class Store(StoreRecords):
                 return None
             conn.execute("DELETE FROM installed WHERE id = ?", (model_id,))
             digest: str = row["digest"]
+            # rm forgets what engines of the file were measured to take.
+            conn.execute("DELETE FROM memory WHERE digest = ?", (digest,))
             return digest
 
         digest = await self.write(tx)

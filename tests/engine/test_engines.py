@@ -240,3 +240,30 @@ async def test_an_image_request_is_answered_by_an_image_capable_model(clean_env:
         shown = await c.model("tiny-vision")
     probe = shown["image_probes"][VISION_PLAN]
     assert (probe["ok"], probe["stage"], probe["reason"]) == (True, None, None)
+
+
+async def test_a_peak_far_above_the_estimate_counts_once_confirmed(short_tmp: Path) -> None:
+    """A peak within LEARN_CONFIRM_FACTOR x the estimate is learned at once; one above it only
+    when a second engine (not the same one again) measures it too, as the smaller of both."""
+    from modeld.engine.engines import LEARN_CONFIRM_FACTOR, LearnedMemory
+    from modeld.engine.pool import Target
+
+    def engine_target() -> Target:
+        plan = {"main": "cpu", "key": "main=cpu"}
+        return Target("m", "ab" * 32, plan, {}, estimate=100, max_tokens=256)
+
+    key = ("ab" * 32, "main=cpu", 256)
+    high = int(100 * LEARN_CONFIRM_FACTOR) + 1
+    async with open_store(short_tmp / "home") as store:
+        memory = LearnedMemory(store)
+        first, second = engine_target(), engine_target()
+        assert await memory.offer(first, 250)
+        assert await memory.expected(key) == 250
+        assert not await memory.offer(first, high * 3)
+        assert not await memory.offer(first, high * 4)  # the same engine again confirms nothing
+        assert await memory.expected(key) == 250
+        assert await memory.offer(second, high * 2)
+        assert await memory.expected(key) == high * 2
+        assert await store.measured_memory(*key) == high * 2
+        assert await memory.forget("ab" * 32) == 1
+        assert await memory.expected(key) is None
