@@ -278,7 +278,7 @@ class Fetcher(Schedule):
         url = mirror.resolved or mirror.url
         if url.scheme not in ("http", "https") or url.user is not None or not url.host:
             return False
-        # A proxy that applies to this host: aiohttp (trust_env) talks to it.
+        # A proxy that applies to this host (``mirrors.proxy_for``): aiohttp talks to it.
         return url.scheme not in self._proxies or bool(urllib.request.proxy_bypass(url.host))
 
     async def _read_raw(self, piece: Piece, mirror: Mirror) -> bool:

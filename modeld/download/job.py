@@ -85,6 +85,9 @@ class Tuning:
     stall_timeout: float = 20.0
     connect_timeout: float = 15.0
     hf_token: str | None = None
+    # A probe's whole answer (headers and its one byte) must come within this: a mirror that
+    # trickles header lines resets every read timeout and would hold the pull in probing.
+    probe_timeout: float = 10.0
 
     @classmethod
     def from_settings(cls, settings: Any) -> Tuning:
@@ -325,7 +328,7 @@ class DownloadJob:
         )
         self._session = aiohttp.ClientSession(
             timeout=timeout,
-            trust_env=True,
+            trust_env=False,
             auto_decompress=False,
             read_bufsize=CHUNK,
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
@@ -334,7 +337,9 @@ class DownloadJob:
         session = self._session
         if t.revision is not None:
             self._kept = await self.vouches.vouched(t.model_id, t.revision)
-        await asyncio.gather(*(probe(session, m, t.size, token) for m in self.mirrors))
+        await asyncio.gather(
+            *(probe(session, m, t.size, token, self.tuning.probe_timeout) for m in self.mirrors)
+        )
         try:
             expected = self._expected()[0]
         except DigestConflict:
@@ -538,7 +543,7 @@ async def hub_vouch(target: Target, tuning: Tuning) -> Vouch | None:
         total=None, sock_connect=tuning.connect_timeout, sock_read=tuning.stall_timeout
     )
     async with aiohttp.ClientSession(
-        timeout=timeout, trust_env=True, auto_decompress=False
+        timeout=timeout, trust_env=False, auto_decompress=False
     ) as session:
         for url in hubs:
             mirror = Mirror(url, primary=True)

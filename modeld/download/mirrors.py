@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import random
 import re
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -246,9 +248,34 @@ class Mirror:
 
 def _headers(url: URL, token: str | None, extra: dict[str, str]) -> dict[str, str]:
     headers = {"Accept-Encoding": "identity", "User-Agent": "modeld", **extra}
-    if token and is_hf_host(url):
+    # Only over https (or to this host's own loopback, where no network carries it): an http
+    # mirror that redirects to a hub host must not get the token sent in clear.
+    if token and is_hf_host(url) and (url.scheme == "https" or _is_loopback(url)):
         headers["Authorization"] = f"Bearer {token}"
     return headers
+
+
+def _is_loopback(url: URL) -> bool:
+    host = (url.host or "").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def proxy_for(url: URL) -> str | None:
+    """The proxy the environment names for ``url`` (``*_PROXY``, ``NO_PROXY``), if any.
+
+    Sessions are made with ``trust_env=False``: aiohttp's ``trust_env`` also reads
+    ``~/.netrc`` and would send its credentials to every mirror and redirect target. The
+    proxy settings, the only part of the environment a download should honour, come here.
+    """
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if not proxy or urllib.request.proxy_bypass(url.host or ""):
+        return None
+    return proxy
 
 
 async def request(
@@ -269,7 +296,10 @@ async def request(
         for _ in range(MAX_REDIRECTS + 1):
             check_url(url, came_from)
             resp = await session.get(
-                url, headers=_headers(url, token, headers), allow_redirects=False
+                url,
+                headers=_headers(url, token, headers),
+                allow_redirects=False,
+                proxy=proxy_for(url),
             )
             if resp.status not in (301, 302, 303, 307, 308):
                 if resp.status == 403 and (from_cache or came_from is not None) and attempt == 0:
@@ -329,13 +359,34 @@ async def open_range(  # noqa: PLR0917 (a range is start, end and total)
     raise classify_status(resp.status, resp)
 
 
+class ProbeTimeout(MirrorFailure):
+    """A probe's answer did not come whole in time; the mirror is tried again later, by the
+    fetcher, while the others start (a probe never retries it)."""
+
+
 async def probe(
-    session: aiohttp.ClientSession, mirror: Mirror, size: int, token: str | None
+    session: aiohttp.ClientSession,
+    mirror: Mirror,
+    size: int,
+    token: str | None,
+    answer_timeout: float = 10.0,
 ) -> None:
-    """``Range: bytes=0-0``: learn the size, ETag and range support; drop a wrong size."""
+    """``Range: bytes=0-0``: learn the size, ETag and range support; drop a wrong size.
+
+    The headers and the one byte must arrive within ``answer_timeout`` in all (read
+    timeouts alone restart with every header line a slow mirror trickles).
+    """
 
     async def once() -> None:
-        resp = await request(session, mirror, {"Range": "bytes=0-0"}, token)
+        try:
+            async with asyncio.timeout(answer_timeout):
+                resp = await request(session, mirror, {"Range": "bytes=0-0"}, token)
+                if resp.status == 206:
+                    await resp.content.read(1)
+        except TimeoutError:
+            raise ProbeTimeout(
+                "transient", f"no whole answer to the probe within {answer_timeout:g} s"
+            ) from None
         try:
             if resp.status == 206:
                 parsed = parse_content_range(resp.headers.get("Content-Range"))
@@ -356,7 +407,7 @@ async def probe(
             resp.release()
 
     retrying = AsyncRetrying(
-        retry=retry_if_exception(is_transient),
+        retry=retry_if_exception(lambda e: is_transient(e) and not isinstance(e, ProbeTimeout)),
         wait=wait_random_exponential(multiplier=0.2, max=5),
         stop=stop_after_attempt(4),
         reraise=True,

@@ -1,0 +1,117 @@
+"""Mirrors that misbehave on purpose: a trickling probe answer; credentials kept from them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modeld.download.job import DownloadJob, Target, Tuning, memory_job
+from tests.support.mirror import Faults, Mirror
+
+SIZE = 1024 * 1024 + 777
+DATA = random.Random(12).randbytes(SIZE)
+SHA = hashlib.sha256(DATA).hexdigest()
+
+
+async def pull(home: Path, urls: list[str], **kw: Any) -> DownloadJob:
+    base: dict[str, Any] = {"connections": 2, "piece_size": 256 * 1024, "stall_timeout": 1.0}
+    base.update(kw)
+    job = memory_job(Target("m1", urls, SIZE, SHA), home, Tuning(**base))
+    job.start()
+    await job.wait()
+    return job
+
+
+@contextlib.asynccontextmanager
+async def trickling_mirror() -> AsyncIterator[str]:
+    """A server that answers every request with one more header line every 0.2 s, forever:
+    each read timeout restarts, the answer never completes."""
+
+    writers: list[asyncio.StreamWriter] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        with contextlib.suppress(ConnectionError):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 206 Partial Content\r\n")
+            n = 0
+            while True:
+                n += 1
+                writer.write(f"X-Line-{n}: x\r\n".encode())
+                await writer.drain()
+                await asyncio.sleep(0.2)
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/m.litertlm"
+    finally:
+        server.close()
+        for writer in writers:
+            writer.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 1.0)
+
+
+async def test_a_trickling_mirror_does_not_hold_the_pull_in_probing(short_tmp: Path) -> None:
+    """One mirror trickles header lines; the probe gives up on it after its answer timeout
+    and the other mirror's bytes are installed."""
+    good = Mirror(DATA, Faults())
+    await good.start()
+    try:
+        async with trickling_mirror() as slow:
+            job = await pull(short_tmp, [slow, good.url], probe_timeout=1.0)
+    finally:
+        await good.stop()
+    assert job.state == "installed", job.error
+    assert Path(job.result["path"]).read_bytes() == DATA
+    (trickler,) = [m for m in job.mirrors if m.url.human_repr() == slow]
+    assert trickler.received == 0
+    assert "probe" in str(trickler.snapshot()["reason"]), trickler.snapshot()
+
+
+def test_hub_token_goes_only_over_https() -> None:
+    """The hub host gets the token over https (or its own loopback), never over plain http
+    across a network, where an http mirror's redirect could send it."""
+    from yarl import URL
+
+    from modeld.download.mirrors import _headers
+
+    assert _headers(URL("https://huggingface.co/f"), "t", {})["Authorization"] == "Bearer t"
+    assert "Authorization" not in _headers(URL("http://huggingface.co/f"), "t", {})
+    assert "Authorization" not in _headers(URL("https://hf-mirror.com/f"), "t", {})
+
+
+async def test_netrc_credentials_are_never_sent(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """~/.netrc credentials for a mirror's host (and the hub token beside them) never turn
+    into a Basic Authorization header: the pull ignores netrc and still uses proxies."""
+    from modeld.download import mirrors as mirrors_mod
+
+    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    netrc = short_tmp / "netrc"
+    netrc.write_text(
+        "machine localhost login someone password netrc-secret\n"
+        "machine 127.0.0.1 login someone password netrc-secret\n"
+    )
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    hub = Mirror(DATA, Faults(hf=True), host="localhost")
+    await hub.start()
+    try:
+        job = await pull(short_tmp, [hub.url], hf_token="hf_secret")
+    finally:
+        await hub.stop()
+    assert job.state == "installed", job.error
+    assert hub.requests
+    sent = [r.get("Authorization") for r in hub.requests]
+    assert not [a for a in sent if a and not a.startswith("Bearer hf_secret")], sent
+    assert not [r for r in hub.requests if r["path"].startswith("/cdn") and "Authorization" in r]
