@@ -151,6 +151,9 @@ class Mirror:
     state: str = "new"  # new → ok | slow | stream_only | backoff | dropped | banned
     reason: str | None = None
     resolved: URL | None = None  # cached redirect target (a signed CDN URL)
+    # Whether the entry's own URL is on a loopback, link-local or private address: only
+    # then may its redirects lead there (None until the first redirect asks).
+    local: bool | None = None
     etag: str | None = None
     linked_sha256: str | None = None
     linked_size: int | None = None
@@ -255,6 +258,48 @@ def _headers(url: URL, token: str | None, extra: dict[str, str]) -> dict[str, st
     return headers
 
 
+def _is_local_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    return (
+        address.is_loopback
+        or address.is_link_local
+        or address.is_private
+        or address.is_unspecified
+        or address.is_reserved
+        or address.is_multicast
+    )
+
+
+async def is_local_host(host: str) -> bool:
+    """Whether ``host`` is, or resolves to, a loopback, link-local or private address."""
+    host = host.strip("[]").lower()
+    try:
+        return _is_local_address(ipaddress.ip_address(host.split("%")[0]))
+    except ValueError:
+        pass
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+    except OSError:
+        return False  # not resolvable here (a proxy resolves it): not a local address
+    return any(_is_local_address(ipaddress.ip_address(str(i[4][0]).split("%")[0])) for i in infos)
+
+
+async def check_redirect_target(mirror: Mirror, url: URL) -> None:
+    """Refuse a redirect into loopback, link-local or private addresses (the metadata
+    service at 169.254.169.254, a local admin port) unless the entry's own URL is there
+    too, so that a mirror on the local network keeps working."""
+    if mirror.local is None:
+        mirror.local = await is_local_host(mirror.url.host or "")
+    if mirror.local or not await is_local_host(url.host or ""):
+        return
+    raise MirrorFailure(
+        "gone",
+        f"refused redirect to {url.host}, a local or private address, from "
+        f"{mirror.label}, which is not; fix or remove that mirror",
+    )
+
+
 def _is_loopback(url: URL) -> bool:
     host = (url.host or "").lower()
     if host == "localhost":
@@ -319,6 +364,7 @@ async def request(
             if not location:
                 raise MirrorFailure("gone", f"HTTP {resp.status} without a Location")
             came_from, url = url, url.join(URL(location))
+            await check_redirect_target(mirror, url)
         else:
             raise MirrorFailure("gone", f"more than {MAX_REDIRECTS} redirects")
     raise MirrorFailure("gone", "HTTP 403 even after a fresh redirect; the URL needs access")

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from modeld.download.job import DownloadJob, Target, Tuning, memory_job
+from modeld.errors import DownloadError
 from tests.support.mirror import Faults, Mirror
 
 SIZE = 1024 * 1024 + 777
@@ -115,3 +116,48 @@ async def test_netrc_credentials_are_never_sent(
     sent = [r.get("Authorization") for r in hub.requests]
     assert not [a for a in sent if a and not a.startswith("Bearer hf_secret")], sent
     assert not [r for r in hub.requests if r["path"].startswith("/cdn") and "Authorization" in r]
+
+
+@pytest.fixture
+def proxied(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Route every http URL through a loopback server acting as the proxy (as a proxy would),
+    so entries can name public addresses that this test never leaves the host for."""
+
+    def route(port: int) -> None:
+        for name in ("HTTP_PROXY", "http_proxy"):
+            monkeypatch.setenv(name, f"http://127.0.0.1:{port}")
+        for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy"):
+            monkeypatch.delenv(name, raising=False)
+
+    return route
+
+
+@pytest.mark.parametrize(
+    ("target", "ok"),
+    [
+        ("http://127.0.0.1:{port}/cdn/f", False),
+        ("http://169.254.169.254/cdn/f", False),
+        ("http://10.1.2.3/cdn/f", False),
+        ("http://93.184.216.35/cdn/f", True),
+    ],
+)
+async def test_redirects_into_local_addresses_are_refused(
+    short_tmp: Path, proxied: Any, target: str, ok: bool
+) -> None:
+    """A mirror on a public address may redirect to another public one, never into
+    loopback, link-local (cloud metadata) or private ranges."""
+    mirror = Mirror(DATA, Faults())
+    await mirror.start()
+    proxied(mirror.port)
+    mirror.faults.redirect_to = target.format(port=mirror.port)
+    try:
+        if ok:
+            job = await pull(short_tmp, ["http://93.184.216.34/f"])
+            assert Path(job.result["path"]).read_bytes() == DATA
+        else:
+            with pytest.raises(DownloadError, match="local or private address"):
+                await pull(short_tmp, ["http://93.184.216.34/f"])
+    finally:
+        await mirror.stop()
+    assert any(r["path"] == "/f" for r in mirror.requests)
+    assert any(r["path"].startswith("/cdn") for r in mirror.requests) is ok
