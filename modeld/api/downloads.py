@@ -18,6 +18,7 @@ from modeld.api.requests import ImportBody, PullBody, read_body
 from modeld.api.stream import ndjson
 from modeld.download.downloads import Downloads, result_dict
 from modeld.errors import BadRequest, Forbidden
+from modeld.services.fit import Fits
 from modeld.services.parts import Services
 
 # How long the daemon waits for the descriptor once it asked for it (a 100 Continue).
@@ -107,22 +108,35 @@ def add_routes(app: web.Application, services: Services) -> None:
         body = await read_body(request, PullBody, optional=True)
         dl = downloads()
         current = await dl.is_current(model_id) if dl.is_current else None
+        choice: dict[str, Any] | None = None
+        if current is None and model_id not in dl.jobs:
+            # Before any byte: a model that can never load is refused, or a variant taken.
+            found = await Fits.of_services(services).choose(model_id, force=body.force)
+            choice = {**found, "fit": found["fit"].to_dict()}
+            if found["chosen"] != model_id:
+                model_id = found["chosen"]
+                current = await dl.is_current(model_id) if dl.is_current else None
+        already = {"id": model_id, "state": "installed", "already": True, "installed": current}
+        if choice is not None:
+            already["choice"] = choice
         if body.detach or body.stream is False:
             if current is not None:
-                return web.json_response(
-                    {"id": model_id, "state": "installed", "already": True, "installed": current}
-                )
-            return web.json_response(dl.pull(model_id).snapshot())
+                return web.json_response(already)
+            return web.json_response(dl.pull(model_id).snapshot() | {"choice": choice})
 
         async def records() -> AsyncGenerator[dict[str, Any], None]:
             if current is not None:
-                yield {"id": model_id, "state": "installed", "already": True, "installed": current}
+                yield already
                 return
             job = dl.pull(model_id)
+            first = True
             # Leaving this generator (the client went away) never cancels the job.
             async for record in job.events():
                 if record["state"] == "installed":
                     record["installed"] = result_dict(job.result)
+                if choice is not None and (first or record["state"] == "installed"):
+                    record["choice"] = choice
+                first = False
                 yield record
 
         return await ndjson(request, records())

@@ -38,7 +38,7 @@ def add_routes(app: web.Application, services: Services) -> None:
             backends=backends,
             allow_unverified=body.allow_unverified,
         )
-        view = await pool.load(target, keep_alive=keep_alive, pin=body.pin)
+        view = await pool.load(target, keep_alive=keep_alive, pin=body.pin, warm_up=body.warm_up)
         return web.json_response(view)
 
     async def unload(request: web.Request) -> web.Response:

@@ -14,6 +14,7 @@ from modeld.hostinfo import RUNTIME_PACKAGE, runtime_version
 from modeld.modelfile import header as litertlm
 from modeld.modelfile import plan
 from modeld.services import verification
+from modeld.services.fit import Fits
 from modeld.services.parts import Services
 from modeld.store.store import Installed, Store
 
@@ -63,12 +64,41 @@ async def list_models(services: Services, installed_only: bool = False) -> dict[
     installs = {i.model_id: i for i in await store.list_installed()}
     missing = await store.missing()
     ids = sorted({e.id for e in catalog.entries()} | installs.keys() | missing.keys())
-    models = [
-        _summary(m, catalog.find(m), installs.get(m), m in missing, catalog)
-        for m in ids
-        if not installed_only or m in installs
-    ]
+    fits = Fits.of_services(services)
+    models = []
+    for m in ids:
+        if installed_only and m not in installs:
+            continue
+        doc = _summary(m, catalog.find(m), installs.get(m), m in missing, catalog)
+        entry = catalog.find(m)
+        # Whether its smallest (text-only) engine fits MODELD_MEMORY_BUDGET at all.
+        doc["fit"] = (await fits.of(entry, installs.get(m))).to_dict() if entry else None
+        models.append(doc)
     return {"models": models, "problems": [str(p) for p in catalog.problems]}
+
+
+def _engine_settings(services: Services, entry: Entry | None, model_id: str) -> dict[str, Any]:
+    """The CPU threads and warm-up rule an engine of this model gets, and loaded engines'."""
+    settings = services.settings
+    runtime = entry.runtime if entry else None
+    threads_from = "entry" if runtime and runtime.threads else "MODELD_CPU_THREADS"
+    warm_up = runtime.warm_up if runtime and runtime.warm_up is not None else None
+    if warm_up is None:
+        warm_up_rule = "gpu plans and pinned loads" if settings.warm_up else "never"
+    else:
+        warm_up_rule = "every load (entry)" if warm_up else "never (entry)"
+    pool = services.parts.get("pool")
+    loaded = (
+        {e["id"]: e["cpu_threads"] for e in pool.list() if e["model"] == model_id}
+        if pool is not None
+        else {}
+    )
+    return {
+        "cpu_threads": (runtime.threads if runtime else None) or settings.cpu_threads,
+        "cpu_threads_from": threads_from,
+        "warm_up": warm_up_rule,
+        "loaded_cpu_threads": loaded,
+    }
 
 
 def _error(e: ModeldError) -> dict[str, Any]:
@@ -125,6 +155,8 @@ async def show_model(services: Services, model_id: str) -> dict[str, Any]:
         )
     doc = _summary(model_id, entry, inst, missing, catalog)
     doc["entry"] = entry.to_dict() if entry else None
+    doc["fit"] = (await Fits.of_services(services).of(entry, inst)).to_dict() if entry else None
+    doc["engine_settings"] = _engine_settings(services, entry, model_id)
     doc["header"] = doc["header_error"] = None
     doc["probes"] = {}
     doc["image_probes"] = {}

@@ -111,6 +111,8 @@ class LoadBody(Strict):
     backends: Backends | None = None
     keep_alive: Duration | None = None
     pin: StrictBool = False
+    # One short generation at load; absent: gpu plans and pinned loads do (``Engines``).
+    warm_up: StrictBool | None = None
     allow_unverified: StrictBool = False
 
 
@@ -119,6 +121,8 @@ class PullBody(Strict):
 
     detach: StrictBool = False
     stream: StrictBool | None = None
+    # Download even when the model could never fit the memory budget.
+    force: StrictBool = False
 
 
 class ImportBody(Strict):

@@ -59,6 +59,16 @@ class Backends(_Strict):
     vision: Backend | None = None
 
 
+class Runtime(_Strict):
+    """Per-model engine settings; each overrides its daemon-wide setting for this model."""
+
+    # CPU threads of this model's engines (MODELD_CPU_THREADS otherwise).
+    threads: int | None = Field(default=None, ge=1, le=256)
+    # false: never warm this model's engines up at load; true: warm up every load of it;
+    # absent: MODELD_WARM_UP's rule (gpu plans, pinned loads, preloads).
+    warm_up: bool | None = None
+
+
 class Entry(_Strict):
     """One registry entry, exactly the registry format of docs/design.md."""
 
@@ -73,6 +83,18 @@ class Entry(_Strict):
     min_runtime_version: str | None = Field(default=None, pattern=VERSION_PATTERN)
     limits: Limits = Field(default_factory=Limits)
     backends: Backends = Field(default_factory=Backends)
+    runtime: Runtime = Field(default_factory=Runtime)
+    # Other entries of the same model (another quantization or size), by id: `pull ID`
+    # takes the best of ID and these that fits the memory budget.
+    variants: list[str] = Field(default_factory=list)
+
+    @field_validator("variants")
+    @classmethod
+    def _variant_ids(cls, v: list[str]) -> list[str]:
+        for model_id in v:
+            if not ID_RE.match(model_id):
+                raise ValueError(f"{model_id!r} is not a model id")
+        return v
 
     @field_validator("file_name")
     @classmethod

@@ -90,6 +90,28 @@ def estimate_memory(info: ModelInfo, plan: Plan, max_tokens: int, base: int = RU
     return base + ENGINE_OVERHEAD + weights + kv
 
 
+def estimate_from_size(size: int, max_tokens: int, base: int = RUNNER_BASE) -> int:
+    """``estimate_memory`` for a file whose header is not known yet: all of it is weights.
+
+    Before a download only the entry's size and limits are known. Counting the whole file
+    as the decoder's weights over-counts a vision or audio section a text plan leaves out
+    (a few % of a Gemma file); once the header is read, ``estimate_memory`` replaces it.
+    """
+    kv = max_tokens * max(_KV_MIN_PER_TOKEN, int(size * _KV_FRACTION_PER_TOKEN))
+    return base + ENGINE_OVERHEAD + size + kv
+
+
+def entry_max_tokens(entry: Entry | None, info: ModelInfo | None, *, vision: bool = False) -> int:
+    """The token window an engine of ``entry`` gets (the runner's ``max_tokens``)."""
+    limits = entry.limits if entry is not None else None
+    return (
+        ((limits.vision_max_tokens if vision else None) if limits else None)
+        or (limits.max_tokens if limits else None)
+        or (info.llm_metadata.max_num_tokens if info and info.llm_metadata else None)
+        or DEFAULT_MAX_TOKENS
+    )
+
+
 def check_runtime(model_id: str, entry: Entry | None, info: ModelInfo, runtime: str | None) -> None:
     """Refuse a file that needs a newer runtime than ``runtime`` (the installed one).
 
@@ -203,6 +225,14 @@ class Engines:
         self._touch_pending: dict[str, float] = {}
         self._touch_task: asyncio.Task[None] | None = None
         self._touch_flushed = 0.0
+
+    async def header(self, model_id: str, digest: str, path: Path) -> ModelInfo:
+        """The header of the installed blob ``digest`` (read once: blobs never change)."""
+        info = self._headers.get(digest)
+        if info is None:
+            info = await asyncio.to_thread(read_header, path, model_id=model_id)
+            self._headers[digest] = info
+        return info
 
     async def _installed_row(self, model_id: str) -> Installed | None:
         generation = self.store.generation
@@ -434,10 +464,7 @@ class Engines:
             raise CorruptModel(
                 f"model {model_id}: its file {path} is missing; run `modeld pull {model_id}`"
             )
-        info = self._headers.get(installed.digest)
-        if info is None:
-            info = await asyncio.to_thread(read_header, path, model_id=model_id)
-            self._headers[installed.digest] = info
+        info = await self.header(model_id, installed.digest, path)
         modalities = tuple(modalities)
         entry_prefs = Prefs.from_mapping(entry.backends.model_dump())
         request_prefs = Prefs.from_mapping(backends)
@@ -485,6 +512,7 @@ class Engines:
             runtime=self.runtime,
             adapter=adapter,
             image_probe=image_probe,
+            warm_up=self._warm_up(entry, plan),
         )
 
     def _spec(
@@ -492,12 +520,7 @@ class Engines:
     ) -> tuple[dict[str, Any], int]:
         """The runner's ``create`` spec for ``plan`` (the GPU probe gets the same one)."""
         limits = entry.limits
-        max_tokens = (
-            (limits.vision_max_tokens if plan.vision else None)
-            or limits.max_tokens
-            or (info.llm_metadata.max_num_tokens if info.llm_metadata else None)
-            or DEFAULT_MAX_TOKENS
-        )
+        max_tokens = entry_max_tokens(entry, info, vision=plan.vision is not None)
         max_images = (
             (limits.max_images if limits.max_images is not None else 1) if plan.vision else None
         )
@@ -513,8 +536,24 @@ class Engines:
             # The entry's [limits] speculative_decoding as is: true and false reach the
             # runtime as True and False; absent (None) leaves it to the runtime's default.
             "speculative": limits.speculative_decoding,
+            # Always an explicit count: the runtime's own default ignores the machine.
+            "threads": entry.runtime.threads or self.settings.cpu_threads,
         }
         return spec, max_tokens
+
+    def _warm_up(self, entry: Entry, plan: Plan) -> bool | None:
+        """Whether loads of ``plan`` warm up: True every load, False never, None when asked.
+
+        A gpu plan pays its shader compilation at the first generation (~2 s on an H200
+        against ~40 ms afterwards), so every load of one warms up; a cpu plan's first
+        request costs far less, so only loads that promise a quick first reply (pinned,
+        preloaded) ask for it. The entry's ``[runtime] warm_up`` wins, then the setting.
+        """
+        if entry.runtime.warm_up is not None:
+            return entry.runtime.warm_up
+        if not self.settings.warm_up:
+            return False
+        return True if "gpu" in plan.backends() else None
 
     def _runtime_path(self, digest: str, blob: Path) -> Path:
         """A ``.litertlm`` name for the blob: the runtime picks the format by file extension."""

@@ -198,8 +198,14 @@ class Pool(Admission, Views):
             retry_after=left,
         )
 
-    async def _engine_for(self, target: Target, keep_alive: float | None) -> Engine:
-        """The engine for ``target``, created (once) if needed; counts the caller as a user."""
+    async def _engine_for(
+        self, target: Target, keep_alive: float | None, *, warm_up: bool = False
+    ) -> Engine:
+        """The engine for ``target``, created (once) if needed; counts the caller as a user.
+
+        ``warm_up``: this caller wants a warmed engine (a pinned load, a preload); it only
+        counts when it starts the load, and the target's own rule (``Target.warm_up``) wins.
+        """
         if self.stopping:
             raise ShuttingDown("the daemon is stopping; retry when it is back")
         self._held(target)
@@ -211,7 +217,11 @@ class Pool(Admission, Views):
                 continue
             break
         if e is None:
-            e = Engine(target=target, keep_alive=self.config.keep_alive)
+            e = Engine(
+                target=target,
+                keep_alive=self.config.keep_alive,
+                warm_up=warm_up if target.warm_up is None else target.warm_up,
+            )
             self.engines[target.key] = e
             e.load_task = self._spawn(self._load(e))
         if e.users >= self.config.queue_limit:
@@ -237,7 +247,7 @@ class Pool(Admission, Views):
                 runner = await self.factory()
             e.runner = runner
             self._note_runner(t, runner)
-            reply = await runner.create(t.spec)
+            reply = await runner.create({**t.spec, "warm_up": True} if e.warm_up else t.spec)
         except BaseException as exc:
             err = load_error(t, exc)
             if not isinstance(exc, asyncio.CancelledError):
@@ -255,9 +265,14 @@ class Pool(Admission, Views):
                 raise
             return
         e.create_seconds = float(reply.get("seconds", 0.0))
+        e.warm_up_timings = reply.get("warm_up")
         e.options = reply.get("options")
         if self.metrics:
             self.metrics.phase_seconds.labels("engine_create").observe(e.create_seconds)
+            if e.warm_up_timings is not None:
+                self.metrics.phase_seconds.labels("warm_up").observe(
+                    float(e.warm_up_timings["seconds"])
+                )
         e.load_seconds = time.monotonic() - started
         e.measured = runner.memory()[0] or int(reply.get("pss", 0))
         e.reserved = max(e.measured, t.expected)
@@ -280,6 +295,7 @@ class Pool(Admission, Views):
             pid=runner.pid,
             seconds=e.load_seconds,
             create=e.create_seconds,
+            warm_up=e.warm_up_timings["seconds"] if e.warm_up_timings else None,
             pss=e.measured,
             estimate=t.expected,
             adapter=t.adapter,
@@ -423,10 +439,19 @@ class Pool(Admission, Views):
         self._wake(reaper=e.expires_at is not None and (due is None or e.expires_at < due))
 
     async def load(
-        self, target: Target, *, keep_alive: float | None = None, pin: bool = False
+        self,
+        target: Target,
+        *,
+        keep_alive: float | None = None,
+        pin: bool = False,
+        warm_up: bool | None = None,
     ) -> dict[str, Any]:
-        """Load ``target`` now (or find it loaded); return its ``ps`` view."""
-        e = await self._engine_for(target, keep_alive)
+        """Load ``target`` now (or find it loaded); return its ``ps`` view.
+
+        ``warm_up`` None: a pinned load warms up (it is kept for a quick first reply).
+        """
+        wanted = pin if warm_up is None else warm_up
+        e = await self._engine_for(target, keep_alive, warm_up=wanted)
         e.explicit = True
         e.pinned = e.pinned or pin
         try:

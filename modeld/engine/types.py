@@ -81,6 +81,9 @@ class Target:
     image_probe: dict[str, Any] | None = None
     runtime: str | None = None  # the litert-lm version the runner loads
     adapter: str | None = None  # the GPU adapter its GPU probe saw (gpu plans only)
+    # Warm up at load (``Engines._warm_up``): True every load, False never, None only for
+    # loads that ask (pinned, preloaded).
+    warm_up: bool | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -122,6 +125,9 @@ class Engine:
     expires_at: float | None = None
     load_seconds: float | None = None
     create_seconds: float | None = None
+    # Whether this load warms up, and the warm-up generation's timings (``runner.child``).
+    warm_up: bool = False
+    warm_up_timings: dict[str, Any] | None = None
     # What the runner created the engine with, read back from the runtime (``runner.py``).
     options: dict[str, Any] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -21,12 +21,17 @@ def create_engine(spec: dict[str, Any]) -> Any:
     """
     import litert_lm
 
+    threads = spec.get("threads")
+
     def backend(name: str | None) -> Any:
         if name is None:
             return None
         if name not in ("cpu", "gpu"):
             raise ValueError(f"unknown backend {name!r}; use cpu or gpu")
-        return litert_lm.Backend.GPU() if name == "gpu" else litert_lm.Backend.CPU()
+        if name == "gpu":
+            return litert_lm.Backend.GPU()
+        # None leaves it to the runtime; the daemon always sends its chosen count.
+        return litert_lm.Backend.CPU(thread_count=None if threads is None else int(threads))
 
     cache_dir = spec.get("cache_dir")
     if cache_dir:
@@ -52,6 +57,15 @@ def _backend_name(backend: Any) -> str | None:
     return str(backend.get_name()) if backend is not None else None
 
 
+def _cpu_threads(engine: Any) -> int | None:
+    """The thread count of the engine's CPU backends (the daemon gives them all the same)."""
+    for backend in (engine.backend, engine.vision_backend, engine.audio_backend):
+        count = getattr(backend, "thread_count", None)
+        if count is not None:
+            return int(count)
+    return None
+
+
 def engine_options(engine: Any) -> dict[str, Any]:
     """The settings a ``litert_lm.Engine`` was created with, in the runtime's own names.
 
@@ -68,4 +82,6 @@ def engine_options(engine: Any) -> dict[str, Any]:
         "max_num_images": engine.max_num_images,
         "cache_dir": engine.cache_dir,
         "enable_speculative_decoding": engine.enable_speculative_decoding,
+        # None: no CPU backend, or the runtime's own default count.
+        "cpu_threads": _cpu_threads(engine),
     }

@@ -267,3 +267,110 @@ async def test_a_peak_far_above_the_estimate_counts_once_confirmed(short_tmp: Pa
         assert await store.measured_memory(*key) == high * 2
         assert await memory.forget("ab" * 32) == 1
         assert await memory.expected(key) is None
+
+
+@pytest.fixture
+async def tuned(clean_env: Path) -> AsyncIterator[InProcessDaemon]:
+    """A cpu daemon with 2 threads by setting; entries that set threads and warm-up."""
+    home, registry = clean_env / "home", clean_env / "registry"
+    # One file each: engines are keyed by (file digest, plan), so entries of one file share it.
+    models = {
+        "plain": ("tiny-text", ""),
+        "one-thread": ("tiny-text-b", "[runtime]\nthreads = 1\n"),
+        "cold": ("tiny-text-f32", "[runtime]\nwarm_up = false\n"),
+        "always-warm": ("vision-cpu-ok", "[runtime]\nwarm_up = true\n"),
+    }
+    for model_id, (fixture, extra) in models.items():
+        install_fixture(home, model_id, MODELS / f"{fixture}.litertlm")
+        _entry(registry, model_id, fixture, extra)
+    settings = load_settings(
+        home=home,
+        socket=home / "modeld.sock",
+        registry=[registry],
+        main_backend="cpu",
+        cpu_threads=2,
+    )
+    async with running_daemon(settings) as d:
+        yield d
+
+
+async def test_cpu_threads_reach_the_runtime(tuned: InProcessDaemon) -> None:
+    """MODELD_CPU_THREADS, or the entry's [runtime] threads, is the engine's thread count."""
+    async with tuned.client() as c:
+        plain = await _load(c, "plain")
+        one = await _load(c, "one-thread")
+        shown = await c.request("GET", "/api/models/one-thread")
+        ps = await _ps_json(tuned)
+    assert plain["engine_options"]["cpu_threads"] == plain["cpu_threads"] == 2
+    assert one["engine_options"]["cpu_threads"] == one["cpu_threads"] == 1
+    assert {e["id"]: e["cpu_threads"] for e in ps["engines"]} == {
+        "plain:cpu": 2,
+        "one-thread:cpu": 1,
+    }
+    settings = shown["engine_settings"]
+    assert (settings["cpu_threads"], settings["cpu_threads_from"]) == (1, "entry")
+    assert settings["loaded_cpu_threads"] == {"one-thread:cpu": 1}
+
+
+async def test_warm_up_follows_pin_and_the_entry(tuned: InProcessDaemon) -> None:
+    """A cpu load warms up when pinned; the entry's warm_up wins both ways."""
+    async with tuned.client() as c:
+        unpinned = await _load(c, "plain")
+        await c.request("DELETE", "/api/engines/plain")
+        pinned = await c.request("POST", "/api/engines", {"model": "plain", "pin": True})
+        cold = await c.request("POST", "/api/engines", {"model": "cold", "pin": True})
+        warm = await _load(c, "always-warm")
+    assert unpinned["warm_up_seconds"] is None and unpinned["warm_up"] is None
+    assert cold["warm_up_seconds"] is None
+    for view in (pinned, warm):
+        assert view["warm_up_seconds"] > 0
+        # Its own phase, apart from Engine(): both are inside the load.
+        assert view["create_seconds"] > 0
+        assert view["load_seconds"] >= view["create_seconds"] + view["warm_up_seconds"]
+        assert view["warm_up"]["prompt_tokens"] > 0 and view["warm_up"]["tokens"] > 0
+
+
+async def test_first_request_after_a_warmed_load_is_steady(tuned: InProcessDaemon) -> None:
+    """The first request's prefill is within 3x the steady state's, by the runtime's figures.
+
+    The runtime's own prefill time (its benchmark counters, not wall time around the
+    request) excludes the daemon's queueing and the socket; 3x leaves room for a noisy
+    shared machine while a cold first prefill, which packs weights and touches their
+    pages, is what would exceed it. A request that loads the engine reports the warm-up
+    as its own phase, apart from engine_create.
+    """
+    async with tuned.client() as c:
+        await c.request("POST", "/api/engines", {"model": "plain", "pin": True})
+        prefills = []
+        for _ in range(5):
+            final = await _final(c, "plain")
+            prefills.append(final["timings"]["prefill"])
+        loaded_by_request = await _final(c, "always-warm")
+    steady = sorted(prefills[1:])[len(prefills[1:]) // 2]
+    assert prefills[0] <= 3 * steady, prefills
+    timings = loaded_by_request["timings"]
+    assert timings["warm_up"] > 0 and timings["engine_create"] > 0
+
+
+async def _final(c: Client, model: str) -> dict[str, Any]:
+    body = {"model": model, "prompt": "hello there", "max_tokens": 4}
+    records = [r async for r in c.stream("POST", "/api/generate", body)]
+    final: dict[str, Any] = records[-1]
+    return final
+
+
+async def test_warm_up_setting_off(clean_env: Path) -> None:
+    """MODELD_WARM_UP=0: a pinned load does not warm up."""
+    home, registry = clean_env / "home", clean_env / "registry"
+    install_fixture(home, "plain", MODELS / "tiny-text.litertlm")
+    _entry(registry, "plain", "tiny-text")
+    settings = load_settings(
+        home=home,
+        socket=home / "modeld.sock",
+        registry=[registry],
+        main_backend="cpu",
+        warm_up=False,
+    )
+    async with running_daemon(settings) as d, d.client() as c:
+        view = await c.request("POST", "/api/engines", {"model": "plain", "pin": True})
+    assert view["warm_up_seconds"] is None

@@ -9,9 +9,11 @@ Protocol (one socketpair, both ways): frames of a 4-byte big-endian length and a
 JSON object. Parent -> child ops, each with an ``id``:
 
 - ``create``: path, backend, vision, audio, max_tokens, max_images, cache_dir, speculative
-  (None: the runtime's default) -> ``{"id", "ok": true, "seconds", "pss", "rss", "options"}``;
-  ``options`` are the settings the engine was created with, read back from the runtime's
-  ``Engine`` object (``engine_options``)
+  (None: the runtime's default), threads (CPU backends), warm_up (one short generation
+  after the engine is made) -> ``{"id", "ok": true, "seconds", "warm_up", "pss", "rss",
+  "options"}``; ``seconds`` is ``litert_lm.Engine()`` alone, ``warm_up`` the warm-up
+  generation's timings (None when not asked); ``options`` are the settings the engine was
+  created with, read back from the runtime's ``Engine`` object (``engine_options``)
 - ``generate``: messages (role/content, last one is sent), max_tokens, sampler, stop,
   format, stream; when set: presence/frequency/repetition_penalty, schema (+ strict),
   tools (OpenAI descriptions; calls come back, never run), raw (no chat template)
@@ -200,6 +202,12 @@ class _TokenBatcher:
                     self._flush_locked(time.monotonic())
 
 
+# The warm-up generation: a few tokens are enough to run every kernel of a prefill and
+# a decode step once.
+WARM_UP_PROMPT = "Hello"
+WARM_UP_TOKENS = 4
+
+
 class _Child:
     """The runner's state: one socket, at most one engine, one generation thread."""
 
@@ -287,18 +295,53 @@ class _Child:
             self.error(rid, self._code_for(reason), reason)
             return
         self.max_tokens = msg.get("max_tokens")
-        pss, rss = read_memory(os.getpid())
         seconds = time.perf_counter() - started
+        warm_up = None
+        if msg.get("warm_up"):
+            try:
+                warm_up = self._warm_up()
+            except Exception as e:
+                reason = self.runtime_reason(e)
+                self.error(rid, self._code_for(reason), f"the warm-up generation failed: {reason}")
+                return
+        pss, rss = read_memory(os.getpid())
         self.send(
             {
                 "id": rid,
                 "ok": True,
                 "seconds": seconds,
+                "warm_up": warm_up,
                 "pss": pss,
                 "rss": rss,
                 "options": self._options(),
             }
         )
+
+    def _warm_up(self) -> dict[str, Any]:
+        """One short generation, so that the first request does not pay the one-time costs.
+
+        A GPU engine compiles its shaders and a CPU engine packs its weights and touches
+        their pages at the first prefill and decode, not at ``Engine()``: a pinned engine
+        that skips this makes its first user wait (~2 s against ~40 ms on an H200).
+        """
+        started = time.perf_counter()
+        conversation = self.engine.create_conversation(max_output_tokens=WARM_UP_TOKENS)
+        try:
+            conversation.send_message(WARM_UP_PROMPT)
+            info = None
+            with contextlib.suppress(RuntimeError):
+                info = conversation.get_benchmark_info()
+        finally:
+            conversation.close()
+        prefill_tps = info.last_prefill_tokens_per_second if info else None
+        prefill_tokens = info.last_prefill_token_count if info else 0
+        return {
+            "seconds": time.perf_counter() - started,
+            "prefill": prefill_tokens / prefill_tps if prefill_tps else None,
+            "prompt_tokens": prefill_tokens,
+            "tokens": info.last_decode_token_count if info else None,
+            "decode_tokens_per_second": info.last_decode_tokens_per_second if info else None,
+        }
 
     def _options(self) -> dict[str, Any]:
         from modeld.modelfile.runtime import engine_options
