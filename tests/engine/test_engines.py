@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import json
+import statistics
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -331,7 +332,7 @@ async def test_warm_up_follows_pin_and_the_entry(tuned: InProcessDaemon) -> None
 
 
 async def test_first_request_after_a_warmed_load_is_steady(tuned: InProcessDaemon) -> None:
-    """The first request's prefill is within 3x the steady state's, by the runtime's figures.
+    """After a warmed load the first prefill is within 3x the steady one; unwarmed it is not.
 
     The runtime's own prefill time (its benchmark counters, not wall time around the
     request) excludes the daemon's queueing and the socket; 3x leaves room for a noisy
@@ -341,13 +342,17 @@ async def test_first_request_after_a_warmed_load_is_steady(tuned: InProcessDaemo
     """
     async with tuned.client() as c:
         await c.request("POST", "/api/engines", {"model": "plain", "pin": True})
-        prefills = []
+        await c.request("POST", "/api/engines", {"model": "one-thread"})  # not warmed
+        prefills: dict[str, list[float]] = {"plain": [], "one-thread": []}
         for _ in range(5):
-            final = await _final(c, "plain")
-            prefills.append(final["timings"]["prefill"])
+            for model, seen in prefills.items():
+                seen.append((await _final(c, model))["timings"]["prefill"])
         loaded_by_request = await _final(c, "always-warm")
-    steady = sorted(prefills[1:])[len(prefills[1:]) // 2]
-    assert prefills[0] <= 3 * steady, prefills
+    warmed, cold = prefills["plain"], prefills["one-thread"]
+    assert warmed[0] <= 3 * statistics.median(warmed[1:]), warmed
+    # The contrast: without the warm-up the first prefill is ~40x the steady one here
+    # (13 ms against 0.3 ms on the tiny model), so the bound above can fail.
+    assert cold[0] > 3 * statistics.median(cold[1:]), cold
     timings = loaded_by_request["timings"]
     assert timings["warm_up"] > 0 and timings["engine_create"] > 0
 
