@@ -199,12 +199,12 @@ class Pool(Admission, Views):
         )
 
     async def _engine_for(
-        self, target: Target, keep_alive: float | None, *, warm_up: bool = False
+        self, target: Target, keep_alive: float | None, *, warm_up: bool | None = None
     ) -> Engine:
         """The engine for ``target``, created (once) if needed; counts the caller as a user.
 
-        ``warm_up``: this caller wants a warmed engine (a pinned load, a preload); it only
-        counts when it starts the load, and the target's own rule (``Target.warm_up``) wins.
+        ``warm_up``: whether this caller's load warms up (None: the target's rule,
+        ``Target.warm_up``); it only counts when this caller starts the load.
         """
         if self.stopping:
             raise ShuttingDown("the daemon is stopping; retry when it is back")
@@ -220,7 +220,7 @@ class Pool(Admission, Views):
             e = Engine(
                 target=target,
                 keep_alive=self.config.keep_alive,
-                warm_up=warm_up if target.warm_up is None else target.warm_up,
+                warm_up=bool(target.warm_up) if warm_up is None else warm_up,
             )
             self.engines[target.key] = e
             e.load_task = self._spawn(self._load(e))
@@ -448,10 +448,12 @@ class Pool(Admission, Views):
     ) -> dict[str, Any]:
         """Load ``target`` now (or find it loaded); return its ``ps`` view.
 
-        ``warm_up`` None: a pinned load warms up (it is kept for a quick first reply).
+        ``warm_up`` (the caller's explicit choice) wins; else the target's rule, and where
+        that leaves it open, a pinned load warms up (it is kept for a quick first reply).
         """
-        wanted = pin if warm_up is None else warm_up
-        e = await self._engine_for(target, keep_alive, warm_up=wanted)
+        if warm_up is None:
+            warm_up = pin if target.warm_up is None else target.warm_up
+        e = await self._engine_for(target, keep_alive, warm_up=warm_up)
         e.explicit = True
         e.pinned = e.pinned or pin
         try:

@@ -314,16 +314,23 @@ async def test_cpu_threads_reach_the_runtime(tuned: InProcessDaemon) -> None:
 
 
 async def test_warm_up_follows_pin_and_the_entry(tuned: InProcessDaemon) -> None:
-    """A cpu load warms up when pinned; the entry's warm_up wins both ways."""
+    """A cpu load warms up when pinned; the entry's warm_up wins, a load's own choice over it."""
     async with tuned.client() as c:
         unpinned = await _load(c, "plain")
         await c.request("DELETE", "/api/engines/plain")
         pinned = await c.request("POST", "/api/engines", {"model": "plain", "pin": True})
         cold = await c.request("POST", "/api/engines", {"model": "cold", "pin": True})
         warm = await _load(c, "always-warm")
+        await c.request("DELETE", "/api/engines/always-warm")
+        # The load's own choice wins over the entry's, both ways.
+        asked_off = await c.request(
+            "POST", "/api/engines", {"model": "always-warm", "warm_up": False}
+        )
+        await c.request("DELETE", "/api/engines/cold")
+        asked_on = await c.request("POST", "/api/engines", {"model": "cold", "warm_up": True})
     assert unpinned["warm_up_seconds"] is None and unpinned["warm_up"] is None
-    assert cold["warm_up_seconds"] is None
-    for view in (pinned, warm):
+    assert cold["warm_up_seconds"] is None and asked_off["warm_up_seconds"] is None
+    for view in (pinned, warm, asked_on):
         assert view["warm_up_seconds"] > 0
         # Its own phase, apart from Engine(): both are inside the load.
         assert view["create_seconds"] > 0
