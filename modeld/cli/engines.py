@@ -122,7 +122,8 @@ def _print_loaded(v: dict[str, Any]) -> None:
     if warm is not None:
         parts.append(f"warm-up {format_duration(warm)}")
     if v.get("cpu_threads"):
-        parts.append(f"{v['cpu_threads']} CPU threads")
+        n = v["cpu_threads"]
+        parts.append(f"{n} CPU thread{'' if n == 1 else 's'}")
     console.print(
         f"loaded {v['id']} ({v['plan']['key']}) in {format_duration(v['load_seconds'] or 0)} "
         f"({', '.join(parts)}), PSS {_size(v['pss'])}"

@@ -36,7 +36,7 @@ def _ago(t: float | None) -> str:
 
 
 def _print_list(doc: dict[str, Any]) -> None:
-    t = table("ID", "SIZE", "STATE", "FITS", "VERIFIED", "LAST USED")
+    t = table("ID", "SIZE", "STATE", "NEEDS", "FITS", "VERIFIED", "LAST USED")
     for m in doc["models"]:
         inst = m["installed"]
         size = inst["size"] if inst else m["size"]
@@ -44,6 +44,7 @@ def _print_list(doc: dict[str, Any]) -> None:
             m["id"] + ("" if m["in_catalog"] else " [dim](not in catalog)[/]"),
             format_size(size) if size is not None else "-",
             _state(m),
+            format_size(m["fit"]["needs"]) if m.get("fit") else "-",
             _fits(m.get("fit")),
             _verified(inst),
             _ago(inst["last_used"]) if inst else "-",
@@ -57,11 +58,10 @@ def _print_list(doc: dict[str, Any]) -> None:
 
 
 def _fits(fit: dict[str, Any] | None) -> str:
+    """Whether the model's memory estimate (NEEDS) is within the budget."""
     if fit is None:
         return "-"
-    if fit["fits"]:
-        return f"yes ({format_size(fit['needs'])})"
-    return f"[red]no[/] (needs {format_size(fit['needs'])})"
+    return "yes" if fit["fits"] else "[red]no[/]"
 
 
 @click.command(name="list")
@@ -160,11 +160,12 @@ def _print_show(m: dict[str, Any]) -> None:
     es = m.get("engine_settings")
     if es:
         loaded = "".join(
-            f"; {engine} runs {n or 'the runtime default'} threads"
+            f"; {engine} runs {n or 'the runtime default'} thread{'' if n == 1 else 's'}"
             for engine, n in es["loaded_cpu_threads"].items()
         )
+        n = es["cpu_threads"]
         console.print(
-            f"  engines   {es['cpu_threads']} CPU threads (from {es['cpu_threads_from']}), "
+            f"  engines   {n} CPU thread{'' if n == 1 else 's'} (from {es['cpu_threads_from']}), "
             f"warm-up: {es['warm_up']}{loaded}"
         )
     runtime = m["runtime"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import random
 import sys
 from collections.abc import AsyncIterator
@@ -148,20 +149,31 @@ async def test_force_downloads_anyway(env: Env) -> None:
     assert env.big.requests
 
 
-async def test_cli_pull_refusal(env: Env) -> None:
-    """`modeld pull big` exits 1 with the figures on stderr; nothing fetched."""
+async def _cli(env: Env, *args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "modeld",
         "--socket",
         str(env.daemon.settings.socket_path),
-        "pull",
-        "big",
+        *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "200"},
     )
-    _, err = await proc.communicate()
-    assert proc.returncode == 1
-    assert "can never load here" in err.decode()
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_cli_pull_refusal_and_list(env: Env) -> None:
+    """`modeld pull big` exits 1 with the figures on stderr; `list` says which fit."""
+    code, _, err = await _cli(env, "pull", "big")
+    assert code == 1
+    assert "can never load here" in err and "--force" in err
+    code, out, _ = await _cli(env, "list")
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line.strip()}
+    assert "no" in rows["big"] and "yes" not in rows["big"]
+    assert "yes" in rows["small"]
     assert env.big.requests == []
