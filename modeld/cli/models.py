@@ -36,7 +36,7 @@ def _ago(t: float | None) -> str:
 
 
 def _print_list(doc: dict[str, Any]) -> None:
-    t = table("ID", "SIZE", "STATE", "NEEDS", "FITS", "VERIFIED", "LAST USED")
+    t = table("ID", "SIZE", "STATE", "FITS", "VERIFIED", "LAST USED")
     for m in doc["models"]:
         inst = m["installed"]
         size = inst["size"] if inst else m["size"]
@@ -44,7 +44,6 @@ def _print_list(doc: dict[str, Any]) -> None:
             m["id"] + ("" if m["in_catalog"] else " [dim](not in catalog)[/]"),
             format_size(size) if size is not None else "-",
             _state(m),
-            format_size(m["fit"]["needs"]) if m.get("fit") else "-",
             _fits(m.get("fit")),
             _verified(inst),
             _ago(inst["last_used"]) if inst else "-",
@@ -58,7 +57,7 @@ def _print_list(doc: dict[str, Any]) -> None:
 
 
 def _fits(fit: dict[str, Any] | None) -> str:
-    """Whether the model's memory estimate (NEEDS) is within the budget."""
+    """Whether the model's memory estimate is within the budget (the figures: --json, show)."""
     if fit is None:
         return "-"
     return "yes" if fit["fits"] else "[red]no[/]"
