@@ -106,7 +106,10 @@ class Schedule:
             return None
         now = time.monotonic()
         live = [p.rate() for p in self.inflight if p.mirror is m and now - p.began > 0.5]
-        return min(m.conn_rate, max(live)) if live else m.conn_rate
+        rate = min(m.conn_rate, max(live)) if live else m.conn_rate
+        # A piece that got no bytes yet measures 0: the scheduler divides by rates, so a
+        # stalled mirror counts as very slow (1 B/s), never as infinitely slow.
+        return max(rate, 1.0)
 
     def _rates(self) -> tuple[list[Mirror], dict[int, float]]:
         """The mirrors ready for a range request now, and the measured ones' rates."""
