@@ -82,7 +82,12 @@ def measure(path: Path, threads: int, runs: int, tokens: int, prompt: str) -> di
             text=True,
             timeout=900,
             check=False,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
+                ),
+            },
         )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("[")]
     if out.returncode != 0 or not lines:
