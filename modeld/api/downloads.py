@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
@@ -16,9 +14,7 @@ from modeld.api.access import on_unix_socket
 from modeld.api.peers import peer_credentials
 from modeld.api.requests import ImportBody, PullBody, read_body
 from modeld.api.stream import ndjson
-from modeld.download.downloads import Downloads, result_dict
 from modeld.errors import BadRequest, Forbidden
-from modeld.services.fit import Fits
 from modeld.services.parts import Services
 
 # How long the daemon waits for the descriptor once it asked for it (a 100 Continue).
@@ -99,63 +95,31 @@ async def _recv_one_fd(sock: socket.socket) -> int:
 
 
 def add_routes(app: web.Application, services: Services) -> None:
-    def downloads() -> Downloads:
-        part: Downloads = services.parts["downloads"]
-        return part
+    downloads = services.downloads
 
     async def pull(request: web.Request) -> web.StreamResponse:
-        model_id = request.match_info["id"]
         body = await read_body(request, PullBody, optional=True)
-        dl = downloads()
-        current = await dl.is_current(model_id) if dl.is_current else None
-        choice: dict[str, Any] | None = None
-        if current is None and model_id not in dl.jobs:
-            # Before any byte: a model that can never load is refused, or a variant taken.
-            found = await Fits.of_services(services).choose(model_id, force=body.force)
-            choice = {**found, "fit": found["fit"].to_dict()}
-            if found["chosen"] != model_id:
-                model_id = found["chosen"]
-                current = await dl.is_current(model_id) if dl.is_current else None
-        already = {"id": model_id, "state": "installed", "already": True, "installed": current}
-        if choice is not None:
-            already["choice"] = choice
+        # Already installed (and current), or the download started or joined.
+        started = await services.models.pull(request.match_info["id"], force=body.force)
         if body.detach or body.stream is False:
-            if current is not None:
-                return web.json_response(already)
-            return web.json_response(dl.pull(model_id).snapshot() | {"choice": choice})
-
-        async def records() -> AsyncGenerator[dict[str, Any], None]:
-            if current is not None:
-                yield already
-                return
-            job = dl.pull(model_id)
-            first = True
-            # Leaving this generator (the client went away) never cancels the job.
-            async for record in job.events():
-                if record["state"] == "installed":
-                    record["installed"] = result_dict(job.result)
-                if choice is not None and (first or record["state"] == "installed"):
-                    record["choice"] = choice
-                first = False
-                yield record
-
-        return await ndjson(request, records())
+            return web.json_response(started.snapshot())
+        return await ndjson(request, started.records())
 
     async def index(_: web.Request) -> web.Response:
-        return web.json_response({"downloads": downloads().list()})
+        return web.json_response({"downloads": downloads.list()})
 
     async def cancel(request: web.Request) -> web.Response:
-        return web.json_response(await downloads().cancel(request.match_info["id"]))
+        return web.json_response(await downloads.cancel(request.match_info["id"]))
 
     async def import_(request: web.Request) -> web.Response:
         body = await read_body(request, ImportBody)
         if body.path is not None:
             _may_import_by_path(request)
-            return web.json_response(await downloads().import_file(Path(body.path), body.id))
+            return web.json_response(await downloads.import_file(Path(body.path), body.id))
         assert body.name is not None
         fd = await receive_fd(request)
         try:
-            doc = await downloads().import_fd(fd, body.name, body.id)
+            doc = await downloads.import_fd(fd, body.name, body.id)
         finally:
             os.close(fd)
         response = web.json_response(doc)

@@ -1,14 +1,13 @@
 """Downloads as jobs in the daemon, and ``import`` of local files.
 
-``Downloads`` is ``services.parts["downloads"]``: one ``DownloadJob`` per model at a time
+``Downloads`` is the daemon's ``downloads`` part: one ``DownloadJob`` per model at a time
 (concurrent pulls join it), jobs outlive the client that started them, cancelling keeps
-the partial, and the stop hook cancels every job after its journal is written.
+the partial, and stopping it cancels every job after its journal is written.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import fcntl
 import functools
@@ -19,9 +18,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from modeld import logs
+from modeld.catalog.catalog import Catalog
 from modeld.config import Settings
 from modeld.download.job import DownloadJob, Installer, Target, Tuning
 from modeld.download.journal import Journal
@@ -37,6 +38,7 @@ from modeld.errors import (
     ShuttingDown,
 )
 from modeld.metrics import Metrics
+from modeld.store.store import Store
 from modeld.store.vouches import MemoryVouches, VouchBook
 
 Resolve = Callable[[str], Target]
@@ -67,7 +69,6 @@ class Downloads:
         journal: Journal,
         installer: Installer,
         metrics: Metrics | None = None,
-        is_current: Callable[[str], Any] | None = None,
         header_check: Callable[[Path, str, str], Any] | None = None,
         find_by_file_name: Callable[[str], Target | None] | None = None,
         vouches: VouchBook | None = None,
@@ -77,8 +78,6 @@ class Downloads:
         self.journal = journal
         self.installer = installer
         self.metrics = metrics
-        # async (model_id) -> dict | None: the install that already matches the entry, if any.
-        self.is_current = is_current
         self.header_check = header_check
         self.find_by_file_name = find_by_file_name
         # What hubs vouched for once, per (entry, pinned revision): the store in the daemon.
@@ -141,8 +140,16 @@ class Downloads:
             await asyncio.wait([job.task])
         return job.snapshot()
 
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
     async def stop(self) -> None:
-        """Stop hook: cancel every job; each writes its journal before it ends."""
+        """Cancel every job; each writes its journal before it ends (idempotent)."""
         self._stopping = True
         tasks = [j.task for j in self.jobs.values() if j.task is not None]
         for job in list(self.jobs.values()):
@@ -362,34 +369,11 @@ def header_check(path: Path, model_id: str, shown: str | None = None) -> None:
         ) from e
 
 
-async def current_install(store: Any, catalog: Any, model_id: str) -> dict[str, Any] | None:
-    """The model's install when it still matches its entry (so a pull has nothing to do).
-
-    An unverified install whose bytes differ from what a hub vouched for for the entry's
-    pinned revision is not current either: a pull fetches the vouched file.
-    """
-    from modeld.catalog.catalog import outdated
-
-    inst = await store.installed(model_id)
-    if inst is None:
-        return None
-    entry = catalog.find(model_id)
-    with contextlib.suppress(ModelNotFound):
-        if outdated(entry, inst.digest, inst.size):
-            return None
-    if entry is not None and not inst.verified and entry.sha256 is None:
-        rev = Target.from_entry(entry).revision
-        kept = await store.vouched(model_id, rev) if rev else None
-        if kept is not None and kept.sha256 != inst.digest:
-            return None
-    return inst.to_dict()  # type: ignore[no-any-return]
-
-
-def register(services: Any) -> Downloads:
-    """Create the daemon's ``Downloads`` on its catalog and store, and register its hooks."""
+def daemon_downloads(
+    settings: Settings, catalog: Catalog, store: Store, metrics: Metrics | None
+) -> Downloads:
+    """The daemon's ``Downloads``: targets from its catalog, journal and installs in its store."""
     from modeld.download.journal import SqliteJournal
-
-    catalog, store = services.parts["catalog"], services.parts["store"]
 
     def resolve(model_id: str) -> Target:
         return Target.from_entry(catalog.get(model_id))
@@ -400,21 +384,13 @@ def register(services: Any) -> Downloads:
                 return Target.from_entry(entry)
         return None
 
-    async def is_current(model_id: str) -> dict[str, Any] | None:
-        return await current_install(store, catalog, model_id)
-
-    downloads = Downloads(
-        services.settings,
+    return Downloads(
+        settings,
         resolve=resolve,
         journal=SqliteJournal(store),
         installer=store.install,
-        metrics=services.metrics,
-        is_current=is_current,
+        metrics=metrics,
         header_check=header_check,
         find_by_file_name=by_file_name,
         vouches=store,
     )
-    services.parts["downloads"] = downloads
-    services.status_sections["downloads"] = downloads.status
-    services.stop_hooks.append(downloads.stop)
-    return downloads

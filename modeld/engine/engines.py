@@ -1,28 +1,31 @@
 """From a model id to an engine ``Target``: install check, header, plan, probe, memory estimate.
 
 This is the glue between the catalog/store, the plan resolver and the pool; the pool itself
-knows nothing of models. ``register(services)`` creates the daemon's pool and hooks.
+knows nothing of models. Plans are resolved here only (``Engines.plan``): for a load or a
+request (``target``) and for ``show`` (``plans``). The daemon's composition root
+(``modeld.daemon.root``) builds the pool and hands it in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from modeld import logs
-from modeld.catalog.catalog import Entry
-from modeld.config import runner_data_limit
-from modeld.engine.pool import Pool, PoolConfig, Target
-from modeld.engine.runner.client import Runner
+from modeld.catalog.catalog import Catalog, Entry
+from modeld.config import Settings
+from modeld.engine.pool import Pool, Target
+from modeld.engine.types import Journal
 from modeld.errors import (
     CorruptModel,
     ImageProbeFailed,
+    ModeldError,
     ModelNotInstalled,
     RuntimeTooOld,
     Unverified,
@@ -30,7 +33,10 @@ from modeld.errors import (
 from modeld.hostinfo import RUNTIME_PACKAGE, at_least, runtime_version
 from modeld.modelfile.header import ModelInfo, read_header
 from modeld.modelfile.plan import Plan, Prefs, needs_probe, resolve
-from modeld.store.store import Installed
+from modeld.store.store import Installed, Store
+
+# (model id, digest) -> what can make that install verified (``services.verification``).
+ExplainUnverified = Callable[[str, str], Awaitable[str]]
 
 MiB = 1024 * 1024
 # PSS of a runner with the runtime loaded and no engine, measured on 0.18.1 (~41 MiB); a
@@ -112,6 +118,11 @@ def entry_max_tokens(entry: Entry | None, info: ModelInfo | None, *, vision: boo
     )
 
 
+def error_brief(e: ModeldError) -> dict[str, Any]:
+    """An error as a field of a document (``show``'s plans): its code and message."""
+    return {"code": e.code, "message": e.message}
+
+
 def check_runtime(model_id: str, entry: Entry | None, info: ModelInfo, runtime: str | None) -> None:
     """Refuse a file that needs a newer runtime than ``runtime`` (the installed one).
 
@@ -148,7 +159,7 @@ MemoryKey = tuple[str, str, int]  # (digest, plan key, max_tokens)
 class LearnedMemory:
     """The measured peaks that admission reserves instead of the estimate (``memory`` rows)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
         # Valid while the store's write generation is unchanged (rm, a reset write).
         self._cache: dict[MemoryKey, tuple[int, int | None]] = {}
@@ -193,18 +204,44 @@ class LearnedMemory:
         logs.event("memory_forgotten", digest=digest, rows=forgot)
         return forgot
 
+    async def learned(self, target: Target, pss: int) -> None:
+        """The pool's ``on_learned``: a grown peak of one of its engines."""
+        await self.offer(target, pss)
+
+
+def journal_to(store: Store) -> Journal:
+    """The pool's journal: events into the store's, never failing a load over it."""
+
+    async def journal(kind: str, fields: dict[str, Any]) -> None:
+        try:
+            await store.event(kind, **fields)
+        except Exception as e:  # the journal is for reports: never fail a load over it
+            logs.event("journal_failed", kind=kind, error=str(e))
+
+    return journal
+
 
 class Engines:
     """Resolves requests to targets and hands them to the pool."""
 
-    def __init__(self, services: Any, pool: Pool) -> None:
-        self.settings = services.settings
-        self.catalog = services.parts["catalog"]
-        self.store = services.parts["store"]
+    def __init__(
+        self,
+        settings: Settings,
+        catalog: Catalog,
+        store: Store,
+        pool: Pool,
+        memory: LearnedMemory,
+        *,
+        explain_unverified: ExplainUnverified | None = None,
+    ) -> None:
+        self.settings = settings
+        self.catalog = catalog
+        self.store = store
         self.pool = pool
-        # (model id, digest) -> what can make that install verified; set by the daemon,
-        # which wires the parts that know (catalog, kept digests, hubs) above the engine.
-        self.explain_unverified: Callable[[str, str], Awaitable[str]] | None = None
+        self.memory = memory
+        # What can make an install verified; the parts that know (catalog, kept digests,
+        # hubs) sit above the engine and are wired by the composition root.
+        self.explain_unverified = explain_unverified
         self._probing: dict[str, asyncio.Task[dict[str, bool | None]]] = {}
         self.runtime = runtime_version()
         # Blobs are content-addressed and only this daemon writes probes and measurements
@@ -216,7 +253,6 @@ class Engines:
         # digest -> plan key -> the image probe's row (``Store.image_probes``).
         self._image_probes: dict[str, dict[str, dict[str, Any]]] = {}
         self._image_probing: dict[tuple[str, str], asyncio.Task[dict[str, Any]]] = {}
-        self.memory = LearnedMemory(self.store)
         # Installed rows, valid while the store's write generation is unchanged: any write
         # (install, remove, verify, scan, touch) invalidates them, so they are never stale.
         self._installed: dict[str, tuple[int, Installed | None]] = {}
@@ -269,8 +305,16 @@ class Engines:
         except Exception as e:  # last_used is advisory (prune's "unused for"): never fail
             logs.event("touch_failed", error=str(e))
 
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
     async def stop(self) -> None:
-        """Write the pending ``last_used`` times (a stop hook, before the store closes)."""
+        """Write the pending ``last_used`` times (before the pool stops and the store closes)."""
         task, self._touch_task = self._touch_task, None
         if task is not None and not task.done():
             task.cancel()
@@ -426,6 +470,60 @@ class Engines:
         problems = [] if doc["version"] else [f"{RUNTIME_PACKAGE} is not installed"]
         return {**doc, "summary": f"{RUNTIME_PACKAGE} {version}; {gpu}", "problems": problems}
 
+    def plan(
+        self,
+        model_id: str,
+        entry: Entry | None,
+        info: ModelInfo,
+        modalities: Iterable[str],
+        *,
+        probes: dict[str, bool | None],
+        backends: dict[str, Any] | None = None,
+    ) -> Plan:
+        """The backend plan for ``modalities``: the settings, the entry's, then the request's."""
+        return resolve(
+            info,
+            model=model_id,
+            settings=Prefs.from_settings(self.settings),
+            entry=Prefs.from_mapping(entry.backends.model_dump() if entry else None),
+            request=Prefs.from_mapping(backends),
+            modalities=tuple(modalities),
+            probes=probes,
+        )
+
+    def plans(
+        self,
+        model_id: str,
+        entry: Entry | None,
+        info: ModelInfo,
+        *,
+        probes: dict[str, dict[str, Any]],
+        image_probes: dict[str, dict[str, Any]],
+    ) -> dict[str, Any]:
+        """``show``'s plans: text and vision, each a plan (and what it still needs) or why none.
+
+        Nothing is probed here: ``probes`` are the recorded rows, and only current ones decide
+        (a stale one is probed again at the next load).
+        """
+        results: dict[str, bool | None] = {b: p["ok"] for b, p in probes.items() if p["current"]}
+        try:
+            check_runtime(model_id, entry, info, self.runtime)
+        except ModeldError as e:
+            return {name: {"plan": None, "error": error_brief(e)} for name in ("text", "vision")}
+        out: dict[str, Any] = {}
+        for name, modalities in (("text", ("text",)), ("vision", ("text", "image"))):
+            try:
+                p = self.plan(model_id, entry, info, modalities, probes=results)
+            except ModeldError as e:
+                out[name] = {"plan": None, "error": error_brief(e)}
+            else:
+                unprobed = sorted(needs_probe(p, results))
+                out[name] = {"plan": p.to_dict(), "error": None, "needs_probe": unprobed}
+                if p.vision is not None:
+                    # None: not probed with an image yet (the first image request or load does).
+                    out[name]["image_probe"] = image_probes.get(p.key)
+        return out
+
     async def target(
         self,
         model_id: str,
@@ -466,32 +564,16 @@ class Engines:
             )
         info = await self.header(model_id, installed.digest, path)
         modalities = tuple(modalities)
-        entry_prefs = Prefs.from_mapping(entry.backends.model_dump())
-        request_prefs = Prefs.from_mapping(backends)
-        settings_prefs = Prefs.from_settings(self.settings)
-
-        def plan_with(probes: dict[str, bool | None]) -> Plan:
-            return resolve(
-                info,
-                model=model_id,
-                settings=settings_prefs,
-                entry=entry_prefs,
-                request=request_prefs,
-                modalities=modalities,
-                probes=probes,
-            )
-
         check_runtime(model_id, entry, info, self.runtime)
         probes = await self._probes(installed.digest)
-        plan = plan_with(probes)
+        plan = self.plan(model_id, entry, info, modalities, probes=probes, backends=backends)
         if needs_probe(plan, probes):
             probe_spec, _ = self._spec(entry, info, installed, plan)
             probes = await self._probe_gpu(model_id, installed.digest, probe_spec)
-            plan = plan_with(probes)
+            plan = self.plan(model_id, entry, info, modalities, probes=probes, backends=backends)
         spec, max_tokens = self._spec(entry, info, installed, plan)
         base = self.pool.spare_reserved if self.pool.spare is not None else RUNNER_BASE
-        mkey = (installed.digest, plan.key, max_tokens)
-        learned = await self.memory.expected(mkey)
+        learned = await self.memory.expected((installed.digest, plan.key, max_tokens))
         adapter = None
         if "gpu" in plan.backends():
             adapter = (await self._probe_rows(installed.digest)).get("gpu", {}).get("adapter")
@@ -574,10 +656,6 @@ class Engines:
         limit = self.catalog.get(model_id).limits.max_images
         return 1 if limit is None else int(limit)
 
-    async def learned(self, target: Target, pss: int) -> None:
-        """Keep an engine's measured peak PSS for its next admission (``LearnedMemory``)."""
-        await self.memory.offer(target, pss)
-
     async def forget_memory(self, model_id: str) -> dict[str, Any]:
         """Forget the peaks learned for ``model_id``'s file (an admin's reset)."""
         installed = await self._installed_row(model_id)
@@ -587,40 +665,3 @@ class Engines:
             )
         forgot = await self.memory.forget(installed.digest)
         return {"id": model_id, "digest": installed.digest, "forgot": forgot}
-
-
-def register(services: Any, *, spare: bool = True) -> Engines:
-    """Create the daemon's pool (real runners) and its status section and hooks."""
-    s = services.settings
-    engines_ref: list[Engines] = []
-
-    async def on_learned(target: Target, pss: int) -> None:
-        await engines_ref[0].learned(target, pss)
-
-    store = services.parts["store"]
-
-    async def journal(kind: str, fields: dict[str, Any]) -> None:
-        try:
-            await store.event(kind, **fields)
-        except Exception as e:  # the journal is for reports: never fail a load over it
-            logs.event("journal_failed", kind=kind, error=str(e))
-
-    pool = Pool(
-        PoolConfig(budget=s.memory_budget, keep_alive=s.keep_alive, spare=spare),
-        functools.partial(Runner.start, data_limit=runner_data_limit(s.memory_budget)),
-        metrics=services.metrics,
-        on_learned=on_learned,
-        journal=journal,
-    )
-    engines = Engines(services, pool)
-    engines_ref.append(engines)
-    services.parts["pool"] = pool
-    services.parts["engines"] = engines
-    services.status_sections["pool"] = pool.status
-    services.status_sections["runtime"] = engines.runtime_status
-    services.start_hooks.append(pool.start)
-    # Registered after the store, so (reverse order) runners stop before the store closes.
-    services.stop_hooks.append(pool.stop)
-    # Stop hooks run in reverse: pending last_used times are written before the pool stops.
-    services.stop_hooks.append(engines.stop)
-    return engines

@@ -18,7 +18,8 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from modeld import logs
 from modeld.engine.admission import Admission
@@ -153,6 +154,15 @@ class Pool(Admission, Views):
             self._wake_reaper.set()
 
     # --- lifecycle -----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
 
     async def start(self) -> None:
         self._spawn(self._watch())

@@ -38,7 +38,7 @@ PROBE_PROMPT = "Hi"
 PROBE_MAX_TOKENS = 4
 PROBE_IMAGE_PROMPT = "Describe this image."
 # The image probe's picture: small, so the probe stays cheap, and a JPEG like the ones
-# requests send (``modeld.api.requests.prepare_image``); vision encoders resize it anyway.
+# requests send (``modeld.services.inference.prepare_image``); vision encoders resize it anyway.
 PROBE_IMAGE_SIDE = 64
 # The key of a ``create`` spec that asks the probe child to send one image too.
 IMAGE_KEY = "probe_image"

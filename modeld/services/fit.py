@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modeld.catalog.catalog import Catalog, Entry
-from modeld.config import format_size
+from modeld.config import Settings, format_size
 from modeld.engine.engines import (
     Engines,
     entry_max_tokens,
@@ -23,7 +23,6 @@ from modeld.engine.engines import (
 )
 from modeld.errors import ModeldError, OverBudget
 from modeld.modelfile.plan import Plan
-from modeld.services.parts import Services
 from modeld.store.store import Installed, Store
 
 # Where a figure came from, as ``list --json`` and the pull records name it.
@@ -66,16 +65,13 @@ class Fit:
 class Fits:
     """Estimates and variant choices over the catalog, the store and the engines' headers."""
 
-    def __init__(self, settings: Any, catalog: Catalog, store: Store, engines: Engines) -> None:
+    def __init__(
+        self, settings: Settings, catalog: Catalog, store: Store, engines: Engines
+    ) -> None:
         self.settings = settings
         self.catalog = catalog
         self.store = store
         self.engines = engines
-
-    @classmethod
-    def of_services(cls, services: Services) -> Fits:
-        parts = services.parts
-        return cls(services.settings, parts["catalog"], parts["store"], parts["engines"])
 
     async def of(self, entry: Entry, installed: Installed | None = None) -> Fit:
         """``entry``'s fit: from the installed file's header if any, else from the entry."""

@@ -27,7 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import Any, Self, TypeVar
 
 from modeld import logs
 from modeld.errors import BadRequest, DatabaseUnusable, ModelNotInstalled, ReplacesVerified
@@ -93,6 +94,15 @@ class Store(StoreRecords):
         self.generation = 0
 
     # --- lifecycle -------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
 
     async def open(self) -> None:
         """Create the dirs and the db, start the writer, and scan for leftovers."""
