@@ -28,6 +28,7 @@ import aiohttp
 from yarl import URL
 
 from modeld import logs
+from modeld.config import Settings
 from modeld.download.fetch import CHUNK, Fetcher, PrefixHasher, Writer, crc32
 from modeld.download.journal import BLOCK_SIZE, Block, Journal, JournalState, MemoryJournal
 from modeld.download.mirrors import (
@@ -90,7 +91,7 @@ class Tuning:
     probe_timeout: float = 10.0
 
     @classmethod
-    def from_settings(cls, settings: Any) -> Tuning:
+    def from_settings(cls, settings: Settings) -> Tuning:
         token = settings.hf_token.get_secret_value() if settings.hf_token else None
         return cls(
             settings.download_connections, settings.piece_size, settings.stall_timeout, 15.0, token

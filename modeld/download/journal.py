@@ -17,7 +17,7 @@ import json
 import sqlite3
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 BLOCK_SIZE = 1024 * 1024
 
@@ -109,8 +109,8 @@ class _Store(Protocol):
 class SqliteJournal:
     """The journal in the store's SQLite database (its own tables, created idempotently)."""
 
-    def __init__(self, store: Any) -> None:
-        self.store: _Store = store
+    def __init__(self, store: _Store) -> None:
+        self.store = store
         self._ready = False
 
     async def _schema(self) -> None:
