@@ -338,13 +338,13 @@ class Catalog:
         await self.stop()
 
     async def start(self) -> None:
-        """Start watching the registry dirs (a start hook)."""
+        """Start watching the registry dirs."""
         if self._watcher is None or self._watcher.done():
             self._stop = asyncio.Event()
             self._watcher = asyncio.create_task(self._watch(self._stop), name="catalog-watch")
 
     async def stop(self) -> None:
-        """Stop watching (a stop hook; idempotent)."""
+        """Stop watching (idempotent)."""
         task, self._watcher = self._watcher, None
         if self._stop is not None:
             self._stop.set()

@@ -130,7 +130,7 @@ class Store(StoreRecords):
             ) from e
 
     async def close(self) -> None:
-        """Finish queued writes and close the db (a stop hook; idempotent)."""
+        """Finish queued writes and close the db (idempotent)."""
         writer, self._writer = self._writer, None
         if writer is not None:
             self._queue.put(None)
