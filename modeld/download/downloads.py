@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiofiles.os
+
 from modeld import logs
 from modeld.config import Settings
 from modeld.download.job import DownloadJob, Installer, Target, Tuning
@@ -223,7 +225,7 @@ class Downloads:
                 f"{shown} has {st.st_size} bytes but entry {target.model_id} says "
                 f"{target.size}; it is another file or another revision"
             )
-        self.settings.partial_dir.mkdir(parents=True, exist_ok=True)
+        await aiofiles.os.makedirs(self.settings.partial_dir, exist_ok=True)
         # A sparse or cloned source says nothing about what a copy takes: count the copy.
         free = await asyncio.to_thread(free_bytes, self.settings.partial_dir)
         if free < target.size + _IMPORT_RESERVE:
