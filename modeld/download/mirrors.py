@@ -148,12 +148,12 @@ def is_transient(exc: BaseException) -> bool:
 
 class wait_mirror(wait_base):
     """A mirror's back-off after a failure: the server's ``Retry-After`` when it sent one,
-    none after a stall (retried at once), else exponential from 0.2 s (capped at 30 s) with
+    none after a stall (retried at once), else doubling from 0.4 s (capped at 30 s) with
     ±50 % jitter, so that several connections do not come back at the same instant."""
 
     def __init__(self, cap: float = 120.0) -> None:
         self.cap = cap
-        self.exponential = wait_exponential(multiplier=0.2, max=30)
+        self.exponential = wait_exponential(multiplier=0.4, max=30)
 
     def __call__(self, retry_state: RetryCallState) -> float:
         exc = retry_state.outcome.exception() if retry_state.outcome is not None else None

@@ -225,9 +225,9 @@ def test_back_off_grows_with_strikes_and_the_mirror_goes_after_max_strikes() -> 
         mir.fail(m.MirrorFailure("transient", "HTTP 500"))
         waits.append(mir.not_before - now)
     assert mir.state == "backoff"
-    # 0.2 s * 2^(n-1), each within ±50 %: the last is at least 1.5x the first's upper bound.
-    assert 0.1 <= waits[0] <= 0.3 + 0.05
-    assert waits[-1] >= 0.5 * 0.2 * 2 ** (m.MAX_STRIKES - 2) > 0.3
+    # 0.4 s * 2^(n-1), each within ±50 %: the last is well past the first's upper bound.
+    assert 0.2 <= waits[0] <= 0.6 + 0.05
+    assert waits[-1] >= 0.5 * 0.4 * 2 ** (m.MAX_STRIKES - 2) > 0.6
     mir.succeed()
     assert mir.strikes == 0 and mir.state == "ok"
     for _ in range(m.MAX_STRIKES):
