@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import psutil
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -212,6 +211,8 @@ def _default_home() -> Path:
 def memory_total_bytes() -> int:
     """The smaller of MemTotal (psutil) and this process's cgroup memory limit (which psutil
     does not read)."""
+    import psutil  # late: ~40 ms that the CLI's start-up does without
+
     total = int(psutil.virtual_memory().total)
     for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
