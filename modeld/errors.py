@@ -266,6 +266,12 @@ class DatabaseUnusable(ModeldError, OSError):
     status = 500
 
 
+class StateTooNew(DatabaseUnusable):
+    """The state database was written by a newer modeld (its schema version is unknown here)."""
+
+    code = "state_too_new"
+
+
 class DaemonUnavailable(ModeldError, ConnectionError):
     """The CLI or client could not reach a daemon on the socket."""
 

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+import aiofiles.os
+
 from modeld import logs
 from modeld.catalog.catalog import Catalog
 from modeld.config import Settings
@@ -230,7 +232,7 @@ class Downloads:
                 f"{shown} has {st.st_size} bytes but entry {target.model_id} says "
                 f"{target.size}; it is another file or another revision"
             )
-        self.settings.partial_dir.mkdir(parents=True, exist_ok=True)
+        await aiofiles.os.makedirs(self.settings.partial_dir, exist_ok=True)
         # A sparse or cloned source says nothing about what a copy takes: count the copy.
         free = await asyncio.to_thread(free_bytes, self.settings.partial_dir)
         if free < target.size + _IMPORT_RESERVE:

@@ -83,43 +83,19 @@ class MemoryJournal:
         self.states.pop(key, None)
 
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS download_journal (
-    key TEXT PRIMARY KEY,
-    size INTEGER NOT NULL,
-    block_size INTEGER NOT NULL,
-    expected TEXT,
-    etags TEXT NOT NULL DEFAULT '{}'
-);
-CREATE TABLE IF NOT EXISTS download_blocks (
-    key TEXT NOT NULL REFERENCES download_journal(key) ON DELETE CASCADE,
-    idx INTEGER NOT NULL,
-    crc INTEGER NOT NULL,
-    mirror TEXT NOT NULL,
-    PRIMARY KEY (key, idx)
-) WITHOUT ROWID;
-"""
-
-
 class _Store(Protocol):
     def write(self, fn: Callable[[sqlite3.Connection], T]) -> Awaitable[T]: ...
     def read(self, fn: Callable[[sqlite3.Connection], T]) -> Awaitable[T]: ...
 
 
 class SqliteJournal:
-    """The journal in the store's SQLite database (its own tables, created idempotently)."""
+    """The journal in the store's SQLite database: its tables ``download_journal`` and
+    ``download_blocks`` are part of the store's schema (modeld.store.schema)."""
 
     def __init__(self, store: _Store) -> None:
         self.store = store
-        self._ready = False
-
-    async def _schema(self) -> None:
-        if not self._ready:
-            await self.store.write(lambda c: c.executescript(_SCHEMA))
-            self._ready = True
 
     async def load(self, key: str) -> JournalState | None:
-        await self._schema()
 
         def q(c: sqlite3.Connection) -> JournalState | None:
             row = c.execute(
@@ -138,7 +114,6 @@ class SqliteJournal:
         return await self.store.read(q)
 
     async def begin(self, key: str, state: JournalState) -> None:
-        await self._schema()
 
         def w(c: sqlite3.Connection) -> None:
             c.execute("DELETE FROM download_blocks WHERE key = ?", (key,))
@@ -171,7 +146,6 @@ class SqliteJournal:
         )
 
     async def clear(self, key: str) -> None:
-        await self._schema()
 
         def w(c: sqlite3.Connection) -> None:
             c.execute("DELETE FROM download_blocks WHERE key = ?", (key,))

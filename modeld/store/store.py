@@ -41,8 +41,8 @@ from modeld.store.schema import (
     Installed,
     VerifyReport,
     connect_db,
-    create_schema,
     installed_from,
+    migrate,
 )
 
 # Re-exported: callers import all of these from modeld.store.
@@ -143,10 +143,18 @@ class Store(StoreRecords):
     def _write_loop(self, started: asyncio.Future[None], loop: asyncio.AbstractEventLoop) -> None:
         try:
             conn = connect_db(self.db_path)
-            create_schema(conn)
+            try:
+                found, now = migrate(conn, self.db_path)
+            except BaseException:
+                conn.close()
+                raise
         except Exception as e:
             loop.call_soon_threadsafe(started.set_exception, e)
             return
+        if found != now:
+            logs.event(
+                "store_schema_migrated", path=str(self.db_path), from_version=found, to_version=now
+            )
         loop.call_soon_threadsafe(started.set_result, None)
         try:
             while (job := self._queue.get()) is not None:

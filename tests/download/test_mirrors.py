@@ -1,17 +1,22 @@
-"""Mirrors that misbehave on purpose: a trickling probe answer; credentials kept from them."""
+"""Mirrors that misbehave on purpose (a trickling probe answer; credentials kept from them), and
+the retry policy (tenacity) a mirror's failures follow."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from yarl import URL
 
+from modeld.download import mirrors as m
 from modeld.download.job import DownloadJob, Target, Tuning, memory_job
 from modeld.errors import DownloadError
 from tests.support.mirror import Faults, Mirror
@@ -161,3 +166,87 @@ async def test_redirects_into_local_addresses_are_refused(
         await mirror.stop()
     assert any(r["path"] == "/f" for r in mirror.requests)
     assert any(r["path"].startswith("/cdn") for r in mirror.requests) is ok
+
+
+# --- the retry policy ---------------------------------------------------------------
+
+
+def _mirror() -> m.Mirror:
+    return m.Mirror(URL("http://127.0.0.1:1/f"), primary=True)
+
+
+@pytest.mark.parametrize(
+    ("exc", "transient"),
+    [
+        (m.MirrorFailure("transient", "HTTP 503"), True),
+        (m.MirrorFailure("stall", "no bytes"), True),
+        (TimeoutError(), True),
+        (aiohttp.ClientConnectionError("reset"), True),
+        (ConnectionResetError(), True),
+        (m.MirrorFailure("gone", "HTTP 404"), False),
+        (OSError(errno.ENOSPC, "No space left on device"), False),
+        (asyncio.CancelledError(), False),
+    ],
+)
+def test_only_transient_failures_are_retried(exc: BaseException, transient: bool) -> None:
+    """Resets, 5xx and stalls are retried; a gone file, a full disk and a cancel stop at once."""
+    assert m.is_transient(exc) is transient
+
+
+def test_retry_after_is_read_in_seconds_and_capped() -> None:
+    """``Retry-After`` in seconds, capped at 120 s; a date or junk is not honoured."""
+    assert m.retry_after("3") == 3.0
+    assert m.retry_after("9999") == 120.0
+    assert m.retry_after("-5") == 0.0
+    assert m.retry_after("Wed, 21 Oct 2015 07:28:00 GMT") is None
+    assert m.retry_after(None) is None
+
+
+def test_a_mirror_backs_off_as_the_server_asks() -> None:
+    """A 503 with ``Retry-After: 7`` puts the mirror off for 7 s, whatever its strikes."""
+    import time
+
+    mir = _mirror()
+    before = time.monotonic()
+    mir.fail(m.MirrorFailure("transient", "HTTP 503", retry_after=7.0))
+    assert mir.state == "backoff" and mir.strikes == 1
+    assert 7.0 <= mir.not_before - before <= 7.0 + (time.monotonic() - before)
+
+
+def test_back_off_grows_with_strikes_and_the_mirror_goes_after_max_strikes() -> None:
+    """Without Retry-After the wait grows exponentially (with jitter); m.MAX_STRIKES failures in a
+    row drop the mirror, and a success in between starts the count again."""
+    import time
+
+    mir = _mirror()
+    waits = []
+    for _ in range(m.MAX_STRIKES - 1):
+        now = time.monotonic()
+        mir.fail(m.MirrorFailure("transient", "HTTP 500"))
+        waits.append(mir.not_before - now)
+    assert mir.state == "backoff"
+    # 0.4 s * 2^(n-1), each within ±50 %: the last is well past the first's upper bound.
+    assert 0.2 <= waits[0] <= 0.6 + 0.05
+    assert waits[-1] >= 0.5 * 0.4 * 2 ** (m.MAX_STRIKES - 2) > 0.6
+    mir.succeed()
+    assert mir.strikes == 0 and mir.state == "ok"
+    for _ in range(m.MAX_STRIKES):
+        mir.fail(m.MirrorFailure("transient", "HTTP 500"))
+    assert mir.state == "dropped"
+    assert f"({m.MAX_STRIKES} times in a row)" in (mir.reason or "")
+
+
+def test_a_stall_is_retried_at_once_without_using_up_a_try() -> None:
+    """Stalls cost no strike and no wait; only m.MAX_STALLS of them in a row drop the mirror."""
+    import time
+
+    mir = _mirror()
+    mir.fail(m.MirrorFailure("transient", "HTTP 500"))
+    for _ in range(m.MAX_STALLS - 1):
+        now = time.monotonic()
+        mir.fail(m.MirrorFailure("stall", "no bytes within the stall timeout"))
+        assert mir.not_before <= now + 0.01
+    assert mir.strikes == 1 and mir.state == "backoff"
+    mir.fail(m.MirrorFailure("stall", "no bytes within the stall timeout"))
+    assert mir.state == "dropped"
+    assert f"({m.MAX_STALLS} times in a row)" in (mir.reason or "")

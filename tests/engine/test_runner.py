@@ -337,3 +337,55 @@ def test_runner_gets_no_secrets_no_descriptors_and_a_data_limit(short_tmp: Path)
         ), fds
     finally:
         d.stop()
+
+
+def test_the_pinned_runtime_still_has_the_private_error_api() -> None:
+    """Runners read the runtime's own failure text through ``litert_lm._ffi``, a private API:
+    this fails when an upgraded runtime moved it, and says what to do."""
+    import importlib.metadata
+    import socket
+
+    from modeld.engine.runner.child import _Child
+
+    version = importlib.metadata.version("litert-lm-api")
+    try:
+        from litert_lm._ffi import _get_lib
+
+        lib = _get_lib()
+        for name in ("litert_lm_get_last_error_message", "litert_lm_clear_last_error"):
+            getattr(lib, name)
+    except (ImportError, AttributeError) as e:
+        pytest.fail(
+            f"litert-lm-api {version} moved the private error API that runners use ({e}). "
+            "Runners still work, but their errors carry the exception text alone and may lose "
+            "the backend_constraint code. Find the new place of the error text and update "
+            "_bind_errors in modeld/engine/runner/child.py, or keep litert-lm-api below "
+            f"{version} in pyproject.toml and constraints.txt."
+        )
+    a, b = socket.socketpair()
+    with a, b:
+        child = _Child(a)
+        child._bind_errors()
+        assert child._last_error is not None and child._clear_error is not None
+
+
+def test_a_runtime_without_the_private_error_api_falls_back(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without ``litert_lm._ffi`` a runner's errors carry the exception's own text, and its
+    stderr says why."""
+    import socket
+
+    from modeld.engine.runner.child import _Child
+
+    monkeypatch.setitem(sys.modules, "litert_lm._ffi", None)  # as a runtime without it
+    a, b = socket.socketpair()
+    with a, b:
+        child = _Child(a)
+        child._bind_errors()
+        assert child._last_error is None
+        child.clear_error()
+        assert child.runtime_reason(RuntimeError("Failed to create engine")) == (
+            "RuntimeError: Failed to create engine"
+        )
+    assert "error text API is missing" in capsys.readouterr().err
