@@ -234,6 +234,8 @@ _CHILD_ENV_NAMES = frozenset(
         "PYTHONPATH", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE", "PYTHONSAFEPATH",
         "LD_LIBRARY_PATH", "XDG_RUNTIME_DIR", "XDG_CACHE_HOME", "XDG_DATA_DIRS",
         "XDG_CONFIG_DIRS", "COVERAGE_PROCESS_START",
+        # Not a secret: it names the state dir whose runner this is (ps, the fault tests).
+        "MODELD_HOME",
     }
 )  # fmt: skip
 _CHILD_ENV_PREFIXES = (
