@@ -435,7 +435,8 @@ class Client:
 
     def pull(self, model_id: str, *, force: bool = False) -> Iterator[dict[str, Any]]:
         """Download a model; yields progress records (``state``, ``completed``, ``size``,
-        ``mirrors``) until the last one, which has ``done`` (or ``already``)."""
+        ``mirrors``) until the last one, whose ``state`` is ``installed`` (with
+        ``already`` when there was nothing to download)."""
         body = {"force": True} if force else {}
         return self.stream("POST", f"/api/models/{_path(model_id)}/pull", body)
 
