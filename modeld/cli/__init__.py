@@ -69,8 +69,8 @@ class LazyGroup(click.Group):
 def cli(socket: str | None) -> None:
     """modeld: downloads, checks and serves LiteRT-LM models over a Unix socket.
 
-    Aliases: ls (list), stop (unload). Shell completion: see `modeld completion --help`
-    in the README (eval "$(_MODELD_COMPLETE=bash_source modeld)").
+    Aliases: ls (list), stop (unload). Shell completion (model ids from the daemon):
+    eval "$(_MODELD_COMPLETE=bash_source modeld)" in ~/.bashrc (zsh_source, fish_source).
     """
 
 

@@ -70,7 +70,7 @@ def chat(client: Client, model_id: str, options: dict[str, Any]) -> None:
     """The interactive loop: one turn per message, the whole conversation sent each time."""
     import readline  # noqa: F401 (input() gains line editing and history)
 
-    err_console.print(CHAT_HELP.format(model=model_id))
+    err_console.print(CHAT_HELP.format(model=model_id), highlight=False)
     messages: list[dict[str, str]] = []
     while True:
         try:
