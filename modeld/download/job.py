@@ -259,7 +259,7 @@ class DownloadJob:
             self.error.code = "cancelled"  # type: ignore[misc]
             self._set("cancelled")
         except ModeldError as e:
-            self.error = e
+            self.error = await self._forget_if_empty(e)
             self._set("failed")
         except OSError as e:
             self.error = os_error_to_modeld(e, str(self.partial))
@@ -272,6 +272,26 @@ class DownloadJob:
             logs.event(
                 "download_failed", model=self.id, code=self.error.code, reason=self.error.message
             )
+
+    async def _forget_if_empty(self, error: ModeldError) -> ModeldError:
+        """A pull that got no byte from any mirror leaves nothing behind: its partial would be
+        a sparse file of the whole size, holding nothing, that status and prune report."""
+        mirrors = self.mirrors
+        reached_none = bool(mirrors) and not any(
+            m.usable or m.answered or m.received for m in mirrors
+        )
+        if not isinstance(error, DownloadError) or self._crcs or not reached_none:
+            return error
+        self.partial.unlink(missing_ok=True)
+        await self.journal.clear(self.id)
+        reasons = "; ".join(f"{m.label}: {m.reason or m.state}" for m in mirrors)
+        return DownloadError(
+            f"{self.id}: no mirror could be reached ({reasons}); nothing was kept. Check the "
+            "network (and HTTPS_PROXY), or add a mirror: copy the entry's file (`modeld show "
+            f"{self.id}` names it) into a directory of your own, put your URL first in its "
+            "`urls`, and set MODELD_REGISTRY to that directory (a later registry dir overrides "
+            "the bundled entry by id; it applies without a restart)"
+        )
 
     async def _run(self) -> None:
         t = self.target

@@ -64,6 +64,15 @@ async def repair(
         digest = await hasher.digest()
         if digest == expected:
             return digest
+    unreached = [m.label for m in self.mirrors if m.state == "dropped" and not m.answered]
+    if unreached:
+        # Given up as unreachable for this pull, not proven wrong: one may answer later.
+        raise DownloadError(
+            f"{self.id}: the downloaded file's sha256 is {digest}, expected {expected}{source}; "
+            f"{', '.join(unreached)} could not be reached, so the bad bytes could not be found "
+            "(partial kept). Pull again once another of the entry's URLs answers, or add "
+            "another mirror to the entry"
+        )
     self.partial.unlink(missing_ok=True)
     await self.journal.clear(self.id)
     raise IntegrityError(

@@ -27,6 +27,7 @@ class Tiny:
     use_key: str
     admin_key: str
     mirror: ThreadMirror
+    registry: Path
 
     @property
     def socket(self) -> Path:
@@ -61,7 +62,7 @@ def tiny() -> Iterator[Tiny]:
     match = re.search(r"listening address=127\.0\.0\.1:(\d+)", d.log())
     assert match, d.log()
     try:
-        yield Tiny(d, int(match.group(1)), use_key, admin_key, mirror)
+        yield Tiny(d, int(match.group(1)), use_key, admin_key, mirror, registry)
     finally:
         d.stop()
         mirror.close()

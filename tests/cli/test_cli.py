@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from modeld.client import Client
 from tests.cli.conftest import Tiny
+from tests.support.state import write_entry
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -156,3 +161,34 @@ def test_logs_needs_the_socket() -> None:
     """Over TCP there is no log to read here: a usage error that says so."""
     result = _run("logs", env=dict(os.environ, MODELD_URL="http://127.0.0.1:9"))
     assert result.returncode == 2 and "--socket" in result.stderr
+
+
+def test_a_pull_that_reaches_no_mirror_leaves_nothing_and_says_how_to_add_one(
+    tiny: Tiny,
+) -> None:
+    """Every mirror refuses the connection: the pull gives up after two tries per host,
+    leaves no partial, and the one line names MODELD_REGISTRY and the entry's urls."""
+    with socket.socket() as closed:  # a loopback port that nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    write_entry(
+        tiny.registry,
+        "offline",
+        size=50_000_000,
+        sha256="a" * 64,
+        urls=["http://127.0.0.1:9/offline.litertlm", f"http://127.0.0.1:{port}/o.litertlm"],
+    )
+    with Client(tiny.socket) as c:
+        deadline = time.monotonic() + 30
+        while "offline" not in [m["id"] for m in c.models()["models"]]:  # live reload
+            assert time.monotonic() < deadline, "the registry file was never read"
+            select.select([], [], [], 0.05)
+    result = _tiny_cli(tiny, "pull", "offline")
+    assert result.returncode == 1
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1
+    assert "no mirror could be reached" in line and "2 tries" in line
+    assert "MODELD_REGISTRY" in line and "`urls`" in line
+    assert not list((tiny.daemon.home / "partial").glob("offline*"))
+    partials = json.loads(_tiny_cli(tiny, "prune", "--dry-run", "--json").stdout)["items"]
+    assert not [i for i in partials if "offline" in (i["path"] or "")]
