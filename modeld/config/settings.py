@@ -117,6 +117,8 @@ class Settings(BaseSettings):
     header_timeout: DurationSetting = 10.0
     idle_timeout: DurationSetting = 30.0
     max_image_pixels: int = Field(default=40_000_000, ge=1)
+    # Model ids loaded once the daemon is ready (besides entries with `preload = true`).
+    preload: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     @field_validator("memory_budget", "piece_size", "max_body", "body_memory", mode="before")
     @classmethod
@@ -181,7 +183,7 @@ class Settings(BaseSettings):
             return [p.strip() for p in re.split(r"[:,]", v) if p.strip()]
         return v
 
-    @field_validator("listen", "cors_origins", mode="before")
+    @field_validator("listen", "cors_origins", "preload", mode="before")
     @classmethod
     def _words(cls, v: Any) -> Any:
         return _list_of_words(v)
@@ -302,6 +304,7 @@ class Settings(BaseSettings):
             "header_timeout": self.header_timeout,
             "idle_timeout": self.idle_timeout,
             "max_image_pixels": self.max_image_pixels,
+            "preload": list(self.preload),
             "config_file": str(p) if (p := config_file_path()) else None,
         }
 
@@ -335,6 +338,7 @@ def _allowed(field: str) -> str:
         "listen": "host:port pairs (IP or localhost; [::1]:PORT for IPv6) separated by ','",
         "listen_public": "1 or 0 (true or false)",
         "cors_origins": "origins such as https://app.example:8443 separated by ',', or *",
+        "preload": "model ids separated by ','",
     }
     return allowed.get(field, "see the README's settings table")
 
