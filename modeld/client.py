@@ -24,7 +24,6 @@ import json
 import os
 import socket
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -54,13 +53,23 @@ CONNECT_TIMEOUT = 5.0
 _MAX_LINE = 65536
 
 
-@dataclass(frozen=True)
 class Endpoint:
-    """Where a daemon listens: its Unix socket, or a TCP ``url`` with an API key."""
+    """Where a daemon listens: its Unix socket, or a TCP ``url`` with an API key.
 
-    socket: Path | None = None
-    url: str | None = None
-    api_key: str | None = None
+    A plain class: a dataclass is built with ``exec`` at import, a cost every CLI call pays.
+    """
+
+    __slots__ = ("api_key", "socket", "url")
+
+    def __init__(
+        self, socket: Path | None = None, url: str | None = None, api_key: str | None = None
+    ) -> None:
+        self.socket = socket
+        self.url = url
+        self.api_key = api_key
+
+    def __repr__(self) -> str:
+        return f"Endpoint(socket={self.socket!r}, url={self.url!r})"
 
     def __str__(self) -> str:
         return str(self.socket) if self.socket is not None else str(self.url)

@@ -11,7 +11,6 @@ import json
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
@@ -49,20 +48,21 @@ def plain(text: str) -> str:
     return _TAG.sub(one, text)
 
 
-@dataclass
 class Column:
-    header: str
-    overflow: str = "ellipsis"
-    no_wrap: bool = False
+    # Plain classes here: a dataclass costs an exec at import, paid by every CLI call.
+    def __init__(self, header: str, overflow: str = "ellipsis", no_wrap: bool = False) -> None:
+        self.header = header
+        self.overflow = overflow
+        self.no_wrap = no_wrap
 
 
-@dataclass
 class Table:
     """Rows of markup cells: rich's table on a terminal, aligned plain columns elsewhere."""
 
-    columns: list[Column]
-    rows: list[tuple[str, ...]] = field(default_factory=list)
-    show_header: bool = True
+    def __init__(self, columns: list[Column], *, show_header: bool = True) -> None:
+        self.columns = columns
+        self.rows: list[tuple[str, ...]] = []
+        self.show_header = show_header
 
     def add_row(self, *cells: str) -> None:
         self.rows.append(cells)

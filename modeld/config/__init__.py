@@ -12,7 +12,6 @@ exists; a ``MODELD_CONFIG`` naming a missing file is an error).
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 import pwd
@@ -150,6 +149,8 @@ def parse_address(text: str) -> tuple[str, int]:
         host = host[1:-1]
     if host.lower() == "localhost":
         host = "127.0.0.1"
+    import ipaddress  # here: only the daemon parses addresses, and a client call is timed
+
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
@@ -164,6 +165,8 @@ def format_address(host: str, port: int) -> str:
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an IP literal) is a loopback address (127.0.0.0/8, ::1)."""
+    import ipaddress
+
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
