@@ -2,7 +2,7 @@
 
 Output for people uses rich markup (``[green]ok[/]``). On a terminal rich renders it; on a
 pipe or a file the markup is stripped and nothing is wrapped or cut (a script reads whole
-lines), and rich is never imported: a CLI call must answer in well under 100 ms.
+lines), and rich is never imported: a CLI call aims at 100 ms.
 """
 
 from __future__ import annotations
