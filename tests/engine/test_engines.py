@@ -364,7 +364,7 @@ async def test_first_request_after_a_warmed_load_is_steady(tuned: InProcessDaemo
     assert timings["warm_up"] > 0 and timings["engine_create"] > 0
 
 
-async def _final(c: Client, model: str) -> dict[str, Any]:
+async def _final(c: AsyncClient, model: str) -> dict[str, Any]:
     body = {"model": model, "prompt": "hello there", "max_tokens": 4}
     records = [r async for r in c.stream("POST", "/api/generate", body)]
     final: dict[str, Any] = records[-1]
