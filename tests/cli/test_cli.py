@@ -129,7 +129,7 @@ def test_output_to_a_pipe_is_never_cut_nor_styled(tiny: Tiny) -> None:
     spare = [line for line in ps.stdout.splitlines() if line.startswith("spare runner")]
     assert not spare or "next load" in spare[0]
     listing = _tiny_cli(tiny, "list", COLUMNS="20").stdout.splitlines()
-    assert listing[0].split() == ["ID", "SIZE", "STATE", "VERIFIED", "LAST", "USED"]
+    assert listing[0].split() == ["ID", "SIZE", "STATE", "FITS", "VERIFIED", "LAST", "USED"]
     row = next(line for line in listing if line.startswith("tiny-text "))
     assert "installed" in row and "registry sha256" in row
     _tiny_cli(tiny, "unload", "tiny-text")
