@@ -268,12 +268,15 @@ class Mirror:
         if failure.kind == "expired":
             self.resolved = None
             return
-        if failure.kind == "unreachable" and not self.answered:
-            if self.strikes + 1 >= MAX_UNREACHABLE:
-                self.strikes += 1
-                self.state = "dropped"
-                self.reason = f"{failure} ({self.strikes} tries; never reached)"
-                return
+        if (
+            failure.kind == "unreachable"
+            and not self.answered
+            and self.strikes + 1 >= MAX_UNREACHABLE
+        ):
+            self.strikes += 1
+            self.state = "dropped"
+            self.reason = f"{failure} ({self.strikes} tries; never reached)"
+            return
         # tenacity's view of this mirror's tries: the attempt number counts strikes only.
         if failure.kind == "stall":
             self.stalls += 1
