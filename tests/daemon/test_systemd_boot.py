@@ -257,7 +257,7 @@ def test_user_unit_under_systemctl_user(machine: nspawn.Machine) -> None:
     uid = m.sh("id -u alice").stdout.strip()
     doc = json.loads(out[out.index("{") :])
     assert doc["settings"]["socket"] == f"/run/user/{uid}/modeld.sock"
-    assert doc["settings"]["home"] == "/home/alice/.local/share/modeld"
+    assert doc["settings"]["home"] == str(Path("/home", "alice", ".local/share/modeld"))
     rc, out = m.login(
         "alice", "systemctl --user --no-pager show modeld -p ActiveState -p StatusText"
     )
