@@ -402,7 +402,8 @@ class Engines:
             probes = await self._probe_gpu(model_id, installed.digest, probe_spec)
             plan = plan_with(probes)
         spec, max_tokens = self._spec(entry, info, installed, plan)
-        base = self.pool.spare_reserved if self.pool.spare is not None else RUNNER_BASE
+        budget = self.pool.budget
+        base = budget.spare_reserved if budget.spare is not None else RUNNER_BASE
         mkey = (installed.digest, plan.key, max_tokens)
         if mkey not in self._learned:
             self._learned[mkey] = await self.store.measured_memory(*mkey)

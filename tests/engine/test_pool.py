@@ -60,7 +60,7 @@ async def test_lru_idle_engine_is_evicted_when_budget_is_full() -> None:
     await consume(pool, c)
     assert sorted(e["model"] for e in pool.list()) == ["a", "c"]
     assert pool.last_eviction[b.key].startswith("evicted to load c")
-    assert pool.max_used <= 250
+    assert pool.budget.max_used <= 250
     await pool.stop()
 
 
@@ -94,7 +94,7 @@ async def test_low_estimate_is_corrected_by_measured_pss() -> None:
     await consume(pool, target("a", estimate=50))
     await consume(pool, target("b", estimate=50))
     await consume(pool, target("c", estimate=50))
-    assert pool.used() <= 250
+    assert pool.budget.used() <= 250
     assert sum(r.memory()[0] for r in factory.alive()) <= 250
     assert len(pool.list()) == 2
     await pool.stop()
@@ -182,7 +182,7 @@ async def test_failed_create_reports_runtime_reason() -> None:
     with pytest.raises(EngineError) as info:
         await consume(pool, target("m", fake_fail="NOT_FOUND: tf_lite_prefill_decode not found"))
     assert "tf_lite_prefill_decode" in info.value.message
-    assert pool.used() == 0
+    assert pool.budget.used() == 0
     await pool.stop()
 
 
@@ -190,13 +190,13 @@ async def test_spare_runner_is_counted_and_used() -> None:
     """The spare runner counts in the budget and becomes the next engine's runner."""
     factory = FakeFactory(spare_pss=10)
     pool = await make_pool(factory, spare=True, spare_estimate=10)
-    await wait_until(lambda: pool.spare is not None)
-    assert pool.spare is not None and pool.used() == 10
-    spare_pid = pool.spare.pid
+    await wait_until(lambda: pool.budget.spare is not None)
+    assert pool.budget.spare is not None and pool.budget.used() == 10
+    spare_pid = pool.budget.spare.pid
     await consume(pool, target("m"))
     assert pool.list()[0]["pid"] == spare_pid
     # A new spare is started for the next engine.
-    await wait_until(lambda: pool.spare is not None and pool.spare.pid != spare_pid)
+    await wait_until(lambda: pool.budget.spare is not None and pool.budget.spare.pid != spare_pid)
     await pool.stop()
 
 
@@ -255,7 +255,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def within_budget(self) -> None:
-        assert self.pool.used() <= self.budget
+        assert self.pool.budget.used() <= self.budget
         assert sum(r.memory()[0] for r in self.factory.alive()) <= self.budget
         for key, e in self.pool.engines.items():
             assert key == e.target.key
@@ -271,7 +271,7 @@ class PoolMachine(RuleBasedStateMachine):
             t.cancel()
         with contextlib.suppress(BaseException):
             self.loop.run_until_complete(asyncio.gather(*self.tasks, return_exceptions=True))
-        assert self.pool.max_used <= self.budget
+        assert self.pool.budget.max_used <= self.budget
         self.loop.close()
 
 
