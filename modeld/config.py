@@ -22,6 +22,7 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from modeld.errors import SettingsError
+from modeld.layout import StateDir
 
 ENV_PREFIX = "MODELD_"
 
@@ -457,20 +458,25 @@ class Settings(BaseSettings):
         return self.api_keys_file if self.api_keys_file is not None else self.home / "api-keys"
 
     @property
+    def state_dir(self) -> StateDir:
+        """The paths under ``MODELD_HOME``."""
+        return StateDir(self.home)
+
+    @property
     def db_path(self) -> Path:
-        return self.home / "modeld.db"
+        return self.state_dir.db
 
     @property
     def blobs_dir(self) -> Path:
-        return self.home / "blobs"
+        return self.state_dir.blobs
 
     @property
     def partial_dir(self) -> Path:
-        return self.home / "partial"
+        return self.state_dir.partial
 
     @property
     def cache_dir(self) -> Path:
-        return self.home / "cache"
+        return self.state_dir.cache
 
     def effective(self) -> dict[str, Any]:
         """The settings as shown by ``/api/status``: sizes in bytes, times in seconds."""

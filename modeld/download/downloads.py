@@ -21,7 +21,7 @@ from typing import Any
 
 from modeld import logs
 from modeld.config import Settings
-from modeld.download.job import DownloadJob, Installer, Target, Tuning
+from modeld.download.job import DownloadJob, DownloadTarget, Installer, Tuning
 from modeld.download.journal import Journal
 from modeld.errors import (
     BadRequest,
@@ -38,7 +38,7 @@ from modeld.errors import (
 from modeld.metrics import Metrics
 from modeld.store.vouches import MemoryVouches, VouchBook
 
-Resolve = Callable[[str], Target]
+Resolve = Callable[[str], DownloadTarget]
 # FICLONE from <linux/fs.h>: a copy-on-write clone of a whole file (btrfs, XFS, ...).
 _FICLONE = 0x40049409
 _COPY_CHUNK = 8 * 1024 * 1024
@@ -66,7 +66,7 @@ class Downloads:
         metrics: Metrics | None = None,
         is_current: Callable[[str], Any] | None = None,
         header_check: Callable[[Path, str], Any] | None = None,
-        find_by_file_name: Callable[[str], Target | None] | None = None,
+        find_by_file_name: Callable[[str], DownloadTarget | None] | None = None,
         vouches: VouchBook | None = None,
     ) -> None:
         self.settings = settings
@@ -96,7 +96,7 @@ class Downloads:
         target = self.resolve(model_id)
         job = DownloadJob(
             target=target,
-            partial=self.settings.partial_dir / f"{target.model_id}.partial",
+            partial=self.settings.state_dir.partial_for(target.model_id),
             journal=self.journal,
             installer=self.installer,
             tuning=Tuning.from_settings(self.settings),
@@ -216,7 +216,9 @@ class Downloads:
             out = {**out, "linked": linked, "source": str(path)}
         return {"id": target.model_id, "installed": out}
 
-    async def _import_vouched_by(self, target: Target, path: Path, digest: str) -> str | None:
+    async def _import_vouched_by(
+        self, target: DownloadTarget, path: Path, digest: str
+    ) -> str | None:
         """Who vouches for an imported file's ``digest``: the entry's sha256, else the digest
         a hub vouched for earlier for the entry's pinned revision; a mismatch refuses it."""
         if target.sha256 is not None:
@@ -239,7 +241,7 @@ class Downloads:
             )
         return kept.verified_by
 
-    def _import_target(self, path: Path, model_id: str | None) -> Target:
+    def _import_target(self, path: Path, model_id: str | None) -> DownloadTarget:
         if model_id is not None:
             return self.resolve(model_id)
         if self.find_by_file_name is not None:
@@ -315,7 +317,7 @@ async def current_install(store: Any, catalog: Any, model_id: str) -> dict[str, 
         if outdated(entry, inst.digest, inst.size):
             return None
     if entry is not None and not inst.verified and entry.sha256 is None:
-        rev = Target.from_entry(entry).revision
+        rev = DownloadTarget.from_entry(entry).revision
         kept = await store.vouched(model_id, rev) if rev else None
         if kept is not None and kept.sha256 != inst.digest:
             return None
@@ -328,13 +330,13 @@ def register(services: Any) -> Downloads:
 
     catalog, store = services.parts["catalog"], services.parts["store"]
 
-    def resolve(model_id: str) -> Target:
-        return Target.from_entry(catalog.get(model_id))
+    def resolve(model_id: str) -> DownloadTarget:
+        return DownloadTarget.from_entry(catalog.get(model_id))
 
-    def by_file_name(name: str) -> Target | None:
+    def by_file_name(name: str) -> DownloadTarget | None:
         for entry in catalog.entries():
             if entry.file_name == name:
-                return Target.from_entry(entry)
+                return DownloadTarget.from_entry(entry)
         return None
 
     async def is_current(model_id: str) -> dict[str, Any] | None:

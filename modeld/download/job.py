@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import shutil
 import time
 import zlib
@@ -48,11 +47,11 @@ from modeld.errors import (
     IntegrityError,
     ModeldError,
 )
+from modeld.layout import MODEL_ID_RE, StateDir, blob_name
 from modeld.metrics import Metrics
 from modeld.store.store import place_blob
 from modeld.store.vouches import MemoryVouches, Vouch, VouchBook, pinned_revision
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Head-room kept free beyond the file itself (SQLite, logs, the rest of the system).
 DISK_MARGIN = 64 * 1024 * 1024
 
@@ -60,7 +59,7 @@ Installer = Callable[[str, Path, str, int, str | None], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
-class Target:
+class DownloadTarget:
     """What to download: the catalog entry's fields the downloader needs."""
 
     model_id: str
@@ -69,7 +68,7 @@ class Target:
     sha256: str | None = None
 
     @classmethod
-    def from_entry(cls, entry: Any) -> Target:
+    def from_entry(cls, entry: Any) -> DownloadTarget:
         return cls(entry.id, list(entry.urls), int(entry.size), entry.sha256)
 
     @property
@@ -101,7 +100,7 @@ def local_installer(blobs_dir: Path) -> Installer:
 
     async def install(model_id: str, src: Path, digest: str, size: int, by: str | None) -> Any:
         def place() -> Path:
-            dest = blobs_dir / f"sha256-{digest}"
+            dest = blobs_dir / blob_name(digest)
             blobs_dir.mkdir(parents=True, exist_ok=True)
             place_blob(src, dest, size)
             return dest
@@ -136,7 +135,7 @@ def _crc_blocks(fd: int, size: int, block_size: int, blocks: dict[int, Block]) -
 class DownloadJob:
     """One model's download; several pulls of the same model share it."""
 
-    target: Target
+    target: DownloadTarget
     partial: Path
     journal: Journal
     installer: Installer
@@ -273,7 +272,7 @@ class DownloadJob:
 
     async def _run(self) -> None:
         t = self.target
-        if not _ID_RE.fullmatch(t.model_id):
+        if not MODEL_ID_RE.fullmatch(t.model_id):
             raise BadRequest(f"{t.model_id!r} is not a valid model id")
         self.partial.parent.mkdir(parents=True, exist_ok=True)
         state = await self.journal.load(t.model_id)
@@ -608,19 +607,19 @@ class DownloadJob:
         return fixed
 
 
-def memory_job(target: Target, home: Path, tuning: Tuning, **kw: Any) -> DownloadJob:
+def memory_job(target: DownloadTarget, home: Path, tuning: Tuning, **kw: Any) -> DownloadJob:
     """A job with an in-memory journal and the store-less installer (tests, the benchmark)."""
     return DownloadJob(
         target=target,
-        partial=home / "partial" / f"{target.model_id}.partial",
+        partial=StateDir(home).partial_for(target.model_id),
         journal=kw.pop("journal", None) or MemoryJournal(),
-        installer=kw.pop("installer", None) or local_installer(home / "blobs"),
+        installer=kw.pop("installer", None) or local_installer(StateDir(home).blobs),
         tuning=tuning,
         **kw,
     )
 
 
-async def hub_vouch(target: Target, tuning: Tuning) -> Vouch | None:
+async def hub_vouch(target: DownloadTarget, tuning: Tuning) -> Vouch | None:
     """Ask the Hugging Face host among the target's URLs which sha256 it vouches for.
 
     One ``Range: bytes=0-0`` request per hub URL, redirects followed by hand so that the

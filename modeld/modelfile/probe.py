@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -33,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from modeld.proc import die_with_parent
 
 PROBE_PROMPT = "Hi"
 PROBE_MAX_TOKENS = 4
@@ -256,20 +257,6 @@ async def probe_spec(
 # --- the child ---------------------------------------------------------------------------
 
 
-def _die_with_parent(parent: int | None = None) -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
-    # A probe left running after the daemon died would hold GPU memory forever.
-    pr_set_pdeathsig = 1
-    expected = parent if parent is not None else os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    # The parent may have died before prctl took effect; comparing with its pid rather
-    # than with 1 keeps this right under a subreaper or when the daemon is PID 1.
-    if os.getppid() != expected:
-        os._exit(1)
-
-
 def _report(doc: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(doc) + "\n")
     sys.stdout.flush()
@@ -348,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --spec JSON, or PATH BACKEND CACHE_DIR")
     if args.image:
         spec[IMAGE_KEY] = True
-    _die_with_parent(args.parent)
+    die_with_parent(args.parent)
     return run_child(spec)
 
 

@@ -1,9 +1,7 @@
 """The state dir: content-addressed blobs on disk and the SQLite index that names them.
 
-Layout of ``MODELD_HOME``: ``blobs/sha256-<hex>`` (read-only model files), ``partial/``
-(downloads in progress), ``cache/<hex>/`` (the runtime's ``cache_dir`` per blob) and
-``modeld.db``. A digest is checked against ``DIGEST_RE`` before it becomes a path; a model
-id never becomes a path at all.
+The layout of ``MODELD_HOME`` is ``modeld.layout.StateDir``. A digest is checked against
+``DIGEST_RE`` before it becomes a path; a model id never becomes a path at all.
 
 SQLite runs in WAL mode with a busy timeout. Every write goes through one writer thread,
 one transaction at a time, each opened with ``BEGIN IMMEDIATE``: a deferred transaction
@@ -22,7 +20,6 @@ import itertools
 import json
 import logging
 import queue
-import re
 import shutil
 import sqlite3
 import threading
@@ -34,6 +31,7 @@ from typing import Any, TypeVar
 from modeld import logs
 from modeld.errors import BadRequest, DatabaseUnusable, ModelNotInstalled, disk_full
 from modeld.hostinfo import PROBE_METHOD, runtime_version
+from modeld.layout import DIGEST_RE, MODEL_ID_RE, StateDir
 from modeld.store.fsutil import fsync_dir, fsync_path, place_blob
 from modeld.store.scan import ScanReport, scan_state_dir, sha256_file
 from modeld.store.schema import (
@@ -64,8 +62,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
-_MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FAILED = ".FAILED"
 # The events table keeps this many rows, the newest; older ones are deleted as new ones come.
 EVENTS_KEPT = 10_000
@@ -78,10 +74,11 @@ class Store:
 
     def __init__(self, home: Path) -> None:
         self.home = Path(home)
-        self.db_path = self.home / "modeld.db"
-        self.blobs_dir = self.home / "blobs"
-        self.partial_dir = self.home / "partial"
-        self.cache_dir = self.home / "cache"
+        self.layout = StateDir(self.home)
+        self.db_path = self.layout.db
+        self.blobs_dir = self.layout.blobs
+        self.partial_dir = self.layout.partial
+        self.cache_dir = self.layout.cache
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._reader: sqlite3.Connection | None = None
@@ -215,12 +212,12 @@ class Store:
     def blob_path(self, digest: str) -> Path:
         if not DIGEST_RE.fullmatch(digest):
             raise BadRequest(f"{digest!r} is not a sha256 digest (64 lowercase hex digits)")
-        return self.blobs_dir / f"sha256-{digest}"
+        return self.layout.blob(digest)
 
     def cache_dir_for(self, digest: str) -> Path:
         """``cache/<digest>/``: the runtime's cache_dir for this blob."""
         self.blob_path(digest)
-        return self.cache_dir / digest
+        return self.layout.cache_for(digest)
 
     # --- installed models ------------------------------------------------------------
 
@@ -232,7 +229,7 @@ class Store:
         ``src`` should be on the state dir's file system (``partial/``); if not, it is
         copied first. The caller vouches for ``digest``; only the size is checked here.
         """
-        if not _MODEL_ID_RE.fullmatch(model_id):
+        if not MODEL_ID_RE.fullmatch(model_id):
             raise BadRequest(f"{model_id!r} is not a valid model id")
         dest = self.blob_path(digest)
         now = time.time()

@@ -21,7 +21,7 @@ import pytest
 from yarl import URL
 
 from modeld.download import fetch
-from modeld.download.job import DownloadJob, Target, Tuning, memory_job
+from modeld.download.job import DownloadJob, DownloadTarget, Tuning, memory_job
 from modeld.download.mirrors import MirrorFailure
 from modeld.download.rangeio import RangeClient, RangeFallback
 from modeld.errors import IntegrityError
@@ -44,7 +44,9 @@ async def stop_later() -> AsyncIterator[list[Mirror]]:
 async def pull(home: Path, mirrors: list[Mirror], **kw: Any) -> DownloadJob:
     base: dict[str, Any] = {"connections": 4, "piece_size": PIECE, "stall_timeout": 1.0}
     base.update(kw)
-    job = memory_job(Target("m1", [m.url for m in mirrors], SIZE, SHA), home, Tuning(**base))
+    job = memory_job(
+        DownloadTarget("m1", [m.url for m in mirrors], SIZE, SHA), home, Tuning(**base)
+    )
     job.start()
     await job.wait()
     return job
@@ -395,7 +397,7 @@ def nginx(short_tmp: Path) -> Iterator[tuple[str, str]]:
 async def test_raw_reader_against_nginx(short_tmp: Path, nginx: tuple[str, str]) -> None:
     """Against a real nginx (fast + rate-limited): every piece raw, kept alive, verified."""
     fast, slow = nginx
-    target = Target("m1", [fast, slow], SIZE, SHA)
+    target = DownloadTarget("m1", [fast, slow], SIZE, SHA)
     job = memory_job(target, short_tmp / "h", Tuning(4, PIECE, 5.0))
     job.start()
     await job.wait()

@@ -31,7 +31,8 @@ A failure answers ``{"id", "error": {"code", "message"}}`` where the message car
 runtime's own reason (``litert_lm_get_last_error_message`` read on the failing thread; the
 runtime prints it only to fd 2 and Python raises a generic RuntimeError).
 
-This module imports nothing from modeld at module level, so a spare runner starts fast.
+At module level this imports nothing from modeld but ``modeld.proc`` (the standard library
+only), so a spare runner starts fast.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from modeld.proc import die_with_parent
 
 _HEADER = struct.Struct(">I")
 _RID = struct.Struct(">I")
@@ -131,17 +134,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
             return None
         buf += chunk
     return bytes(buf)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    # PR_SET_PDEATHSIG: a daemon killed with -9 must not leave engines holding memory.
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    # The parent may have died before prctl took effect.
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 # Tokens that come within this long of the last token frame wait and leave together (the
@@ -507,7 +499,7 @@ class _Child:
 
 
 def child_main(fd: int, parent_pid: int) -> int:  # noqa: PLR0912 (one branch per op)
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     # A terminal's Ctrl-C goes to the daemon, which stops runners in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
