@@ -21,7 +21,7 @@ from typing import Any
 
 from modeld import logs
 from modeld.config import Settings
-from modeld.download.job import DownloadJob, DownloadTarget, Installer, Tuning
+from modeld.download.job import DownloadJob, DownloadState, DownloadTarget, Installer, Tuning
 from modeld.download.journal import Journal
 from modeld.errors import (
     BadRequest,
@@ -152,7 +152,7 @@ class Downloads:
         problems = [
             f"{j.id}: {j.error.message}"
             for j in self.recent
-            if j.error is not None and j.state == "failed"
+            if j.error is not None and j.state is DownloadState.FAILED
         ]
         if active:
             parts = [

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import os
 import shutil
 import time
@@ -56,6 +57,23 @@ from modeld.store.vouches import MemoryVouches, Vouch, VouchBook, pinned_revisio
 DISK_MARGIN = 64 * 1024 * 1024
 
 Installer = Callable[[str, Path, str, int, str | None], Awaitable[Any]]
+
+
+class DownloadState(enum.StrEnum):
+    """Where a download is; the API and the log show the value (a plain string)."""
+
+    STARTING = "starting"  # created, its task not yet running
+    PROBING = "probing"  # free space, journaled blocks re-checked, mirrors probed
+    DOWNLOADING = "downloading"  # fetching the missing blocks
+    VERIFYING = "verifying"  # hashing the tail, comparing the sha256
+    REPAIRING = "repairing"  # re-fetching the blocks one lying mirror served
+    INSTALLING = "installing"  # fsync, rename into blobs/, the row
+    INSTALLED = "installed"  # done (final)
+    FAILED = "failed"  # ``error`` says why (final)
+    CANCELLED = "cancelled"  # the partial is kept for a resume (final)
+
+
+FINISHED = frozenset({DownloadState.INSTALLED, DownloadState.FAILED, DownloadState.CANCELLED})
 
 
 @dataclass(frozen=True)
@@ -143,7 +161,7 @@ class DownloadJob:
     metrics: Metrics | None = None
     writer: Writer = os.pwrite
     vouches: VouchBook = field(default_factory=MemoryVouches)
-    state: str = "starting"
+    state: DownloadState = DownloadState.STARTING
     error: ModeldError | None = None
     result: Any = None
     started_at: float = field(default_factory=time.time)
@@ -169,14 +187,14 @@ class DownloadJob:
 
     @property
     def finished(self) -> bool:
-        return self.state in ("installed", "failed", "cancelled")
+        return self.state in FINISHED
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._main(), name=f"download-{self.id}")
 
-    def _set(self, state: str) -> None:
+    def _set(self, state: DownloadState) -> None:
         self.state = state
-        logs.event("download_state", model=self.id, state=state)
+        logs.event("download_state", model=self.id, state=state.value)
         self._notify()
 
     def _notify(self) -> None:
@@ -199,10 +217,10 @@ class DownloadJob:
         record: dict[str, Any] = {
             "id": self.id,
             "model": self.id,
-            "state": self.state,
+            "state": self.state.value,
             "size": self.target.size,
             "completed": done,
-            "verified": hashed if self.state != "installed" else self.target.size,
+            "verified": hashed if self.state is not DownloadState.INSTALLED else self.target.size,
             "received": f.received if f else 0,
             "resumed": self.resumed,
             "speed": round(speed),
@@ -210,7 +228,7 @@ class DownloadJob:
             "mirrors": [m.snapshot() for m in self.mirrors],
             "started_at": self.started_at,
         }
-        if self.state == "installed":
+        if self.state is DownloadState.INSTALLED:
             record.update(
                 digest=self._digest,
                 verified_by=self.verified_by,
@@ -254,17 +272,17 @@ class DownloadJob:
                 f"download of {self.id} cancelled; the partial is kept, pull again to resume"
             )
             self.error.code = "cancelled"  # type: ignore[misc]
-            self._set("cancelled")
+            self._set(DownloadState.CANCELLED)
         except ModeldError as e:
             self.error = e
-            self._set("failed")
+            self._set(DownloadState.FAILED)
         except OSError as e:
             self.error = os_error_to_modeld(e, str(self.partial))
-            self._set("failed")
+            self._set(DownloadState.FAILED)
         except Exception as e:
             logs.event("download_crashed", model=self.id, error=repr(e))
             self.error = DownloadError(f"download of {self.id} failed: {e!r}; see the log")
-            self._set("failed")
+            self._set(DownloadState.FAILED)
         if self.error is not None:
             logs.event(
                 "download_failed", model=self.id, code=self.error.code, reason=self.error.message
@@ -312,7 +330,7 @@ class DownloadJob:
     async def _prepare(self, fd: int, state: JournalState | None, block: int) -> None:
         t = self.target
         nblocks = -(-t.size // block)
-        self._set("probing")
+        self._set(DownloadState.PROBING)
         if state is not None and state.blocks:
             good = await asyncio.to_thread(_crc_blocks, fd, t.size, block, state.blocks)
             self._crcs = {i: state.blocks[i] for i in good}
@@ -477,14 +495,14 @@ class DownloadJob:
         try:
             f.hasher = PrefixHasher(fd, self.target.size)
             f.hasher.advance(min(self.target.size, f.prefix_blocks * block))
-            self._set("downloading")
+            self._set(DownloadState.DOWNLOADING)
             try:
                 await f.run()
             except BaseException:
                 f.hasher.stop()
                 raise
             last_byte = time.monotonic()
-            self._set("verifying")
+            self._set(DownloadState.VERIFYING)
             digest = await f.hasher.digest()
             self.timings["hash_tail"] = round(time.monotonic() - last_byte, 4)
             # Again: a hub may have answered only now (its probe had failed for a while).
@@ -494,7 +512,7 @@ class DownloadJob:
                 digest = await self._repair(fd, expected, digest, by)
             stop.set()
             self._digest, self.verified_by = digest, by
-            self._set("installing")  # also wakes the flusher, which now drains and ends
+            self._set(DownloadState.INSTALLING)  # also wakes the flusher, which now drains and ends
             self.result = await self.installer(self.id, self.partial, digest, self.target.size, by)
             self.install_latency = round(time.monotonic() - last_byte, 4)
             await flusher  # no journal write may land after the clear
@@ -507,7 +525,7 @@ class DownloadJob:
                 latency=self.install_latency,
                 repaired=self.repaired,
             )
-            self._set("installed")
+            self._set(DownloadState.INSTALLED)
         finally:
             stop.set()
             with contextlib.suppress(Exception):
@@ -525,7 +543,7 @@ class DownloadJob:
         ``by`` names who vouches for ``expected`` (the failure message says so)."""
         f = self.fetcher
         assert f is not None
-        self._set("repairing")
+        self._set(DownloadState.REPAIRING)
         source = f" ({by})" if by else ""
         by_mirror: dict[str, list[int]] = {}
         for idx, label in f.sources.items():
