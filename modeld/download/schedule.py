@@ -204,6 +204,9 @@ class Schedule:
         bs = self.block_size
         now = time.monotonic()
         front = self.prefix_blocks
+        # A rate is 0 while the pieces in flight on that mirror stall (``_rate``); like the
+        # holder's rate below, count it as 1 B/s rather than divide by it.
+        rate_f = max(rate_f, 1.0)
         for p in self.inflight:
             if p.abandoned or p.stream or p.mirror is None or p.mirror is best:
                 continue
@@ -254,7 +257,7 @@ class Schedule:
             if not helpers:
                 continue
             mirror = max(helpers, key=lambda m: rates[id(m)])
-            rate_f = rates[id(mirror)]
+            rate_f = max(rates[id(mirror)], 1.0)  # 0 while its pieces stall, see _free_front
             rate_s = max(p.rate(), 1.0)
             t_slow = (p.end - p.pos) / rate_s
             cur_block_end = min(p.end, (p.pos // bs + 1) * bs)
