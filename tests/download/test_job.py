@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import hashlib
 import os
@@ -23,6 +22,7 @@ from modeld.download.mirrors import MirrorFailure, check_url
 from modeld.errors import DigestConflict, DiskFull, DownloadError, IntegrityError
 from modeld.store.vouches import MemoryVouches, Vouch
 from tests.support.mirror import COMMIT, Faults, Mirror, hub, pinned_path, start_mirrors
+from tests.support.wait import wait_until
 
 SIZE = 3 * 1024 * 1024 + 12345  # not a multiple of the block size: a short last block
 PIECE = 64 * 1024
@@ -361,8 +361,7 @@ async def cancelled_pull(
     target = DownloadTarget("m1", [ms[0].url], SIZE, hashlib.sha256(data).hexdigest())
     job = memory_job(target, home, tuning(connections=2), journal=journal)
     job.start()
-    while job.fetcher is None or job.fetcher.done_bytes < after:  # noqa: ASYNC110 (a count to poll)
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: job.fetcher is not None and job.fetcher.done_bytes >= after)
     job.cancel()
     with pytest.raises(DownloadError, match="cancelled"):
         await job.wait()

@@ -218,7 +218,13 @@ class PoolMachine(RuleBasedStateMachine):
         self.targets = [target(f"m{i}", estimate=100 + 10 * i) for i in range(4)]
 
     def settle(self) -> None:
-        self.loop.run_until_complete(asyncio.sleep(0.01))
+        """Let every task that can run do so (a few loop turns, not a length of time)."""
+
+        async def turns() -> None:
+            for _ in range(50):
+                await asyncio.sleep(0)
+
+        self.loop.run_until_complete(turns())
 
     @rule(i=st.integers(0, 3), keep=st.sampled_from([None, 0, -1, 30]))
     def request(self, i: int, keep: float | None) -> None:

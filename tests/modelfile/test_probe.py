@@ -20,6 +20,7 @@ from modeld.modelfile import probe as probe_mod
 from modeld.modelfile.header import read_header
 from modeld.modelfile.probe import ProbeResult, extract_adapter, extract_reason, probe
 from tests.support.state import MODELS
+from tests.support.wait import process_gone, wait_sync, wait_until
 
 TINY = MODELS / "tiny-text.litertlm"
 GEMMA3N_LIKE = MODELS / "gemma3n-like.litertlm"
@@ -276,18 +277,12 @@ def test_child_dies_with_its_parent(tmp_path: Path) -> None:
     )
     subprocess.run([sys.executable, "-c", middle], check=True, timeout=30)
     pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+    try:
         # Reaped by init once killed; until then it may linger as a zombie.
-        if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
-            return
-        time.sleep(0.05)
-    os.kill(pid, 9)
-    pytest.fail("the probe child outlived its parent")
+        wait_sync(lambda: process_gone(pid), 5.0, "the probe child gone with its parent")
+    except AssertionError:
+        os.kill(pid, 9)
+        raise
 
 
 def _gone(pid: int) -> bool:
@@ -305,10 +300,7 @@ async def test_cancelled_probe_kills_the_child(
     code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
     monkeypatch.setattr(probe_mod, "child_argv", lambda *a, **k: [sys.executable, "-c", code])
     task = asyncio.create_task(probe(tmp_path / "x.litertlm", "cpu", tmp_path / "cache"))
-    for _ in range(200):
-        if pid_file.exists() and pid_file.read_text():
-            break
-        await asyncio.sleep(0.02)
+    await wait_until(lambda: pid_file.exists() and bool(pid_file.read_text()))
     pid = int(pid_file.read_text())
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
