@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from modeld import logs
-from modeld.download.journal import SqliteJournal
+from modeld.download.journal import SqliteJournal, journal_keys
 from modeld.errors import (
     BadRequest,
     DownloadNotFound,
@@ -49,17 +49,17 @@ T = TypeVar("T")
 
 
 def activity_of(parts: dict[str, Any]) -> Activity:
-    """Engines and downloads of the daemon right now (``pool.list()``, ``downloads.jobs``)."""
+    """Engines and downloads of the daemon right now (``pool.views()``, ``downloads.jobs``)."""
     loaded: set[str] = set()
     digests: set[str] = set()
     pinned: set[str] = set()
     pool = parts.get("pool")
     if pool is not None:
-        for view in pool.list():
-            loaded.add(str(view["model"]))
-            digests.add(str(view["digest"]))
-            if view.get("pinned"):
-                pinned.add(str(view["model"]))
+        for view in pool.views():
+            loaded.add(view.model)
+            digests.add(view.digest)
+            if view.pinned:
+                pinned.add(view.model)
     downloading: set[str] = set()
     paths: set[str] = set()
     downloads = parts.get("downloads")
@@ -78,16 +78,6 @@ def activity_of(parts: dict[str, Any]) -> Activity:
         frozenset(downloading),
         frozenset(paths),
     )
-
-
-def _journal_keys(conn: sqlite3.Connection) -> set[str]:
-    # The downloader creates its tables on first use; before that there is no journal.
-    exists = conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'download_journal'"
-    ).fetchone()
-    if exists is None:
-        return set()
-    return {str(r[0]) for r in conn.execute("SELECT key FROM download_journal")}
 
 
 def _rows(conn: sqlite3.Connection) -> list[Row]:
@@ -145,7 +135,7 @@ class Remover:
         store = self.store
 
         def read(conn: sqlite3.Connection) -> tuple[list[Row], set[str]]:
-            return _rows(conn), _journal_keys(conn)
+            return _rows(conn), journal_keys(conn)
 
         rows, keys = await store.read(read)
         inv = Inventory(
@@ -324,10 +314,10 @@ class Remover:
     def _in_use(self, model_id: str) -> list[str]:
         reasons: list[str] = []
         pool = self.services.parts.get("pool")
-        views = [v for v in (pool.list() if pool is not None else []) if v["model"] == model_id]
+        views = [v for v in (pool.views() if pool is not None else []) if v.model == model_id]
         if views:
-            engines = ", ".join(str(v["id"]) for v in views)
-            pinned = " (pinned)" if any(v.get("pinned") for v in views) else ""
+            engines = ", ".join(v.id for v in views)
+            pinned = " (pinned)" if any(v.pinned for v in views) else ""
             reasons.append(f"loaded in engine {engines}{pinned}")
         if model_id in self.activity().downloading:
             reasons.append("being downloaded")

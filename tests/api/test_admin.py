@@ -251,10 +251,10 @@ async def test_downloading_model_is_kept_and_rm_force_cancels(clean_env: Path) -
 
 
 async def _journal_keys(home: Path) -> set[str]:
-    from modeld.services.remover import _journal_keys as keys
+    from modeld.download.journal import journal_keys
 
     async with open_store(home) as store:
-        return await store.read(keys)
+        return await store.read(journal_keys)
 
 
 async def test_loaded_model_is_kept_and_rm_force_unloads(clean_env: Path) -> None:
