@@ -420,7 +420,7 @@ class Engines:
         return Target(
             model_id=model_id,
             digest=installed.digest,
-            plan=plan.to_dict(),
+            plan=plan,
             spec=spec,
             estimate=estimate_memory(info, plan, max_tokens, base or RUNNER_BASE),
             max_tokens=max_tokens,
@@ -480,7 +480,7 @@ class Engines:
 
     async def learned(self, target: Target, pss: int) -> None:
         """Keep an engine's measured peak PSS for its next admission (SQLite, and here)."""
-        key = (target.digest, str(target.plan["key"]), target.max_tokens)
+        key = (target.digest, target.plan.key, target.max_tokens)
         self._learned[key] = max(pss, self._learned.get(key) or 0)
         await self.store.record_memory(*key, pss)
         logs.event("memory_learned", engine=target.engine_id, pss=pss, estimate=target.estimate)

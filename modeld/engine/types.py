@@ -23,6 +23,7 @@ from modeld.errors import (
     EngineError,
     ModeldError,
 )
+from modeld.modelfile.plan import Plan
 
 
 class RunnerLike(Protocol):
@@ -72,7 +73,7 @@ class Target:
 
     model_id: str
     digest: str
-    plan: dict[str, Any]
+    plan: Plan
     spec: dict[str, Any]
     estimate: int
     max_tokens: int
@@ -84,7 +85,7 @@ class Target:
 
     @property
     def key(self) -> tuple[str, str]:
-        return (self.digest, str(self.plan["key"]))
+        return (self.digest, self.plan.key)
 
     @property
     def expected(self) -> int:
@@ -93,8 +94,8 @@ class Target:
     @property
     def engine_id(self) -> str:
         p = self.plan
-        extra = "".join(f"+{m}-{p[m]}" for m in ("vision", "audio") if p.get(m))
-        return f"{self.model_id}:{p['main']}{extra}"
+        extra = "".join(f"+{m}-{b}" for m, b in (("vision", p.vision), ("audio", p.audio)) if b)
+        return f"{self.model_id}:{p.main}{extra}"
 
 
 @dataclass(eq=False)
@@ -167,7 +168,7 @@ def load_error(t: Target, exc: BaseException) -> ModeldError:
         cls = BackendConstraint if exc.code == "backend_constraint" else EngineError
         return cls(
             f"model {t.model_id}: the runtime could not create its engine "
-            f"(plan {t.plan['key']}): {exc.message}",
+            f"(plan {t.plan.key}): {exc.message}",
             model=t.model_id,
         )
     if isinstance(exc, RunnerDied):

@@ -10,6 +10,7 @@ from typing import Any
 from modeld import logs
 from modeld.engine.types import Engine, State
 from modeld.metrics import Metrics
+from modeld.modelfile.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class EngineView:
     id: str
     model: str
     digest: str
-    plan: dict[str, Any]
+    plan: Plan
     runtime: str | None
     adapter: str | None
     state: str
@@ -49,7 +50,9 @@ class EngineView:
 
     def to_dict(self) -> dict[str, Any]:
         # Fields in declaration order: the API's JSON keeps its key order.
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        doc["plan"] = self.plan.to_dict()
+        return doc
 
 
 def engine_view(e: Engine, now: float, last_eviction: str | None) -> EngineView:

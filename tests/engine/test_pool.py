@@ -14,10 +14,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from modeld.engine.pool import Pool, PoolConfig, State, Target
 from modeld.errors import Busy, EngineCrashed, EngineError, HeldBack, OverBudget
+from modeld.modelfile.plan import Plan
 from tests.support.fake_runner import FakeFactory
 from tests.support.wait import wait_until
 
-PLAN = {"main": "cpu", "vision": None, "audio": None, "key": "main=cpu,vision=none,audio=none"}
+PLAN = Plan(main="cpu")
 
 
 def target(name: str, estimate: int = 100, **spec: Any) -> Target:
