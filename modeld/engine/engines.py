@@ -28,6 +28,7 @@ from modeld.errors import (
 from modeld.hostinfo import RUNTIME_PACKAGE, at_least, runtime_version
 from modeld.modelfile.header import ModelInfo, read_header
 from modeld.modelfile.plan import Plan, Prefs, needs_probe, resolve
+from modeld.modelfile.runtime import CreateSpec
 from modeld.store.store import Installed
 
 MiB = 1024 * 1024
@@ -199,7 +200,7 @@ class Engines:
         return {b: bool(r["ok"]) for b, r in (await self._probe_rows(digest)).items()}
 
     async def _probe_gpu(
-        self, model_id: str, digest: str, spec: dict[str, Any]
+        self, model_id: str, digest: str, spec: CreateSpec
     ) -> dict[str, bool | None]:
         """Run the GPU probe for this file once (single-flight) and record it.
 
@@ -240,7 +241,7 @@ class Engines:
             task.add_done_callback(lambda _: self._probing.pop(digest, None))
         return await asyncio.shield(task)
 
-    async def _image_probe(self, digest: str, plan: Plan, spec: dict[str, Any]) -> dict[str, Any]:
+    async def _image_probe(self, digest: str, plan: Plan, spec: CreateSpec) -> dict[str, Any]:
         """This file's image probe row for ``plan``: the recorded one, else run once.
 
         Every plan with a vision backend is probed, not only vision=gpu: the first image
@@ -260,11 +261,11 @@ class Engines:
         if task is None:
 
             async def go() -> dict[str, Any]:
-                from modeld.modelfile.probe import IMAGE_KEY, probe_spec
+                from modeld.modelfile.probe import probe_spec
 
                 # The runner's own create spec, plus one image: same path, cache dir,
                 # max_tokens and max_images as the engine that will serve the requests.
-                result = await probe_spec({**spec, IMAGE_KEY: True}, IMAGE_PROBE_TIMEOUT)
+                result = await probe_spec(spec, IMAGE_PROBE_TIMEOUT, image=True)
                 await self.store.record_image_probe(
                     digest,
                     plan.key,
@@ -432,7 +433,7 @@ class Engines:
 
     def _spec(
         self, entry: Entry, info: ModelInfo, installed: Installed, plan: Plan
-    ) -> tuple[dict[str, Any], int]:
+    ) -> tuple[CreateSpec, int]:
         """The runner's ``create`` spec for ``plan`` (the GPU probe gets the same one)."""
         limits = entry.limits
         max_tokens = (
@@ -444,19 +445,19 @@ class Engines:
         max_images = (
             (limits.max_images if limits.max_images is not None else 1) if plan.vision else None
         )
-        spec: dict[str, Any] = {
-            "path": str(self._runtime_path(installed.digest, installed.path)),
-            "backend": plan.main,
-            "vision": plan.vision,
-            "audio": plan.audio,
-            "max_tokens": max_tokens,
-            "max_images": max_images,
+        spec = CreateSpec(
+            path=str(self._runtime_path(installed.digest, installed.path)),
+            backend=plan.main,
+            vision=plan.vision,
+            audio=plan.audio,
+            max_tokens=max_tokens,
+            max_images=max_images,
             # Without it the runtime writes its xnnpack cache next to the blob.
-            "cache_dir": str(self.store.cache_dir_for(installed.digest)),
+            cache_dir=str(self.store.cache_dir_for(installed.digest)),
             # The entry's [limits] speculative_decoding as is: true and false reach the
             # runtime as True and False; absent (None) leaves it to the runtime's default.
-            "speculative": limits.speculative_decoding,
-        }
+            speculative=limits.speculative_decoding,
+        )
         return spec, max_tokens
 
     def _runtime_path(self, digest: str, blob: Path) -> Path:

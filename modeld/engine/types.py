@@ -24,6 +24,7 @@ from modeld.errors import (
     ModeldError,
 )
 from modeld.modelfile.plan import Plan
+from modeld.modelfile.runtime import CreateSpec
 
 
 class RunnerLike(Protocol):
@@ -36,7 +37,7 @@ class RunnerLike(Protocol):
     @property
     def alive(self) -> bool: ...
     def stderr_text(self) -> str: ...
-    async def create(self, spec: dict[str, Any]) -> dict[str, Any]: ...
+    async def create(self, spec: CreateSpec) -> dict[str, Any]: ...
     def generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]: ...
     def memory(self) -> tuple[int, int]: ...
     async def wait_exit(self) -> RunnerDied: ...
@@ -74,7 +75,7 @@ class Target:
     model_id: str
     digest: str
     plan: Plan
-    spec: dict[str, Any]
+    spec: CreateSpec
     estimate: int
     max_tokens: int
     learned: int | None = None  # measured peak PSS from earlier runs, if any

@@ -15,16 +15,18 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from modeld.engine.pool import Pool, PoolConfig, State, Target
 from modeld.errors import Busy, EngineCrashed, EngineError, HeldBack, OverBudget
 from modeld.modelfile.plan import Plan
+from modeld.modelfile.runtime import CreateSpec
 from tests.support.fake_runner import FakeFactory
 from tests.support.wait import wait_until
 
 PLAN = Plan(main="cpu")
 
 
-def target(name: str, estimate: int = 100, **spec: Any) -> Target:
+def target(name: str, estimate: int = 100) -> Target:
     digest = (name.encode().hex() * 64)[:64]
+    spec = CreateSpec(path=f"/fake/{name}.litertlm")
     return Target(
-        model_id=name, digest=digest, plan=PLAN, spec=dict(spec), estimate=estimate, max_tokens=256
+        model_id=name, digest=digest, plan=PLAN, spec=spec, estimate=estimate, max_tokens=256
     )
 
 
@@ -40,9 +42,9 @@ async def make_pool(factory: FakeFactory, budget: int = 1000, **kw: Any) -> Pool
 
 async def test_cold_burst_creates_one_engine() -> None:
     """Fifty concurrent requests for a cold model start exactly one engine, and all succeed."""
-    factory = FakeFactory()
+    factory = FakeFactory(create_seconds=0.05)
     pool = await make_pool(factory)
-    t = target("m", fake_create_seconds=0.05)
+    t = target("m")
     results = await asyncio.gather(*(consume(pool, t) for _ in range(50)))
     assert factory.creates == 1
     assert all(r[-1]["done"] and r[-1]["finish"] == "stop" for r in results)
@@ -147,9 +149,9 @@ async def test_crash_mid_request_then_reload_then_held_back() -> None:
 
 async def test_load_cancelled_when_every_waiter_leaves() -> None:
     """A load whose only waiter is cancelled stops its runner instead of finishing."""
-    factory = FakeFactory()
+    factory = FakeFactory(create_seconds=1.0)
     pool = await make_pool(factory)
-    task = asyncio.create_task(consume(pool, target("m", fake_create_seconds=1.0)))
+    task = asyncio.create_task(consume(pool, target("m")))
     await wait_until(lambda: factory.creates == 1)  # the runner is creating the engine
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -179,9 +181,9 @@ async def test_unload_waits_for_in_flight_request() -> None:
 
 async def test_failed_create_reports_runtime_reason() -> None:
     """The runtime's reason for a failed create reaches the caller as engine_error."""
-    pool = await make_pool(FakeFactory())
+    pool = await make_pool(FakeFactory(fail="NOT_FOUND: tf_lite_prefill_decode not found"))
     with pytest.raises(EngineError) as info:
-        await consume(pool, target("m", fake_fail="NOT_FOUND: tf_lite_prefill_decode not found"))
+        await consume(pool, target("m"))
     assert "tf_lite_prefill_decode" in info.value.message
     assert pool.budget.used() == 0
     await pool.stop()

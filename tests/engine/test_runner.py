@@ -14,14 +14,15 @@ import pytest
 
 from modeld.engine.runner.client import Runner, RunnerDied, RunnerError, StderrLog, crash_reason
 from modeld.engine.runner.generate import classify_json
+from modeld.modelfile.runtime import CreateSpec
 from tests.support.state import MODELS
 from tests.support.wait import process_gone, wait_sync, wait_until
 
 TINY = MODELS / "tiny-text.litertlm"
 
 
-def spec(tmp: Path, path: Path = TINY, **extra: Any) -> dict[str, Any]:
-    return {"path": str(path), "backend": "cpu", "cache_dir": str(tmp / "cache"), **extra}
+def spec(tmp: Path, path: Path = TINY, **extra: Any) -> CreateSpec:
+    return CreateSpec(path=str(path), backend="cpu", cache_dir=str(tmp / "cache"), **extra)
 
 
 def ask(text: str = "hello", **extra: Any) -> dict[str, Any]:

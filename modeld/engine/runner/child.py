@@ -263,9 +263,9 @@ class _Child:
         self.clear_error()
         speculative = msg.get("speculative")
         try:
-            from modeld.modelfile.runtime import create_engine
+            from modeld.modelfile.runtime import CreateSpec, create_engine
 
-            self.engine = create_engine(msg)
+            self.engine = create_engine(CreateSpec.from_json(msg))
         except Exception as e:
             reason = self.runtime_reason(e)
             if speculative:
