@@ -254,7 +254,9 @@ def test_cli_cancel_detach_and_import(
     proc_env: tuple[DaemonProcess, ThreadMirror], short_tmp: Path
 ) -> None:
     """--detach returns at once, --cancel stops it with the partial kept; errors exit 1."""
-    d, _ = proc_env
+    d, tm = proc_env
+    # Slow enough that the pull is still running when the `--cancel` command has started.
+    tm.mirror.faults.throttle = 20_000
     out = d.cli("pull", "m1", "--detach")
     assert out.returncode == 0 and "--cancel" in out.stdout
 
