@@ -101,7 +101,7 @@ class Target:
 
 @dataclass(eq=False)
 class Engine:
-    """One engine's bookkeeping; its views are in ``pool_views``."""
+    """One engine's bookkeeping; its view is ``modeld.engine.views.EngineView``."""
 
     target: Target
     state: State = State.LOADING
