@@ -131,8 +131,11 @@ async def test_budget_two_of_three_evicts_lru_idle(clean_env: Path) -> None:
     async with running_daemon(settings) as d, d.client() as cl:
         for model in (a, b, c):
             await generate(cl, model=model, prompt="x")
-        # The first request of each engine is measured, and its peak learned, at once.
+        # Every first request is measured at once, but the peak settles only over the
+        # watcher's later rounds (every 1 s); the budget below is built from the settled
+        # peaks, so this waits through rounds of that periodic process, not for a state.
         await wait_until(lambda: len(_learned_rows(settings.home)) == 3, 20.0)
+        await asyncio.sleep(1.5)
         digests = {
             e["model"]: e["digest"] for e in (await cl.request("GET", "/api/engines"))["engines"]
         }
