@@ -9,6 +9,10 @@ with the default settings (main=gpu) and imports the model through the CLI; then
 - **load, probe recorded**: unload, then ``POST /api/engines`` over the socket (no CLI start);
 - **cold request**: unload, then ``modeld run ID PROMPT`` (load + the first reply), wall time
   and the daemon's ``first_token`` (from the request's arrival).
+- **warm-up**: a load with ``warm_up: false`` and one with ``warm_up: true`` (the default
+  for gpu plans), each followed by ``--steady`` requests: the first request's ``first_token``
+  after each load against the median of the later ones (steady state), and the warm-up's own
+  time at load (``warm_up_seconds``, apart from ``create_seconds``).
 
 The peer is a direct ``litert_lm.Engine(path, backend=GPU)`` in a child process of this bench
 (same process tree, same ``.litertlm`` file, a fresh cache dir), timed from the process's start
@@ -98,7 +102,7 @@ def direct(path: Path, cache: Path, tokens: int) -> dict[str, float]:
     return {k: float(v) for k, v in doc.items()}
 
 
-def daemon_run(path: Path, tokens: int) -> dict[str, float]:
+def daemon_run(path: Path, tokens: int, steady: int) -> dict[str, float]:
     """One fresh daemon: first load (CLI), load with the probe recorded (API), cold request."""
     tmp = Path(tempfile.mkdtemp(prefix="md-bg-", dir="/tmp"))
     registry, home = tmp / "registry", tmp / "home"
@@ -136,7 +140,9 @@ def daemon_run(path: Path, tokens: int) -> dict[str, float]:
         assert ran.returncode == 0, ran.stderr
         final = json.loads(ran.stdout)
         assert final["engine"] == "bench:gpu", final["engine"]
+        warm = warm_up_rows(d.socket, tokens, steady)
         return {
+            **warm,
             "first_load_wall": first_wall,
             "first_load_create": view["create_seconds"],
             "first_load_daemon": view["load_seconds"],
@@ -154,6 +160,28 @@ def daemon_run(path: Path, tokens: int) -> dict[str, float]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def warm_up_rows(socket: Path, tokens: int, steady: int) -> dict[str, float]:
+    """First request after a load without and with warm-up, against the steady state."""
+    out: dict[str, float] = {}
+    body = {"model": "bench", "prompt": PROMPT, "max_tokens": tokens}
+    for mode in ("cold", "warm"):
+        unix_request(socket, "DELETE", "/api/engines/bench")
+        status, view = unix_request(
+            socket, "POST", "/api/engines", {"model": "bench", "warm_up": mode == "warm"}
+        )
+        assert status == 200, view
+        firsts = []
+        for _ in range(steady + 1):
+            status, records = unix_request(socket, "POST", "/api/generate", body, timeout=300)
+            assert status == 200, records
+            firsts.append(float(records[-1]["timings"]["first_token"]))
+        out[f"{mode}_first"] = firsts[0]
+        out[f"{mode}_steady"] = statistics.median(firsts[1:])
+        out[f"{mode}_create"] = float(view["create_seconds"])
+        out[f"{mode}_warm_up"] = float(view["warm_up_seconds"] or 0.0)
+    return out
+
+
 def med(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(float(r[key]) for r in rows)
 
@@ -163,6 +191,7 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=MODEL, help="a .litertlm file")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--steady", type=int, default=5, help="requests after each load")
     args = parser.parse_args()
     path = args.model.resolve()
     if path.suffix != ".litertlm":
@@ -173,7 +202,7 @@ def main() -> int:
         # Interleaved, each with a cold cache: a shared machine's load hits both alike.
         with tempfile.TemporaryDirectory(prefix="md-bgd-") as cache:
             theirs.append(direct(path, Path(cache), args.tokens))
-        ours.append(daemon_run(path, args.tokens))
+        ours.append(daemon_run(path, args.tokens, args.steady))
     for t in theirs:
         t["cold_process"] = t["process_wall"] - t["reply"]
         t["first_reply"] = t["engine"] + t["first_chunk"]
@@ -217,6 +246,16 @@ def main() -> int:
             continue
         b = med(theirs, theirs_key)
         print(f"| {label} | {a:.3f} | {b:.3f} | {a / b:.2f} |")
+    print()
+    print("| load | engine_create (s) | warm_up (s) | first request first_token (s) |", end="")
+    print(f" steady first_token, median of {args.steady} (s) | first / steady |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for mode, label in (("cold", "warm_up: false"), ("warm", "warm_up: true (gpu default)")):
+        first, steady = med(ours, f"{mode}_first"), med(ours, f"{mode}_steady")
+        print(
+            f"| {label} | {med(ours, f'{mode}_create'):.3f} | {med(ours, f'{mode}_warm_up'):.3f} "
+            f"| {first:.4f} | {steady:.4f} | {first / steady:.1f} |"
+        )
     print()
     print(
         f"direct: runtime import {med(theirs, 'import'):.3f} s, first chunk after Engine() "

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import grp
 import json
 import os
 import pwd
+import socket
 import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +18,13 @@ from urllib.parse import quote
 
 import aiohttp
 
-from modeld.errors import DaemonUnavailable, ModeldError, SocketDenied, error_from_body
+from modeld.errors import (
+    BadRequest,
+    DaemonUnavailable,
+    ModeldError,
+    SocketDenied,
+    error_from_body,
+)
 
 # Host part of the URL is ignored on a Unix socket; it only has to be a valid name.
 _BASE = "http://modeld"
@@ -180,10 +188,75 @@ class Client:
         result: dict[str, Any] = await self.request("DELETE", path)
         return result
 
+    async def import_file(self, path: Path, model_id: str | None = None) -> dict[str, Any]:
+        """``POST /api/models/import``: open ``path`` as this process and pass the open file
+        to the daemon (``SCM_RIGHTS``), so it reads exactly what this user may read."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            raise BadRequest(f"{path}: {e.strerror}; give a file you can read") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise BadRequest(f"{path} is not a regular file; import reads model files only")
+            await self._ensure_answering()
+            body = {"fd": True, "name": Path(path).name, "id": model_id}
+            try:
+                status, decoded = await asyncio.to_thread(
+                    _send_with_fd, self.socket_path, body, fd, self.answer_timeout
+                )
+            except (ConnectionError, FileNotFoundError, PermissionError, TimeoutError) as e:
+                raise self._unavailable(e) from e
+        finally:
+            os.close(fd)
+        if status >= 400:
+            raise error_from_body(status, decoded)
+        result: dict[str, Any] = decoded
+        return result
+
     async def prune(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """``POST /api/prune`` with ``dry_run``, ``partials``, ``orphans``, ``unused_for``..."""
         result: dict[str, Any] = await self.request("POST", "/api/prune", body or {})
         return result
+
+
+def _send_with_fd(
+    socket_path: Path, body: dict[str, Any], fd: int, answer_timeout: float
+) -> tuple[int, Any]:
+    """One HTTP/1.1 request whose file descriptor follows the daemon's ``100 Continue``.
+
+    The descriptor rides on one byte sent after the 100, never with the request itself: the
+    daemon pauses its HTTP reader first, so the byte reaches its ``recvmsg``. A final answer
+    instead of the 100 (a refusal) is returned as it is. The import itself may take as long
+    as copying the file does, so only the 100 has a deadline.
+    """
+    payload = json.dumps(body).encode()
+    head = (
+        "POST /api/models/import HTTP/1.1\r\nHost: modeld\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(answer_timeout)
+        s.connect(str(socket_path))
+        s.sendall(head + payload)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                raise ConnectionError("the daemon closed the connection without an answer")
+            data += chunk
+        if data.startswith(b"HTTP/1.1 100"):
+            data = data.partition(b"\r\n\r\n")[2]
+            socket.send_fds(s, [b"\0"], [fd])
+            s.settimeout(None)
+        while chunk := s.recv(65536):
+            data += chunk
+    head_raw, _, raw = data.partition(b"\r\n\r\n")
+    status = int(head_raw.split(b" ", 2)[1])
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, None
 
 
 def _user_name(uid: int) -> str:

@@ -210,18 +210,11 @@ def _default_home() -> Path:
 
 
 def memory_total_bytes() -> int:
-    """The smaller of MemTotal and this process's cgroup memory limit."""
-    total = 0
-    try:
-        with Path("/proc/meminfo").open() as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    total = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if total == 0:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """The smaller of MemTotal (psutil) and this process's cgroup memory limit (which psutil
+    does not read)."""
+    import psutil  # late: ~40 ms that the CLI's start-up does without
+
+    total = int(psutil.virtual_memory().total)
     for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
             raw = Path(limit_file).read_text().strip()
@@ -230,6 +223,109 @@ def memory_total_bytes() -> int:
         if raw.isdigit() and 0 < int(raw) < total:
             total = int(raw)
     return total
+
+
+# What a child process (a runner, a probe) gets of the daemon's environment: what Python,
+# the dynamic linker, the locale and the GPU stacks read, nothing else. No MODELD_* (the
+# settings are the daemon's), no HF_* or other credentials: a child runs the runtime on a
+# downloaded file and never needs them.
+_CHILD_ENV_NAMES = frozenset(
+    {
+        "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR",
+        "PYTHONPATH", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE", "PYTHONSAFEPATH",
+        "LD_LIBRARY_PATH", "XDG_RUNTIME_DIR", "XDG_CACHE_HOME", "XDG_DATA_DIRS",
+        "XDG_CONFIG_DIRS", "COVERAGE_PROCESS_START",
+    }
+)  # fmt: skip
+_CHILD_ENV_PREFIXES = (
+    "LC_", "CUDA_", "NVIDIA_", "VK_", "MESA_", "__GLX_", "__EGL_", "LIBGL_", "OCL_",
+    "ROCR_", "HIP_", "GLOG_", "TF_CPP_", "COV_CORE_",
+)  # fmt: skip
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "_KEY")
+
+
+def child_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a runner or probe child starts with (see ``_CHILD_ENV_NAMES``)."""
+    source = os.environ if environ is None else environ
+    return {
+        name: value
+        for name, value in source.items()
+        if (name in _CHILD_ENV_NAMES or name.startswith(_CHILD_ENV_PREFIXES))
+        and not any(word in name.upper() for word in _SECRET_WORDS)
+    }
+
+
+def runner_data_limit(memory_budget: int) -> int:
+    """A runner's ``RLIMIT_DATA``: the whole memory budget, as no single engine may take
+    more, but at least ``RUNNER_DATA_FLOOR`` so the runtime itself can start."""
+    return max(memory_budget, RUNNER_DATA_FLOOR)
+
+
+# The least data limit a runner gets, however small the budget (Python and the runtime's
+# own allocations, before any model).
+RUNNER_DATA_FLOOR = 1 << 30
+
+
+def _read_ints(path: Path) -> list[int]:
+    """A sysfs CPU list such as ``0-3,8,10-11`` as numbers; empty where it cannot be read."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return []
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return []
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _cgroup_cpus() -> int | None:
+    """The cgroup v2 CPU quota as whole CPUs (``cpu.max`` ``200000 100000`` is 2), or None."""
+    try:
+        fields = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except OSError:
+        return None
+    # "max 100000" is no quota.
+    if len(fields) != 2 or not fields[0].isdigit() or not fields[1].isdigit():
+        return None
+    quota, period = fields
+    if int(period) == 0:
+        return None
+    return max(1, math.ceil(int(quota) / int(period)))
+
+
+def default_cpu_threads(sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
+    """The CPU engines' thread count when ``MODELD_CPU_THREADS`` is not set.
+
+    One thread per physical core this process may run on: SMT siblings share a core's
+    vector units, so a second thread per core adds contention, not throughput
+    (bench/bench_threads.py). On a hybrid CPU (Intel P- and E-cores, where the kernel lists
+    ``/sys/devices/cpu_core/cpus``) only performance cores count: the decode waits for its
+    slowest thread. The CPU affinity and a cgroup CPU quota cap the count; at least 1.
+    """
+    allowed = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+    if not allowed:
+        allowed = set(range(os.cpu_count() or 1))
+    performance = set(_read_ints(sysfs.parent / "cpu_core" / "cpus"))
+    if performance & allowed:
+        allowed &= performance
+    cores: set[tuple[str, str] | int] = set()
+    for cpu in allowed:
+        topology = sysfs / f"cpu{cpu}" / "topology"
+        try:
+            package = (topology / "physical_package_id").read_text().strip()
+            core = (topology / "core_id").read_text().strip()
+        except OSError:
+            cores.add(cpu)  # no topology (some containers): count the CPU itself
+            continue
+        cores.add((package, core))
+    count = len(cores)
+    quota = _cgroup_cpus()
+    if quota is not None:
+        count = min(count, quota)
+    return max(1, count)
 
 
 def config_file_path(environ: dict[str, str] | None = None) -> Path | None:
@@ -296,6 +392,12 @@ class Settings(BaseSettings):
     disk_budget: Annotated[int | None, NoDecode] = None
     keep_alive: DurationSetting = 300.0
     main_backend: Literal["gpu", "cpu"] = "gpu"
+    # Threads of a CPU engine (``Backend.CPU(thread_count=N)``); an entry's [runtime]
+    # threads wins over it.
+    cpu_threads: int = Field(default_factory=default_cpu_threads, ge=1, le=256)
+    # One short generation when an engine loads, where the first request would pay for
+    # compilation and first touch: gpu plans, pinned loads, preloads. 0 turns it off.
+    warm_up: bool = True
     vision_backend: Literal["cpu", "gpu"] = "cpu"
     download_connections: int = Field(default=8, ge=1, le=64)
     piece_size: SizeSetting = 16 * 1024**2
@@ -488,6 +590,8 @@ class Settings(BaseSettings):
             "disk_budget": self.disk_budget,
             "keep_alive": self.keep_alive,
             "main_backend": self.main_backend,
+            "cpu_threads": self.cpu_threads,
+            "warm_up": self.warm_up,
             "vision_backend": self.vision_backend,
             "download_connections": self.download_connections,
             "piece_size": self.piece_size,
@@ -533,6 +637,8 @@ def _allowed(field: str) -> str:
         "vision_backend": "cpu or gpu",
         "log_level": "debug, info or warning",
         "download_connections": "a whole number from 1 to 64",
+        "cpu_threads": "a whole number from 1 to 256",
+        "warm_up": "1 or 0 (true or false)",
         "registry": "directories separated by ':'",
         "allow_uids": "numeric uids separated by ':' or ',' (a list in TOML)",
         "allow_gids": "numeric gids separated by ':' or ',' (a list in TOML)",

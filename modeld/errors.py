@@ -99,6 +99,12 @@ class ModelInUse(Conflict):
     code = "model_in_use"
 
 
+class ReplacesVerified(Conflict):
+    """An unverified file would replace a verified install; it never does."""
+
+    code = "replaces_verified"
+
+
 # --- too slow (408) -------------------------------------------------------------------
 
 
@@ -258,6 +264,12 @@ class DatabaseUnusable(ModeldError, OSError):
 
     code = "database_unusable"
     status = 500
+
+
+class StateTooNew(DatabaseUnusable):
+    """The state database was written by a newer modeld (its schema version is unknown here)."""
+
+    code = "state_too_new"
 
 
 class DaemonUnavailable(ModeldError, ConnectionError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from modeld.config import (
+    _cgroup_cpus,
     client_socket_path,
     config_file_path,
+    default_cpu_threads,
     load_settings,
     parse_duration,
     parse_size,
@@ -209,3 +212,40 @@ def test_the_cli_finds_the_users_own_daemon_before_the_system_one(
     assert client_socket_path() == runtime / "modeld.sock"
     monkeypatch.setenv("MODELD_SOCKET", str(system))
     assert client_socket_path() == system
+
+
+def _cpu(sysfs: Path, cpu: int, package: int, core: int) -> None:
+    topology = sysfs / f"cpu{cpu}" / "topology"
+    topology.mkdir(parents=True)
+    (topology / "physical_package_id").write_text(f"{package}\n")
+    (topology / "core_id").write_text(f"{core}\n")
+
+
+def test_default_cpu_threads_counts_physical_performance_cores(tmp_path: Path) -> None:
+    """SMT siblings count once, only P-cores count on a hybrid CPU; never less than 1."""
+    usable = sorted(os.sched_getaffinity(0))
+    separate = tmp_path / "separate" / "cpu"
+    for cpu in usable:
+        _cpu(separate, cpu, 0, cpu)
+    quota = _cgroup_cpus()  # a CPU quota on this test's cgroup caps every count
+    assert default_cpu_threads(separate) == min(len(usable), quota or len(usable))
+    siblings = tmp_path / "smt" / "cpu"
+    for cpu in usable:
+        _cpu(siblings, cpu, 0, 0)  # every usable CPU is a thread of one core
+    assert default_cpu_threads(siblings) == 1
+    hybrid = tmp_path / "hybrid" / "cpu"
+    for cpu in usable:
+        _cpu(hybrid, cpu, 0, cpu)
+    (hybrid.parent / "cpu_core").mkdir()
+    (hybrid.parent / "cpu_core" / "cpus").write_text(f"{usable[0]}\n")
+    assert default_cpu_threads(hybrid) == 1
+
+
+def test_cpu_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MODELD_CPU_THREADS wins over the machine's count; 0 stops start-up naming the key."""
+    monkeypatch.setenv("MODELD_CPU_THREADS", "3")
+    assert load_settings().cpu_threads == 3
+    monkeypatch.setenv("MODELD_CPU_THREADS", "0")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert "MODELD_CPU_THREADS=0" in str(info.value) and "1 to 256" in str(info.value)

@@ -87,6 +87,8 @@ ROUTES: dict[tuple[str, str], Rule] = {
     ("POST", "/api/prune"): Rule(Role.ADMIN, "prune"),
     ("DELETE", "/api/downloads/{id}"): Rule(Role.ADMIN, "cancel a download"),
     ("DELETE", "/api/engines/{id}"): Rule(Role.ADMIN, "unload"),
+    # What admission reserves for every later load of the file, for everyone.
+    ("DELETE", "/api/models/{id}/memory"): Rule(Role.ADMIN, "forget learned memory"),
     # A bug report carries runner stderr, events and the effective settings of the host.
     ("GET", "/api/models/{id}/bug-report"): Rule(Role.ADMIN, "bug-report"),
 }

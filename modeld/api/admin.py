@@ -20,7 +20,6 @@ from modeld.config import parse_duration
 from modeld.errors import BadRequest
 from modeld.services.parts import Services
 from modeld.services.prune import DEFAULT_SELECTION, Selection
-from modeld.services.remover import Remover
 
 _BOOL = "true or false"
 _HINTS = {
@@ -120,10 +119,7 @@ def _force(request: web.Request, body: dict[str, Any]) -> bool:
 
 
 def add_routes(app: web.Application, services: Services) -> None:
-    remover = Remover(services)
-    services.parts["remover"] = remover
-    # Registered after every part's hooks, so it runs first on shutdown (reverse order).
-    services.stop_hooks.append(remover.drain)
+    remover = services.remover
 
     async def remove(request: web.Request) -> web.Response:
         model_id = request.match_info["id"]

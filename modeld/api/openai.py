@@ -3,7 +3,7 @@
 
 The ``openai`` client (and LangChain's ``ChatOpenAI``, litellm, ...) work unchanged, over the
 socket (an httpx Unix-socket transport) or TCP with a key. Requests go through the native
-generation path (``requests.start``); images come as ``image_url`` data URLs and take the
+generation path (``Inference.generate``); images come as ``image_url`` data URLs and take the
 native image path. Errors keep modeld's ``code`` and ``message`` and add OpenAI's ``type`` and
 ``param``.
 
@@ -28,7 +28,6 @@ not used.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -43,17 +42,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from modeld.api import access, requests
 from modeld.api.bodies import read_json
 from modeld.api.guards import check_model_id
-from modeld.api.requests import INT32, Backends, Duration, Generation, ModelId, Number, Turn
+from modeld.api.requests import INT32, Backends, Duration, ModelId, Number
 from modeld.errors import (
     BadRequest,
     Busy,
     ModeldError,
-    ModelNotFound,
     ModelNotInstalled,
-    NotEmbeddingModel,
     TooLarge,
 )
-from modeld.modelfile import header as litertlm
+from modeld.services.inference import Generation, Turn
 from modeld.services.parts import Services
 
 SSE = "text/event-stream"
@@ -657,13 +654,8 @@ def _model_doc(model_id: str, created: float) -> dict[str, Any]:
 
 def add_routes(app: web.Application, services: Services) -> None:
     async def installed() -> dict[str, dict[str, Any]]:
-        catalog, store = services.parts["catalog"], services.parts["store"]
-        out = {}
-        for inst in await store.list_installed():
-            # Only what can answer: an install without a catalog entry has no limits to load.
-            if catalog.find(inst.model_id) is not None:
-                out[inst.model_id] = _model_doc(inst.model_id, inst.installed_at)
-        return out
+        servable = await services.models.servable()
+        return {i.model_id: _model_doc(i.model_id, i.installed_at) for i in servable}
 
     @openai_errors
     async def list_models(_: web.Request) -> web.Response:
@@ -683,7 +675,7 @@ def add_routes(app: web.Application, services: Services) -> None:
     async def answer(
         request: web.Request, reply: _Reply, gen: Generation, body: _Sampled
     ) -> web.StreamResponse:
-        _, records = await requests.start(services, gen)
+        _, records = await services.inference.generate(gen)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return await _sse(request, reply, records, usage)
@@ -707,25 +699,7 @@ def add_routes(app: web.Application, services: Services) -> None:
     @openai_errors
     async def embeddings(request: web.Request) -> web.StreamResponse:
         body = await read_openai_body(request, EmbeddingBody)
-        catalog, store = services.parts["catalog"], services.parts["store"]
-        if catalog.find(body.model) is None:
-            raise ModelNotFound(f"no model {body.model!r}; `modeld list` shows the catalog")
-        inst = await store.installed(body.model)
-        if inst is None:
-            raise ModelNotInstalled(
-                f"model {body.model} is not installed; run `modeld pull {body.model}` first"
-            )
-        info = await asyncio.to_thread(litertlm.read_header, inst.path, model_id=body.model)
-        if info.role_section("main") is not None:
-            raise NotEmbeddingModel(
-                f"model {body.model} is not an embedding model (it generates text: its file "
-                "has a prefill/decode section); use /v1/chat/completions with it, or send "
-                "an embedding model's id"
-            )
-        raise NotEmbeddingModel(
-            f"model {body.model} has no text decoder, and modeld does not run LiteRT-LM "
-            "embedding engines yet; no model it can load produces embeddings"
-        )
+        await services.models.embed(body.model)
 
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)

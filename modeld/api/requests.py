@@ -1,23 +1,15 @@
-"""Request bodies as pydantic models, and the generation path the native and OpenAI routes share.
+"""Request bodies as pydantic models, and the native generation body as a ``Generation``.
 
 Every route that takes a JSON body validates it here; a bad body is a 400 ``bad_request``
 naming the field and why (``"max_tokens": must be ≥ 1``). A generation request, native or
-OpenAI, becomes one ``Generation`` (turns with their images, sampling options), and
-``start`` turns that into the pool's token stream: image preparation, the engine target
-(plan resolved with the vision modality before any runner starts), then ``pool.generate``.
+OpenAI, becomes one ``Generation`` (turns with their images, sampling options) that the
+``Inference`` service checks, admits, prepares and streams.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
-import functools
-import io
-import logging
-import time
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
 from aiohttp import web
@@ -33,18 +25,12 @@ from pydantic import (
     model_validator,
 )
 
-from modeld import logs
 from modeld.api import access
 from modeld.api.bodies import read_json
 from modeld.catalog.catalog import ID_PATTERN
-from modeld.errors import BadRequest, TooLarge
-from modeld.services.parts import Services
+from modeld.errors import BadRequest
+from modeld.services.inference import Generation, Turn
 
-IMAGE_LONG_SIDE = 640
-# A prompt over this many UTF-8 bytes per token of the engine's window is refused unread;
-# text averages ~4 bytes a token, so 32 leaves room for any prompt that fits.
-PROMPT_BYTES_PER_TOKEN = 32
-JPEG_QUALITY = 88
 # Bounds the runtime's C++ side takes without overflow (int32 fields).
 INT32 = 2**31 - 1
 
@@ -111,6 +97,8 @@ class LoadBody(Strict):
     backends: Backends | None = None
     keep_alive: Duration | None = None
     pin: StrictBool = False
+    # One short generation at load; absent: gpu plans and pinned loads do (``Engines``).
+    warm_up: StrictBool | None = None
     allow_unverified: StrictBool = False
 
 
@@ -119,13 +107,30 @@ class PullBody(Strict):
 
     detach: StrictBool = False
     stream: StrictBool | None = None
+    # Download even when the model could never fit the memory budget.
+    force: StrictBool = False
 
 
 class ImportBody(Strict):
-    """``POST /api/models/import``."""
+    """``POST /api/models/import``: a ``path`` the daemon opens, or ``fd: true`` and the
+    file's ``name``, the descriptor following over the socket (``SCM_RIGHTS``)."""
 
-    path: Annotated[StrictStr, Field(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$")]
+    path: (
+        Annotated[StrictStr, Field(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$")] | None
+    ) = None
+    fd: StrictBool = False
+    name: (
+        Annotated[StrictStr, Field(min_length=1, max_length=255, pattern=r"^[^/\x00]+$")] | None
+    ) = None
     id: ModelId | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ImportBody:
+        if self.fd == (self.path is not None):
+            raise ValueError("give either path or fd (with name), not both or neither")
+        if self.fd and self.name is None:
+            raise ValueError("fd needs the file's name")
+        return self
 
 
 # --- validation messages -------------------------------------------------------------------
@@ -239,148 +244,11 @@ async def read_body(request: web.Request, model: type[B], *, optional: bool = Fa
 # --- generation ------------------------------------------------------------------------------
 
 
-def prepare_image(data: bytes, max_pixels: int) -> bytes:
-    """Turn upright, downscale to at most 640 px on the long side, re-encode as JPEG 88.
-
-    Pillow reads only the header on ``open``: the pixel count is checked there, before any
-    decoding (a 219 KB PNG can decode to 13000 x 13000, 0.9 GB). The EXIF orientation is
-    applied before the resize: a phone photo stored sideways reaches the model upright, and
-    the 640 px bound applies to its upright long side. The output carries no EXIF, so
-    nothing downstream turns it a second time.
-    """
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size
-            if width * height > max_pixels:
-                raise _too_many_pixels(width, height, max_pixels)
-            # A JPEG decodes straight to a smaller scale (1/2, 1/4, 1/8) when that is enough.
-            img.draft("RGB", (IMAGE_LONG_SIDE, IMAGE_LONG_SIDE))
-            img.load()
-            rgb = ImageOps.exif_transpose(img).convert("RGB")
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        # Pillow's own bound (about 179 MP; over 89 MP it warns) is past ours unless
-        # MODELD_MAX_IMAGE_PIXELS was raised.
-        raise TooLarge(f"an image has too many pixels ({e}); send a smaller image") from None
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise BadRequest(f"an image could not be decoded ({e}); send PNG or JPEG bytes") from e
-    rgb.thumbnail((IMAGE_LONG_SIDE, IMAGE_LONG_SIDE))
-    out = io.BytesIO()
-    rgb.save(out, format="JPEG", quality=JPEG_QUALITY)
-    return out.getvalue()
-
-
-def _too_many_pixels(width: int, height: int, max_pixels: int) -> TooLarge:
-    logs.event("image_refused", logging.WARNING, width=width, height=height, limit=max_pixels)
-    return TooLarge(
-        f"an image is {width}x{height} ({width * height / 1e6:.1f} megapixels), over "
-        f"MODELD_MAX_IMAGE_PIXELS ({max_pixels / 1e6:g} megapixels); scale it down before "
-        f"sending (modeld uses it at {IMAGE_LONG_SIDE} px on the long side anyway)"
-    )
-
-
 def decode_base64(item: str, where: str) -> bytes:
     try:
         return base64.b64decode(item, validate=True)
     except (binascii.Error, ValueError) as e:
         raise BadRequest(f"{where}: not valid base64") from e
-
-
-@dataclass
-class Turn:
-    """One message: its role, its text and the raw bytes of its images.
-
-    An assistant turn may carry the tool calls it made (``{"name", "arguments"}`` with the
-    arguments as an object); a ``tool`` turn names the tool whose result its text is.
-    """
-
-    role: str
-    text: str
-    images: list[bytes] = field(default_factory=list)
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    name: str | None = None
-
-    def message(self, prepared: Callable[[bytes], bytes]) -> dict[str, Any]:
-        """The turn in the runtime's message format (litert-lm's ``Message.to_json``)."""
-        if self.role == "tool":
-            part = {"type": "tool_response", "name": self.name or "", "response": self.text}
-            return {"role": "tool", "content": [part]}
-        if not self.images:
-            msg: dict[str, Any] = {"role": self.role, "content": self.text}
-        else:
-            content: list[dict[str, Any]] = [{"type": "text", "text": self.text}]
-            content += [
-                {"type": "image", "blob": base64.b64encode(prepared(b)).decode()}
-                for b in self.images
-            ]
-            msg = {"role": self.role, "content": content}
-        if self.tool_calls:
-            msg["tool_calls"] = [{"type": "function", "function": c} for c in self.tool_calls]
-        return msg
-
-
-@dataclass
-class Generation:
-    """One generation request, whichever wire format it came in."""
-
-    model: str
-    turns: list[Turn]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    format: str | None = None
-    # Repetition settings (the runtime's RepetitionPenaltyConfig).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    # A JSON schema the reply is constrained to (the runtime's constrained decoding), and
-    # whether the daemon also checks the finished reply against it.
-    schema: dict[str, Any] | None = None
-    strict: bool = False
-    # OpenAI tool descriptions (``{"type": "function", "function": {...}}``) given to the
-    # runtime, which hands calls back instead of running them.
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    # The prompt goes to the model as it is, without the chat template (``/v1/completions``).
-    raw: bool = False
-    keep_alive: Any = None
-    allow_unverified: bool = False
-    backends: dict[str, Any] | None = None
-    # False: the client waits for the whole reply, so the runner sends it in one record.
-    stream: bool = True
-
-    @property
-    def image_count(self) -> int:
-        return sum(len(t.images) for t in self.turns)
-
-    def job(self, prepared: Callable[[bytes], bytes]) -> dict[str, Any]:
-        """The runner's ``generate`` fields; ``prepared`` re-encodes each image."""
-        job: dict[str, Any] = {
-            "messages": [t.message(prepared) for t in self.turns],
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_k": self.top_k,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": self.stop,
-            "format": self.format,
-            "stream": self.stream,
-        }
-        extra = {
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "schema": self.schema,
-            "strict": self.strict or None,
-            "tools": self.tools or None,
-            "raw": self.raw or None,
-        }
-        # Only what is set: a plain request's frame stays as it was.
-        job.update({k: v for k, v in extra.items() if v is not None})
-        return job
 
 
 def stops(value: str | list[str] | None) -> list[str]:
@@ -413,69 +281,3 @@ def from_native(body: GenerateBody) -> Generation:
         allow_unverified=body.allow_unverified,
         backends=body.backends.model_dump(exclude_none=True) if body.backends else None,
     )
-
-
-async def start(
-    services: Services, gen: Generation
-) -> tuple[str, AsyncGenerator[dict[str, Any], None]]:
-    """Resolve the engine and return ``(engine id, token records then a final record)``.
-
-    Everything that can refuse the request (unknown or uninstalled model, too many images,
-    a backend constraint, a bad keep_alive) is raised here, before a response starts.
-    """
-    from modeld.engine.pool import validate_keep_alive
-
-    engines, pool = services.parts["engines"], services.parts["pool"]
-    if not gen.turns or gen.turns[-1].role not in ("user", "tool"):
-        raise BadRequest("the last message must have role user (or tool, with tool results)")
-    limit = engines.max_images(gen.model)
-    if gen.image_count > limit:
-        raise TooLarge(f"{gen.image_count} images sent; model {gen.model} takes at most {limit}")
-    keep_alive = validate_keep_alive(gen.keep_alive)
-    # The install and the plan come first, resolved with the vision modality before any
-    # runner starts: a model that is not installed, or whose plan cannot take images (a
-    # vision encoder that needs gpu when vision=cpu), is refused before an image is decoded.
-    target = await engines.target(
-        gen.model,
-        modalities=["text", "image"] if gen.image_count else ["text"],
-        backends=gen.backends,
-        allow_unverified=gen.allow_unverified,
-        images=gen.image_count > 0,
-    )
-    check_prompt(gen, target.model_id, target.max_tokens)
-    prepared = 0.0
-    if gen.image_count:
-        # Decoding and re-encoding takes tens of ms per image: keep it off the event loop.
-        prepare = functools.partial(prepare_image, max_pixels=services.settings.max_image_pixels)
-        began = time.perf_counter()
-        job = await asyncio.to_thread(gen.job, prepare)
-        prepared = time.perf_counter() - began
-    else:
-        job = gen.job(bytes)
-    return target.engine_id, pool.generate(
-        target, job, keep_alive=keep_alive, image_prepare=prepared
-    )
-
-
-def check_prompt(gen: Generation, model_id: str, max_tokens: int) -> None:
-    """Refuse a prompt that cannot fit the engine's window, before the runtime tokenizes it.
-
-    The runtime tokenizes the whole conversation before it checks the window: a prompt of
-    millions of tokens took 15 s and 3.5 GB first. Text averages about 4 bytes a token, so
-    ``PROMPT_BYTES_PER_TOKEN`` bytes a token of the window is a bound no prompt that fits
-    comes near; the runtime still checks the exact count of what passes.
-    """
-    limit = max_tokens * PROMPT_BYTES_PER_TOKEN
-    size = 0
-    for turn in gen.turns:
-        # A character is at least one byte: count bytes only while under the limit.
-        size += len(turn.text)
-        if size <= limit:
-            size += len(turn.text.encode("utf-8", "surrogatepass")) - len(turn.text)
-        if size > limit:
-            logs.event("prompt_refused", logging.WARNING, model=model_id, size=size, limit=limit)
-            raise TooLarge(
-                f"the prompt is over {limit} bytes: model {model_id} takes {max_tokens} tokens "
-                f"at most, and modeld refuses prompts over {PROMPT_BYTES_PER_TOKEN} bytes a token "
-                "before tokenizing them; send a shorter prompt or fewer earlier messages"
-            )

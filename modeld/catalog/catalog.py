@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from types import TracebackType
+from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -61,6 +62,16 @@ class Backends(_Strict):
     vision: Backend | None = None
 
 
+class Runtime(_Strict):
+    """Per-model engine settings; each overrides its daemon-wide setting for this model."""
+
+    # CPU threads of this model's engines (MODELD_CPU_THREADS otherwise).
+    threads: int | None = Field(default=None, ge=1, le=256)
+    # false: never warm this model's engines up at load; true: warm up every load of it;
+    # absent: MODELD_WARM_UP's rule (gpu plans, pinned loads, preloads).
+    warm_up: bool | None = None
+
+
 class Entry(_Strict):
     """One registry entry, exactly the registry format of docs/design.md."""
 
@@ -75,6 +86,18 @@ class Entry(_Strict):
     min_runtime_version: str | None = Field(default=None, pattern=VERSION_PATTERN)
     limits: Limits = Field(default_factory=Limits)
     backends: Backends = Field(default_factory=Backends)
+    runtime: Runtime = Field(default_factory=Runtime)
+    # Other entries of the same model (another quantization or size), by id: `pull ID`
+    # takes the best of ID and these that fits the memory budget.
+    variants: list[str] = Field(default_factory=list)
+
+    @field_validator("variants")
+    @classmethod
+    def _variant_ids(cls, v: list[str]) -> list[str]:
+        for model_id in v:
+            if not ID_RE.match(model_id):
+                raise ValueError(f"{model_id!r} is not a model id")
+        return v
 
     @field_validator("file_name")
     @classmethod
@@ -307,14 +330,23 @@ class Catalog:
 
     # --- live reload -----------------------------------------------------------------
 
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
     async def start(self) -> None:
-        """Start watching the registry dirs (a start hook)."""
+        """Start watching the registry dirs."""
         if self._watcher is None or self._watcher.done():
             self._stop = asyncio.Event()
             self._watcher = asyncio.create_task(self._watch(self._stop), name="catalog-watch")
 
     async def stop(self) -> None:
-        """Stop watching (a stop hook; idempotent)."""
+        """Stop watching (idempotent)."""
         task, self._watcher = self._watcher, None
         if self._stop is not None:
             self._stop.set()

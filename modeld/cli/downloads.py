@@ -10,6 +10,7 @@ from urllib.parse import quote
 import click
 from rich.console import Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -64,11 +65,25 @@ def _print_done(record: dict[str, Any]) -> None:
         console.print(f"  repaired {record['repaired']} blocks a mirror sent wrong")
 
 
-async def _follow(client: Client, model_id: str, as_json: bool) -> dict[str, Any]:
+def _print_choice(record: dict[str, Any]) -> None:
+    choice = record.get("choice")
+    if choice and choice["chosen"] != choice["asked"]:
+        console.print(f"pulling {choice['chosen']}: {escape(choice['reason'])}")
+    elif choice and not choice["fit"]["fits"]:
+        err_console.print(
+            f"[yellow]! {choice['asked']} needs about {format_size(choice['fit']['needs'])}, "
+            f"over the memory budget {format_size(choice['fit']['budget'])}: it will not load "
+            "until MODELD_MEMORY_BUDGET allows it[/]"
+        )
+
+
+async def _follow(
+    client: Client, model_id: str, as_json: bool, body: dict[str, Any]
+) -> dict[str, Any]:
     last: dict[str, Any] = {}
     if as_json:
         async for record in client.stream(
-            "POST", f"/api/models/{quote(model_id, safe='')}/pull", {}
+            "POST", f"/api/models/{quote(model_id, safe='')}/pull", body
         ):
             last = record
         return last
@@ -84,8 +99,11 @@ async def _follow(client: Client, model_id: str, as_json: bool) -> dict[str, Any
     task = progress.add_task(model_id, total=None, state="starting")
     with Live(Group(progress), console=console, refresh_per_second=8, transient=True) as live:
         async for record in client.stream(
-            "POST", f"/api/models/{quote(model_id, safe='')}/pull", {}
+            "POST", f"/api/models/{quote(model_id, safe='')}/pull", body
         ):
+            if not last:
+                _print_choice(record)
+                progress.update(task, description=record["id"])
             last = record
             if record.get("already"):
                 break
@@ -100,10 +118,18 @@ async def _follow(client: Client, model_id: str, as_json: bool) -> dict[str, Any
 @click.argument("model_id", metavar="ID")
 @click.option("--detach", is_flag=True, help="Start (or join) the download and return at once.")
 @click.option("--cancel", is_flag=True, help="Cancel the running download (the partial stays).")
+@click.option("--force", is_flag=True, help="Download even a model that can never fit the budget.")
 @json_option
 @click.pass_context
-def pull(ctx: click.Context, model_id: str, detach: bool, cancel: bool, as_json: bool) -> None:
-    """Download a model from its mirrors, verified, resuming what is already there."""
+def pull(  # noqa: PLR0917 (click passes every option positionally by name)
+    ctx: click.Context, model_id: str, detach: bool, cancel: bool, force: bool, as_json: bool
+) -> None:
+    """Download a model from its mirrors, verified, resuming what is already there.
+
+    A model that can never fit the memory budget is refused before any byte is fetched;
+    with variants in its entry, the best one that fits is taken instead.
+    """
+    body: dict[str, Any] = {"force": True} if force else {}
     if cancel:
         doc = call(ctx, lambda c: c.request("DELETE", f"/api/downloads/{quote(model_id, safe='')}"))
         emit(
@@ -119,22 +145,24 @@ def pull(ctx: click.Context, model_id: str, detach: bool, cancel: bool, as_json:
         doc = call(
             ctx,
             lambda c: c.request(
-                "POST", f"/api/models/{quote(model_id, safe='')}/pull", {"detach": True}
+                "POST", f"/api/models/{quote(model_id, safe='')}/pull", {**body, "detach": True}
             ),
         )
-        emit(
-            as_json,
-            doc,
-            lambda d: console.print(
-                f"{model_id} is already installed"
+
+        def human(d: dict[str, Any]) -> None:
+            _print_choice(d)
+            got = d["id"]
+            console.print(
+                f"{got} is already installed"
                 if d.get("already")
-                else f"pulling {model_id} in the daemon; follow it with `modeld pull {model_id}`"
-                f", cancel it with `modeld pull {model_id} --cancel`"
-            ),
-        )
+                else f"pulling {got} in the daemon; follow it with `modeld pull {got}`"
+                f", cancel it with `modeld pull {got} --cancel`"
+            )
+
+        emit(as_json, doc, human)
         return
     try:
-        record = call(ctx, lambda c: _follow(c, model_id, as_json))
+        record = call(ctx, lambda c: _follow(c, model_id, as_json, body))
     except KeyboardInterrupt:
         err_console.print(
             f"left the progress view; the download goes on in the daemon. "
@@ -151,8 +179,7 @@ def pull(ctx: click.Context, model_id: str, detach: bool, cancel: bool, as_json:
 @click.pass_context
 def import_(ctx: click.Context, path: Path, model_id: str | None, as_json: bool) -> None:
     """Adopt a local .litertlm file (checked like a download); ID defaults from its name."""
-    body = {"path": str(path.resolve()), "id": model_id}
-    doc = call(ctx, lambda c: c.request("POST", "/api/models/import", body))
+    doc = call(ctx, lambda c: c.import_file(path, model_id))
 
     def human(d: dict[str, Any]) -> None:
         inst = d["installed"]

@@ -15,6 +15,7 @@ from rich.markup import escape
 from modeld.cli.common import call, console, emit, err_console, json_option, table
 from modeld.client import Client
 from modeld.config import format_duration, format_size
+from modeld.errors import EngineNotFound
 
 _BACKEND = click.Choice(["cpu", "gpu"])
 
@@ -29,12 +30,21 @@ def _print_ps(doc: dict[str, Any]) -> None:
         console.print("no engines loaded")
     else:
         t = table(
-            "ENGINE", "STATE", "PSS", "ESTIMATE", "IDLE", "EXPIRES", "REQUESTS", "LAST EVICTION"
+            "ENGINE",
+            "STATE",
+            "THREADS",
+            "PSS",
+            "ESTIMATE",
+            "IDLE",
+            "EXPIRES",
+            "REQUESTS",
+            "LAST EVICTION",
         )
         for e in engines:
             t.add_row(
                 e["id"],
                 e["state"] + (" (pinned)" if e["pinned"] else ""),
+                str(e.get("cpu_threads") or "-"),
                 _size(e["pss"]),
                 _size(e["pss_estimate"]),
                 format_duration(e["idle_seconds"]) if e["idle_seconds"] is not None else "-",
@@ -74,6 +84,11 @@ def ps(ctx: click.Context, as_json: bool) -> None:
 @click.option("--vision", type=_BACKEND, help="Also load the vision encoder on this backend.")
 @click.option("--keep-alive", help="Idle time before it stops: 30s, 5m, 0, -1 (never).")
 @click.option("--pin", is_flag=True, help="Never evict it for memory.")
+@click.option(
+    "--warm-up/--no-warm-up",
+    default=None,
+    help="Run one short generation at load (default: for gpu plans and --pin).",
+)
 @click.option("--allow-unverified", is_flag=True, help="Load a file no hash vouched for.")
 @json_option
 @click.pass_context
@@ -84,11 +99,14 @@ def load(  # noqa: PLR0917 (click passes every option positionally by name)
     vision: str | None,
     keep_alive: str | None,
     pin: bool,
+    warm_up: bool | None,
     allow_unverified: bool,
     as_json: bool,
 ) -> None:
     """Load MODEL_ID's engine now (instead of on the first request)."""
     body: dict[str, Any] = {"model": model_id, "pin": pin, "allow_unverified": allow_unverified}
+    if warm_up is not None:
+        body["warm_up"] = warm_up
     backends = {k: v for k, v in (("main", main), ("vision", vision)) if v}
     if backends:
         body["backends"] = backends
@@ -99,9 +117,16 @@ def load(  # noqa: PLR0917 (click passes every option positionally by name)
 
 
 def _print_loaded(v: dict[str, Any]) -> None:
+    warm = v.get("warm_up_seconds")
+    parts = [f"engine {format_duration(v.get('create_seconds') or 0)}"]
+    if warm is not None:
+        parts.append(f"warm-up {format_duration(warm)}")
+    if v.get("cpu_threads"):
+        n = v["cpu_threads"]
+        parts.append(f"{n} CPU thread{'' if n == 1 else 's'}")
     console.print(
-        f"loaded {v['id']} ({v['plan']['key']}) in {format_duration(v['load_seconds'] or 0)}, "
-        f"PSS {_size(v['pss'])}"
+        f"loaded {v['id']} ({v['plan']['key']}) in {format_duration(v['load_seconds'] or 0)} "
+        f"({', '.join(parts)}), PSS {_size(v['pss'])}"
     )
     probe = v.get("image_probe")
     if probe is not None and not probe["ok"]:
@@ -113,18 +138,40 @@ def _print_loaded(v: dict[str, Any]) -> None:
 
 @click.command()
 @click.argument("engine_or_model")
+@click.option(
+    "--forget-memory",
+    is_flag=True,
+    help="Also forget the memory learned for the model's file (admin); its next load "
+    "reserves the estimate from the file again.",
+)
 @json_option
 @click.pass_context
-def unload(ctx: click.Context, engine_or_model: str, as_json: bool) -> None:
+def unload(ctx: click.Context, engine_or_model: str, forget_memory: bool, as_json: bool) -> None:
     """Stop an engine (or every engine of a model) after its in-flight requests."""
-    doc = call(
-        ctx, lambda c: c.request("DELETE", f"/api/engines/{quote(engine_or_model, safe='')}")
-    )
-    emit(
-        as_json,
-        doc,
-        lambda d: console.print("unloaded " + ", ".join(e["id"] for e in d["unloaded"])),
-    )
+    quoted = quote(engine_or_model, safe="")
+
+    async def go(c: Client) -> dict[str, Any]:
+        if not forget_memory:
+            doc: dict[str, Any] = await c.request("DELETE", f"/api/engines/{quoted}")
+            return doc
+        model = engine_or_model.split(":", 1)[0]
+        forgot = await c.request("DELETE", f"/api/models/{quote(model, safe='')}/memory")
+        try:
+            unloaded = (await c.request("DELETE", f"/api/engines/{quoted}"))["unloaded"]
+        except EngineNotFound:
+            unloaded = []
+        return {"unloaded": unloaded, "memory": forgot}
+
+    def human(d: dict[str, Any]) -> None:
+        if d["unloaded"]:
+            console.print("unloaded " + ", ".join(e["id"] for e in d["unloaded"]))
+        if "memory" in d:
+            console.print(
+                f"forgot {d['memory']['forgot']} learned peak(s) of {d['memory']['id']}; "
+                "its next load reserves the estimate from the file"
+            )
+
+    emit(as_json, call(ctx, go), human)
 
 
 def _timings_line(final: dict[str, Any]) -> str:

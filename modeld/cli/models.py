@@ -36,7 +36,7 @@ def _ago(t: float | None) -> str:
 
 
 def _print_list(doc: dict[str, Any]) -> None:
-    t = table("ID", "SIZE", "STATE", "VERIFIED", "LAST USED")
+    t = table("ID", "SIZE", "STATE", "FITS", "VERIFIED", "LAST USED")
     for m in doc["models"]:
         inst = m["installed"]
         size = inst["size"] if inst else m["size"]
@@ -44,6 +44,7 @@ def _print_list(doc: dict[str, Any]) -> None:
             m["id"] + ("" if m["in_catalog"] else " [dim](not in catalog)[/]"),
             format_size(size) if size is not None else "-",
             _state(m),
+            _fits(m.get("fit")),
             _verified(inst),
             _ago(inst["last_used"]) if inst else "-",
         )
@@ -53,6 +54,13 @@ def _print_list(doc: dict[str, Any]) -> None:
         console.print("no models")
     for p in doc["problems"]:
         err_console.print(f"[yellow]! registry: {escape(p)}[/]")
+
+
+def _fits(fit: dict[str, Any] | None) -> str:
+    """Whether the model's memory estimate is within the budget (the figures: --json, show)."""
+    if fit is None:
+        return "-"
+    return "yes" if fit["fits"] else "[red]no[/]"
 
 
 @click.command(name="list")
@@ -108,6 +116,8 @@ def _print_entry(m: dict[str, Any]) -> None:
     if entry.get("min_runtime_version"):
         console.print(f"  needs     litert-lm >= {entry['min_runtime_version']}")
     console.print(f"  registry  {escape(str(m['source']))}")
+    if entry.get("variants"):
+        console.print(f"  variants  {', '.join(entry['variants'])}")
 
 
 def _print_show(m: dict[str, Any]) -> None:
@@ -139,6 +149,24 @@ def _print_show(m: dict[str, Any]) -> None:
             console.print(f"    {s['index']:>2} {kind:<28} {format_size(s['size']):>10}{where}")
     elif m["header_error"]:
         console.print(f"  [red]header: {escape(m['header_error']['message'])}[/]")
+    fit = m.get("fit")
+    if fit:
+        verdict = "fits" if fit["fits"] else "[red]does not fit[/]"
+        console.print(
+            f"  memory    needs about {format_size(fit['needs'])} (from its {fit['source']}, "
+            f"{fit['max_tokens']} tokens): {verdict} the budget {format_size(fit['budget'])}"
+        )
+    es = m.get("engine_settings")
+    if es:
+        loaded = "".join(
+            f"; {engine} runs {n or 'the runtime default'} thread{'' if n == 1 else 's'}"
+            for engine, n in es["loaded_cpu_threads"].items()
+        )
+        n = es["cpu_threads"]
+        console.print(
+            f"  engines   {n} CPU thread{'' if n == 1 else 's'} (from {es['cpu_threads_from']}), "
+            f"warm-up: {es['warm_up']}{loaded}"
+        )
     runtime = m["runtime"]
     console.print(
         f"  runtime   {runtime['package']} {runtime['version'] or '(not installed)'}, "

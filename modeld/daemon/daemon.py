@@ -1,11 +1,11 @@
 """Wiring, start-up and ordered shutdown of the daemon.
 
 Start-up: settings → umask 077 → state dir and its lock → the database checked (never
-changed when unusable) → each capability's part → the socket (its directory checked, bound
-never more open than 0660) and the opt-in TCP listeners (``MODELD_LISTEN``, API keys) →
-serving. Shutdown on SIGTERM/SIGINT (uvicorn's order): stop
+changed when unusable) → the parts (``root.Root``, in dependency order) → the socket (its
+directory checked, bound never more open than 0660) and the opt-in TCP listeners
+(``MODELD_LISTEN``, API keys) → serving. Shutdown on SIGTERM/SIGINT (uvicorn's order): stop
 accepting, let in-flight requests finish within ``shutdown_timeout``, cancel the rest,
-run each part's stop hook (reverse order), remove the socket.
+stop the parts (the reverse of their start), remove the socket.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import errno
 import fcntl
-import functools
 import logging
 import os
 import signal
@@ -28,19 +27,15 @@ from aiohttp import web
 from modeld import logs
 from modeld.api import make_app
 from modeld.api.connections import ConnectionGuard, GuardedSite
-from modeld.catalog.catalog import Catalog, bundled_registry_dir
 from modeld.config import Settings, format_address, is_loopback
 from modeld.daemon.activation import inherited_listeners
 from modeld.daemon.apikeys import KeyRing
 from modeld.daemon.lifecycle import Reloader
 from modeld.daemon.notify import Notifier
-from modeld.download.downloads import register as register_downloads
-from modeld.engine.engines import register as register_engines
+from modeld.daemon.root import Root
 from modeld.errors import Conflict, ModeldError, SettingsError
 from modeld.services.parts import Services
-from modeld.services.verification import verification_hint
 from modeld.store.schema import check_database
-from modeld.store.store import Store
 
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_SOCKET_PATH = 107
@@ -221,33 +216,6 @@ def open_state_dir(settings: Settings) -> IO[str]:
     return lock
 
 
-def build_services(settings: Settings) -> Services:
-    """Create every part and register its status section and hooks."""
-    services = Services(settings=settings)
-    services.metrics.up_since.set(services.started_at)
-    services.metrics.budget_total.set(settings.memory_budget)
-    # Catalog and store first: every later part reads them; their stop hooks run last.
-    catalog = Catalog([bundled_registry_dir(), *settings.registry])
-    store = Store(settings.home)
-    services.parts["catalog"] = catalog
-    services.parts["store"] = store
-    services.status_sections["catalog"] = catalog.status
-    services.metrics.registry_errors.set_function(lambda: len({p.path for p in catalog.problems}))
-    services.status_sections["store"] = store.status
-    # /api/status shows the GPU (backend) probe results.
-    services.status_sections["probes"] = store.probe_status
-    services.start_hooks += [store.open, catalog.start]
-    services.stop_hooks += [store.close, catalog.stop]
-    # Downloads: their stop hook (journals written, jobs stopped) runs before the store closes.
-    register_downloads(services)
-    # Engine pool: registered after the store, so its stop hook (all runners) runs first.
-    engines = register_engines(services)
-    # The `unverified` refusal says what can make an install verified (catalog, kept
-    # digests, the entry's hub), which the engine layer does not reach by itself.
-    engines.explain_unverified = functools.partial(verification_hint, catalog, store)
-    return services
-
-
 async def run(
     settings: Settings,
     *,
@@ -261,7 +229,8 @@ async def run(
     """
     notifier = notifier or Notifier.from_environ()
     lock = open_state_dir(settings)
-    services = build_services(settings)
+    root = Root(settings)
+    services = root.services
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -270,7 +239,7 @@ async def run(
     loop.add_signal_handler(signal.SIGHUP, reloader.request)
     # Pings from the event loop itself: they stop when the loop stops turning.
     watchdog = asyncio.create_task(notifier.watchdog_loop())
-    keys = KeyRing(settings.api_keys_path)
+    keys = root.keys
     runner = web.AppRunner(
         make_app(services, keys),
         handle_signals=False,
@@ -283,35 +252,32 @@ async def run(
     inherited = False
     try:
         notifier.status("starting: loading catalog and store")
-        for hook in services.start_hooks:
-            await hook()
-        await runner.setup()
-        # Sockets passed by systemd (modeld.socket) win; otherwise bind our own.
-        passed = inherited_listeners()
-        sock = passed.unix
-        inherited = sock is not None
-        sock = sock or bind_socket(settings.socket_path)
-        # One guard for every listener: the connection bound is the daemon's, not a socket's.
-        guard = ConnectionGuard(settings)
-        await GuardedSite(runner, sock, guard).start()
-        tcp = await _serve_tcp(runner, services, passed.tcp, keys, guard)
-        # READY only now: the sockets accept and every start hook (catalog, store) has run.
-        _announce_ready(services, notifier, str(sock.getsockname()), tcp, inherited)
-        if ready is not None:
-            ready.set()
-        await stop.wait()
-        logs.event("stopping", reason="signal")
-        notifier.stopping("stopping: finishing requests, stopping engines")
-    finally:
-        services.stopping = True
-        # Stops accepting, waits for in-flight handlers up to shutdown_timeout, cancels the rest.
-        await runner.cleanup()
-        # Every stop hook runs (they are idempotent), so a failed start-up still cleans up.
-        for hook in reversed(services.stop_hooks):
+        async with root:
             try:
-                await hook()
-            except Exception:
-                logging.getLogger("modeld").exception("stop hook failed")
+                await runner.setup()
+                # Sockets passed by systemd (modeld.socket) win; otherwise bind our own.
+                passed = inherited_listeners()
+                sock = passed.unix
+                inherited = sock is not None
+                sock = sock or bind_socket(settings.socket_path)
+                # One guard for every listener: the connection bound is the daemon's.
+                guard = ConnectionGuard(settings)
+                await GuardedSite(runner, sock, guard).start()
+                tcp = await _serve_tcp(runner, services, passed.tcp, keys, guard)
+                # READY only now: the sockets accept and every part (catalog, store) started.
+                _announce_ready(services, notifier, str(sock.getsockname()), tcp, inherited)
+                if ready is not None:
+                    ready.set()
+                await stop.wait()
+                logs.event("stopping", reason="signal")
+                notifier.stopping("stopping: finishing requests, stopping engines")
+            finally:
+                services.stopping = True
+                # Stops accepting, waits for in-flight handlers up to shutdown_timeout,
+                # cancels the rest; then leaving ``root`` stops the parts, the last started
+                # first, each even if another failed.
+                await runner.cleanup()
+    finally:
         # An inherited socket's path belongs to modeld.socket: removing it would break the
         # next activation.
         if sock is not None and not inherited:
@@ -364,7 +330,7 @@ async def _serve_tcp(
         summary = f"{', '.join(addresses)} ({doc['keys']} API keys in {doc['keys_file']})"
         return {"summary": summary, "listen": addresses, **doc}
 
-    services.status_sections["tcp"] = tcp_status
+    services.tcp_status = tcp_status
     if keys.status()["keys"] == 0:
         logs.event(
             "no_api_keys",

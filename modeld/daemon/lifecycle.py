@@ -11,13 +11,13 @@ that does not load is logged and changes nothing.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from modeld import logs
+from modeld.catalog.catalog import Catalog, bundled_registry_dir
 from modeld.config import Settings, load_settings
 from modeld.daemon.notify import Notifier
 from modeld.errors import ModeldError
@@ -57,42 +57,33 @@ async def reload_settings(
         setattr(current, field, getattr(new, field))
     if "log_level" in changed:
         logging.getLogger("modeld").setLevel(current.log_level.upper())
-    pool_config: Any = getattr(services.parts.get("pool"), "config", None)
-    if "keep_alive" in changed and hasattr(pool_config, "keep_alive"):
+    if "keep_alive" in changed:
         # The pool copies its default at start; engines loaded from now on get the new one.
-        pool_config.keep_alive = current.keep_alive
+        services.pool.config.keep_alive = current.keep_alive
     catalog_ok = True
-    catalog = services.parts.get("catalog")
-    if "registry" in changed and isinstance(getattr(catalog, "dirs", None), list):
+    catalog = services.catalog
+    if "registry" in changed:
         await _point_catalog_at(catalog, current.registry)
-    reload_catalog = getattr(catalog, "reload", None)
-    if callable(reload_catalog):
-        # Always re-read: registry files may have changed even where the dirs did not.
-        try:
-            result = reload_catalog()
-            if inspect.isawaitable(result):
-                await result
-        except Exception as e:  # one bad registry must not take the daemon down
-            catalog_ok = False
-            logs.event("reload_catalog_failed", logging.ERROR, error=str(e))
+    # Always re-read: registry files may have changed even where the dirs did not.
+    try:
+        catalog.reload()
+    except Exception as e:  # one bad registry must not take the daemon down
+        catalog_ok = False
+        logs.event("reload_catalog_failed", logging.ERROR, error=str(e))
     logs.event(
         "reloaded",
         changed=",".join(changed) or "-",
         restart_needed=",".join(restart_needed) or None,
-        catalog="reloaded" if callable(reload_catalog) and catalog_ok else None,
+        catalog="reloaded" if catalog_ok else None,
     )
     return {"ok": True, "changed": changed, "restart_needed": restart_needed}
 
 
-async def _point_catalog_at(catalog: Any, registry: list[Path]) -> None:
-    """Swap the catalog's dirs (bundled first, as build_services does) and re-aim its watcher."""
-    from modeld.catalog.catalog import bundled_registry_dir
-
+async def _point_catalog_at(catalog: Catalog, registry: list[Path]) -> None:
+    """Swap the catalog's dirs (bundled first, as ``Root`` does) and re-aim its watcher."""
     catalog.dirs = [bundled_registry_dir(), *registry]
-    stop, start = getattr(catalog, "stop", None), getattr(catalog, "start", None)
-    if callable(stop) and callable(start):
-        await stop()
-        await start()
+    await catalog.stop()
+    await catalog.start()
 
 
 class Reloader:

@@ -1,25 +1,30 @@
 """Downloads as jobs in the daemon, and ``import`` of local files.
 
-``Downloads`` is ``services.parts["downloads"]``: one ``DownloadJob`` per model at a time
+``Downloads`` is the daemon's ``downloads`` part: one ``DownloadJob`` per model at a time
 (concurrent pulls join it), jobs outlive the client that started them, cancelling keeps
-the partial, and the stop hook cancels every job after its journal is written.
+the partial, and stopping it cancels every job after its journal is written.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
 import os
+import stat
 import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
+
+import aiofiles.os
 
 from modeld import logs
+from modeld.catalog.catalog import Catalog
 from modeld.config import Settings
 from modeld.download.job import DownloadJob, DownloadState, DownloadTarget, Installer, Tuning
 from modeld.download.journal import Journal
@@ -33,15 +38,17 @@ from modeld.errors import (
     IntegrityError,
     ModelNotFound,
     ShuttingDown,
-    disk_full,
 )
 from modeld.metrics import Metrics
+from modeld.store.store import Store
 from modeld.store.vouches import MemoryVouches, VouchBook
 
 Resolve = Callable[[str], DownloadTarget]
 # FICLONE from <linux/fs.h>: a copy-on-write clone of a whole file (btrfs, XFS, ...).
 _FICLONE = 0x40049409
 _COPY_CHUNK = 8 * 1024 * 1024
+# Room an import leaves free beyond the file itself (the database, logs, journals).
+_IMPORT_RESERVE = 64 * 1024 * 1024
 
 
 def result_dict(result: Any) -> Any:
@@ -64,8 +71,7 @@ class Downloads:
         journal: Journal,
         installer: Installer,
         metrics: Metrics | None = None,
-        is_current: Callable[[str], Any] | None = None,
-        header_check: Callable[[Path, str], Any] | None = None,
+        header_check: Callable[[Path, str, str], Any] | None = None,
         find_by_file_name: Callable[[str], DownloadTarget | None] | None = None,
         vouches: VouchBook | None = None,
     ) -> None:
@@ -74,8 +80,6 @@ class Downloads:
         self.journal = journal
         self.installer = installer
         self.metrics = metrics
-        # async (model_id) -> dict | None: the install that already matches the entry, if any.
-        self.is_current = is_current
         self.header_check = header_check
         self.find_by_file_name = find_by_file_name
         # What hubs vouched for once, per (entry, pinned revision): the store in the daemon.
@@ -138,8 +142,16 @@ class Downloads:
             await asyncio.wait([job.task])
         return job.snapshot()
 
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
     async def stop(self) -> None:
-        """Stop hook: cancel every job; each writes its journal before it ends."""
+        """Cancel every job; each writes its journal before it ends (idempotent)."""
         self._stopping = True
         tasks = [j.task for j in self.jobs.values() if j.task is not None]
         for job in list(self.jobs.values()):
@@ -168,56 +180,84 @@ class Downloads:
     # --- import --------------------------------------------------------------------
 
     async def import_file(self, path: Path, model_id: str | None) -> dict[str, Any]:
-        """Adopt a local ``.litertlm`` (cloned or copied into blobs/), checked like a download.
+        """Adopt the file at ``path``, opened once by the daemon itself.
 
-        Without an id, the id is the catalog entry whose ``file_name`` is the file's name,
-        else the file's stem. An id without a catalog entry is refused: the entry carries
-        the limits and backends an install needs (add it to a registry dir first).
+        Only for peers who could open the file themselves anyway (root, the daemon's own
+        uid): the API decides that. The path is opened with ``O_NOFOLLOW|O_NONBLOCK`` (a
+        symbolic link or a FIFO swapped in never blocks or redirects the open), and every
+        failure reads the same, so the answer says nothing about the file.
         """
         path = Path(path)
         if not path.is_absolute():
             raise BadRequest(f"{path}: give an absolute path (the CLI does this for you)")
-        if not await asyncio.to_thread(path.is_file):
-            raise BadRequest(f"{path} is not a readable file; check the path")
-        target = self._import_target(path, model_id)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = await asyncio.to_thread(os.open, path, flags)
+        except OSError:
+            raise BadRequest(
+                f"{path} could not be opened for import (missing, not readable, or a "
+                "symbolic link); give the real file's path, or let `modeld import` pass it"
+            ) from None
+        try:
+            return await self.import_fd(fd, path.name, model_id, shown=str(path))
+        finally:
+            os.close(fd)
+
+    async def import_fd(
+        self, fd: int, name: str, model_id: str | None, *, shown: str | None = None
+    ) -> dict[str, Any]:
+        """Adopt a local ``.litertlm`` read from the open descriptor ``fd`` (cloned or
+        copied into blobs/), checked like a download.
+
+        ``name`` is the file's name (for the id); ``shown`` how messages name the file. Only
+        a regular file is read, from that descriptor, after a free-space check, and only
+        when its size is the entry's. Without an id, the id is the catalog entry whose
+        ``file_name`` is ``name``, else its stem. An id without a catalog entry is refused:
+        the entry carries the limits and backends an install needs (add it to a registry
+        dir first).
+        """
+        shown = shown or name
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadRequest(f"{shown} is not a regular file; import reads model files only")
+        target = self._import_target(Path(name), model_id)
         running = self.jobs.get(target.model_id)
         if running is not None and not running.finished:
             raise Conflict(
                 f"{target.model_id} is being downloaded; cancel it first "
                 f"(`modeld pull {target.model_id} --cancel`)"
             )
-        size = path.stat().st_size
-        if size != target.size:
+        if st.st_size != target.size:
             raise IntegrityError(
-                f"{path} has {size} bytes but entry {target.model_id} says {target.size}; "
-                "it is another file or another revision"
+                f"{shown} has {st.st_size} bytes but entry {target.model_id} says "
+                f"{target.size}; it is another file or another revision"
             )
-        if self.header_check is not None:
-            await asyncio.to_thread(self.header_check, path, target.model_id)
-        self.settings.partial_dir.mkdir(parents=True, exist_ok=True)
+        await aiofiles.os.makedirs(self.settings.partial_dir, exist_ok=True)
+        # A sparse or cloned source says nothing about what a copy takes: count the copy.
+        free = await asyncio.to_thread(free_bytes, self.settings.partial_dir)
+        if free < target.size + _IMPORT_RESERVE:
+            raise DiskFull(
+                f"importing {target.model_id} needs {target.size} bytes, but only {free} "
+                f"are free under {self.settings.partial_dir}; free some space "
+                "(`modeld prune`) and import again"
+            )
         tmp = self.settings.partial_dir / f"{target.model_id}.import-{os.getpid()}-{time.time_ns()}"
         try:
-            try:
-                digest, linked = await asyncio.to_thread(_link_or_copy, path, tmp)
-            except OSError as e:
-                if disk_full(e) is None:
-                    raise
-                raise DiskFull(
-                    f"no space left in {self.settings.partial_dir} to import {path} "
-                    f"({size} bytes); free space (`modeld prune`) and import it again"
-                ) from e
-            by = await self._import_vouched_by(target, path, digest)
-            result = await self.installer(target.model_id, tmp, digest, size, by)
+            digest, linked = await asyncio.to_thread(_link_or_copy, fd, tmp, target.size, shown)
+            if self.header_check is not None:
+                await asyncio.to_thread(self.header_check, tmp, target.model_id, shown)
+            by = await self._import_vouched_by(target, shown, digest)
+            result = await self.installer(target.model_id, tmp, digest, target.size, by)
         finally:
             tmp.unlink(missing_ok=True)
         logs.event("imported", model=target.model_id, digest=digest, linked=linked)
         out = result_dict(result)
         if isinstance(out, dict):
-            out = {**out, "linked": linked, "source": str(path)}
+            out = {**out, "linked": linked, "source": shown}
         return {"id": target.model_id, "installed": out}
 
     async def _import_vouched_by(
-        self, target: DownloadTarget, path: Path, digest: str
+        self, target: DownloadTarget, path: str, digest: str
     ) -> str | None:
         """Who vouches for an imported file's ``digest``: the entry's sha256, else the digest
         a hub vouched for earlier for the entry's pinned revision; a mismatch refuses it."""
@@ -257,35 +297,67 @@ class Downloads:
             ) from None
 
 
-def _link_or_copy(src: Path, dest: Path) -> tuple[str, bool]:
-    """Clone ``src`` to ``dest`` (copy-on-write reflink where the file system has it), else
-    copy; return (sha256, cloned).
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged writer may still use on ``directory``'s file system."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
 
-    Never a hard link: the blob is made read-only and must not share an inode with the
-    user's file, which the user may later chmod and edit under a row that says verified.
-    The hash is taken from ``dest`` (or from the bytes copied), never from ``src`` after
-    the fact, so what is installed is what was hashed.
+
+def _link_or_copy(src: int, dest: Path, size: int, shown: str) -> tuple[str, bool]:
+    """Clone the open file ``src`` to ``dest`` (copy-on-write reflink where the file system
+    has it), else copy exactly ``size`` bytes; return (sha256, cloned).
+
+    Reads with ``pread``: the descriptor may be shared with the peer that passed it, whose
+    file offset must neither matter nor move. Never a hard link: the blob is made read-only
+    and must not share an inode with the user's file, which the user may later chmod and
+    edit under a row that says verified. The hash is taken from ``dest`` (or from the bytes
+    copied), never from ``src`` after the fact, so what is installed is what was hashed. A
+    file that shrinks or grows while it is read is refused.
     """
     h = hashlib.sha256()
     cloned = False
-    with src.open("rb") as fin, dest.open("wb") as fout:
-        try:
-            fcntl.ioctl(fout.fileno(), _FICLONE, fin.fileno())
-            cloned = True
-        except OSError:
-            pass
-        if not cloned:
-            while chunk := fin.read(_COPY_CHUNK):
+    try:
+        with dest.open("xb") as fout:
+            try:
+                fcntl.ioctl(fout.fileno(), _FICLONE, src)
+                cloned = True
+            except OSError:
+                pass
+            if not cloned:
+                done = 0
+                while done < size:
+                    chunk = os.pread(src, min(_COPY_CHUNK, size - done), done)
+                    if not chunk:
+                        break
+                    h.update(chunk)
+                    fout.write(chunk)
+                    done += len(chunk)
+                if done != size or os.pread(src, 1, size):
+                    raise IntegrityError(
+                        f"{shown} changed size while it was read; import it again once it "
+                        "is complete"
+                    )
+                return h.hexdigest(), False
+        copied = 0
+        with dest.open("rb") as f:
+            while chunk := f.read(_COPY_CHUNK):
                 h.update(chunk)
-                fout.write(chunk)
-            return h.hexdigest(), False
-    with dest.open("rb") as f:
-        while chunk := f.read(_COPY_CHUNK):
-            h.update(chunk)
-    return h.hexdigest(), True
+                copied += len(chunk)
+        if copied != size:
+            raise IntegrityError(
+                f"{shown} changed size while it was read; import it again once it is complete"
+            )
+        return h.hexdigest(), True
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(
+                f"the disk filled up while {shown} was copied; free some space "
+                "(`modeld prune`) and import again"
+            ) from e
+        raise
 
 
-def header_check(path: Path, model_id: str) -> None:
+def header_check(path: Path, model_id: str, shown: str | None = None) -> None:
     """The file must be a readable ``.litertlm`` (``modeld.litertlm.read_header``)."""
     try:
         from modeld.modelfile.header import read_header
@@ -297,38 +369,15 @@ def header_check(path: Path, model_id: str) -> None:
         raise
     except Exception as e:
         raise CorruptModel(
-            f"{path} is not a valid .litertlm file ({e}); it was not imported"
+            f"{shown or path} is not a valid .litertlm file ({e}); it was not imported"
         ) from e
 
 
-async def current_install(store: Any, catalog: Any, model_id: str) -> dict[str, Any] | None:
-    """The model's install when it still matches its entry (so a pull has nothing to do).
-
-    An unverified install whose bytes differ from what a hub vouched for for the entry's
-    pinned revision is not current either: a pull fetches the vouched file.
-    """
-    from modeld.catalog.catalog import outdated
-
-    inst = await store.installed(model_id)
-    if inst is None:
-        return None
-    entry = catalog.find(model_id)
-    with contextlib.suppress(ModelNotFound):
-        if outdated(entry, inst.digest, inst.size):
-            return None
-    if entry is not None and not inst.verified and entry.sha256 is None:
-        rev = DownloadTarget.from_entry(entry).revision
-        kept = await store.vouched(model_id, rev) if rev else None
-        if kept is not None and kept.sha256 != inst.digest:
-            return None
-    return inst.to_dict()  # type: ignore[no-any-return]
-
-
-def register(services: Any) -> Downloads:
-    """Create the daemon's ``Downloads`` on its catalog and store, and register its hooks."""
+def daemon_downloads(
+    settings: Settings, catalog: Catalog, store: Store, metrics: Metrics | None
+) -> Downloads:
+    """The daemon's ``Downloads``: targets from its catalog, journal and installs in its store."""
     from modeld.download.journal import SqliteJournal
-
-    catalog, store = services.parts["catalog"], services.parts["store"]
 
     def resolve(model_id: str) -> DownloadTarget:
         return DownloadTarget.from_entry(catalog.get(model_id))
@@ -339,21 +388,13 @@ def register(services: Any) -> Downloads:
                 return DownloadTarget.from_entry(entry)
         return None
 
-    async def is_current(model_id: str) -> dict[str, Any] | None:
-        return await current_install(store, catalog, model_id)
-
-    downloads = Downloads(
-        services.settings,
+    return Downloads(
+        settings,
         resolve=resolve,
         journal=SqliteJournal(store),
         installer=store.install,
-        metrics=services.metrics,
-        is_current=is_current,
+        metrics=metrics,
         header_check=header_check,
         find_by_file_name=by_file_name,
         vouches=store,
     )
-    services.parts["downloads"] = downloads
-    services.status_sections["downloads"] = downloads.status
-    services.stop_hooks.append(downloads.stop)
-    return downloads

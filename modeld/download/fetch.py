@@ -5,7 +5,7 @@ queue's front, a near-best slower one at its back, the hash front kept off slow 
 the endgame). Piece bodies are read by ``rangeio`` (a lean range reader into preallocated
 buffers) unless a mirror needs aiohttp (proxy, redirect, expired signed URL, chunked body).
 Bytes are written with ``os.pwrite`` at their offset straight from the event loop
-(aiofiles' seek+write races when tasks share a file; a thread per write is slower); each
+(half the CPU of a copied write in a thread; aiofiles has no pwrite: docs/downloader.md); each
 block's CRC-32 is computed as it is written and reported to ``on_block`` (the journal).
 The hashing thread (``prefixhash.PrefixHasher``) starts each finished block's writeback
 (``sync_file_range``, so the final fsync is short) and feeds the whole-file sha256 from
@@ -278,7 +278,7 @@ class Fetcher(Schedule):
         url = mirror.resolved or mirror.url
         if url.scheme not in ("http", "https") or url.user is not None or not url.host:
             return False
-        # A proxy that applies to this host: aiohttp (trust_env) talks to it.
+        # A proxy that applies to this host (``mirrors.proxy_for``): aiohttp talks to it.
         return url.scheme not in self._proxies or bool(urllib.request.proxy_bypass(url.host))
 
     async def _read_raw(self, piece: Piece, mirror: Mirror) -> bool:

@@ -29,6 +29,7 @@ import aiohttp
 from yarl import URL
 
 from modeld import logs
+from modeld.config import Settings
 from modeld.download.fetch import CHUNK, Fetcher, PrefixHasher, Writer, crc32
 from modeld.download.journal import BLOCK_SIZE, Block, Journal, JournalState, MemoryJournal
 from modeld.download.mirrors import (
@@ -104,9 +105,12 @@ class Tuning:
     stall_timeout: float = 20.0
     connect_timeout: float = 15.0
     hf_token: str | None = None
+    # A probe's whole answer (headers and its one byte) must come within this: a mirror that
+    # trickles header lines resets every read timeout and would hold the pull in probing.
+    probe_timeout: float = 10.0
 
     @classmethod
-    def from_settings(cls, settings: Any) -> Tuning:
+    def from_settings(cls, settings: Settings) -> Tuning:
         token = settings.hf_token.get_secret_value() if settings.hf_token else None
         return cls(
             settings.download_connections, settings.piece_size, settings.stall_timeout, 15.0, token
@@ -344,7 +348,7 @@ class DownloadJob:
         )
         self._session = aiohttp.ClientSession(
             timeout=timeout,
-            trust_env=True,
+            trust_env=False,
             auto_decompress=False,
             read_bufsize=CHUNK,
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
@@ -353,7 +357,9 @@ class DownloadJob:
         session = self._session
         if t.revision is not None:
             self._kept = await self.vouches.vouched(t.model_id, t.revision)
-        await asyncio.gather(*(probe(session, m, t.size, token) for m in self.mirrors))
+        await asyncio.gather(
+            *(probe(session, m, t.size, token, self.tuning.probe_timeout) for m in self.mirrors)
+        )
         try:
             expected = self._expected()[0]
         except DigestConflict:
@@ -650,7 +656,7 @@ async def hub_vouch(target: DownloadTarget, tuning: Tuning) -> Vouch | None:
         total=None, sock_connect=tuning.connect_timeout, sock_read=tuning.stall_timeout
     )
     async with aiohttp.ClientSession(
-        timeout=timeout, trust_env=True, auto_decompress=False
+        timeout=timeout, trust_env=False, auto_decompress=False
     ) as session:
         for url in hubs:
             mirror = Mirror(url, primary=True)

@@ -17,7 +17,7 @@ import json
 import sqlite3
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 BLOCK_SIZE = 1024 * 1024
 
@@ -83,28 +83,10 @@ class MemoryJournal:
         self.states.pop(key, None)
 
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS download_journal (
-    key TEXT PRIMARY KEY,
-    size INTEGER NOT NULL,
-    block_size INTEGER NOT NULL,
-    expected TEXT,
-    etags TEXT NOT NULL DEFAULT '{}'
-);
-CREATE TABLE IF NOT EXISTS download_blocks (
-    key TEXT NOT NULL REFERENCES download_journal(key) ON DELETE CASCADE,
-    idx INTEGER NOT NULL,
-    crc INTEGER NOT NULL,
-    mirror TEXT NOT NULL,
-    PRIMARY KEY (key, idx)
-) WITHOUT ROWID;
-"""
-
-
 def journal_keys(conn: sqlite3.Connection) -> set[str]:
     """The models with a journaled download, read inside the caller's transaction (``prune``
     reads them with the ``installed`` rows, as one snapshot)."""
-    # The journal creates its tables on first use; before that there is none.
+    # The tables come with the schema migrations; a database not yet migrated has none.
     exists = conn.execute(
         "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'download_journal'"
     ).fetchone()
@@ -119,19 +101,13 @@ class _Store(Protocol):
 
 
 class SqliteJournal:
-    """The journal in the store's SQLite database (its own tables, created idempotently)."""
+    """The journal in the store's SQLite database: its tables ``download_journal`` and
+    ``download_blocks`` are part of the store's schema (modeld.store.schema)."""
 
-    def __init__(self, store: Any) -> None:
-        self.store: _Store = store
-        self._ready = False
-
-    async def _schema(self) -> None:
-        if not self._ready:
-            await self.store.write(lambda c: c.executescript(_SCHEMA))
-            self._ready = True
+    def __init__(self, store: _Store) -> None:
+        self.store = store
 
     async def load(self, key: str) -> JournalState | None:
-        await self._schema()
 
         def q(c: sqlite3.Connection) -> JournalState | None:
             row = c.execute(
@@ -150,7 +126,6 @@ class SqliteJournal:
         return await self.store.read(q)
 
     async def begin(self, key: str, state: JournalState) -> None:
-        await self._schema()
 
         def w(c: sqlite3.Connection) -> None:
             c.execute("DELETE FROM download_blocks WHERE key = ?", (key,))
@@ -183,7 +158,6 @@ class SqliteJournal:
         )
 
     async def clear(self, key: str) -> None:
-        await self._schema()
 
         def w(c: sqlite3.Connection) -> None:
             c.execute("DELETE FROM download_blocks WHERE key = ?", (key,))

@@ -12,14 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import random
 import re
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    RetryError,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+    wait_none,
+)
+from tenacity.wait import wait_base
 from yarl import URL
 
 from modeld.errors import DiskFull, DownloadError
@@ -30,6 +42,11 @@ if TYPE_CHECKING:
 MAX_REDIRECTS = 10
 # Consecutive transient failures before a mirror is given up for this download.
 MAX_STRIKES = 6
+# Consecutive stalls before it is given up: a stall uses up no try (it is retried at once),
+# but a mirror that only ever stalls must not hold a pull forever.
+MAX_STALLS = 2 * MAX_STRIKES
+# Tries of the probe (``Range: bytes=0-0``) before its failure is recorded on the mirror.
+PROBE_TRIES = 4
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -90,17 +107,17 @@ def linked_sha256(value: str | None) -> str | None:
     return text if _SHA256_RE.match(text) else None
 
 
-def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
-    raw = resp.headers.get("Retry-After", "")
+def retry_after(value: str | None) -> float | None:
+    """A ``Retry-After`` header in seconds (at most 120; an HTTP date is not honoured)."""
     try:
-        return max(0.0, min(float(raw), 120.0))
+        return max(0.0, min(float(value or ""), 120.0))
     except ValueError:
         return None
 
 
 def classify_status(status: int, resp: aiohttp.ClientResponse | None = None) -> MirrorFailure:
     """The failure for an unexpected HTTP status."""
-    after = _retry_after(resp) if resp is not None else None
+    after = retry_after(resp.headers.get("Retry-After")) if resp is not None else None
     if status in (404, 410):
         return MirrorFailure("gone", f"HTTP {status}: the file is not on this mirror")
     if status in (408, 429) or status >= 500:
@@ -129,6 +146,32 @@ def is_transient(exc: BaseException) -> bool:
     return failure is not None and failure.kind in ("transient", "stall", "expired")
 
 
+class wait_mirror(wait_base):
+    """A mirror's back-off after a failure: the server's ``Retry-After`` when it sent one,
+    none after a stall (retried at once), else doubling from 0.4 s (capped at 30 s) with
+    ±50 % jitter, so that several connections do not come back at the same instant."""
+
+    def __init__(self, cap: float = 120.0) -> None:
+        self.cap = cap
+        self.exponential = wait_exponential(multiplier=0.4, max=30)
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        exc = retry_state.outcome.exception() if retry_state.outcome is not None else None
+        failure = classify_exception(exc) if exc is not None else None
+        if failure is not None and failure.retry_after is not None:
+            return min(self.cap, failure.retry_after)
+        if failure is not None and failure.kind == "stall":
+            return 0.0
+        jitter = random.uniform(0.5, 1.5)  # noqa: S311 (jitter, not crypto)
+        return min(self.cap, self.exponential(retry_state) * jitter)
+
+
+# The one retry policy of a mirror. The probe runs it with tenacity's loop; the piece
+# scheduler applies its wait and stop between pieces (``Mirror.fail``), because a failed
+# piece goes back to the shared queue for any mirror instead of being retried in place.
+MIRROR_WAIT = wait_mirror()
+
+
 def os_error_to_modeld(exc: OSError, path: str) -> DownloadError:
     """Disk errors stop the pull at once, with a message that says what to do."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -149,12 +192,16 @@ class Mirror:
     state: str = "new"  # new → ok | slow | stream_only | backoff | dropped | banned
     reason: str | None = None
     resolved: URL | None = None  # cached redirect target (a signed CDN URL)
+    # Whether the entry's own URL is on a loopback, link-local or private address: only
+    # then may its redirects lead there (None until the first redirect asks).
+    local: bool | None = None
     etag: str | None = None
     linked_sha256: str | None = None
     linked_size: int | None = None
     active: int = 0
     received: int = 0
-    strikes: int = 0
+    strikes: int = 0  # transient failures in a row
+    stalls: int = 0  # stalls in a row (they use up no strike)
     not_before: float = 0.0
     # Per-connection throughput (EWMA, bytes/s) judged on recent chunks.
     conn_rate: float | None = None
@@ -211,24 +258,24 @@ class Mirror:
         if failure.kind == "expired":
             self.resolved = None
             return
-        if failure.kind in ("transient", "stall"):
-            # A stall is retried at once (no back-off), but a mirror that always stalls goes.
+        # tenacity's view of this mirror's tries: the attempt number counts strikes only.
+        if failure.kind == "stall":
+            self.stalls += 1
+            tries, limit = self.stalls, MAX_STALLS
+        else:
             self.strikes += 1
-            if self.strikes >= MAX_STRIKES:
-                self.state = "dropped"
-                self.reason = f"{failure} ({self.strikes} times in a row)"
-                return
-        # n^2-ish exponential back-off with jitter; Retry-After wins when the server sent one.
-        delay = failure.retry_after
-        if delay is None:
-            delay = 0.0 if failure.kind == "stall" else min(30.0, 0.2 * 2**self.strikes)
-            delay *= random.uniform(0.5, 1.5)  # noqa: S311 (jitter, not crypto)
-        self.not_before = time.monotonic() + delay
+            self.stalls = 0
+            tries, limit = self.strikes, MAX_STRIKES
+        if stop_after_attempt(limit)(_call_state(tries, failure)):
+            self.state = "dropped"
+            self.reason = f"{failure} ({tries} times in a row)"
+            return
+        self.not_before = time.monotonic() + MIRROR_WAIT(_call_state(self.strikes, failure))
         if self.state != "stream_only":
             self.state = "backoff"
 
     def succeed(self) -> None:
-        self.strikes = 0
+        self.strikes = self.stalls = 0
         if self.state in ("new", "backoff"):
             self.state = "ok"
 
@@ -244,11 +291,94 @@ class Mirror:
         }
 
 
+_POLICY = AsyncRetrying(wait=MIRROR_WAIT)
+
+
+def _call_state(tries: int, failure: MirrorFailure) -> RetryCallState:
+    """A tenacity call state for a mirror that has failed ``tries`` times, last with
+    ``failure`` (what ``Mirror.fail`` hands to the policy's wait and stop)."""
+    state = RetryCallState(_POLICY, None, (), {})
+    state.attempt_number = max(1, tries)
+    state.set_exception((type(failure), failure, None))
+    return state
+
+
+class _Expired(Exception):
+    """A 403 from a cached redirect target (a signed URL that expired)."""
+
+
 def _headers(url: URL, token: str | None, extra: dict[str, str]) -> dict[str, str]:
     headers = {"Accept-Encoding": "identity", "User-Agent": "modeld", **extra}
-    if token and is_hf_host(url):
+    # Only over https (or to this host's own loopback, where no network carries it): an http
+    # mirror that redirects to a hub host must not get the token sent in clear.
+    if token and is_hf_host(url) and (url.scheme == "https" or _is_loopback(url)):
         headers["Authorization"] = f"Bearer {token}"
     return headers
+
+
+def _is_local_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    return (
+        address.is_loopback
+        or address.is_link_local
+        or address.is_private
+        or address.is_unspecified
+        or address.is_reserved
+        or address.is_multicast
+    )
+
+
+async def is_local_host(host: str) -> bool:
+    """Whether ``host`` is, or resolves to, a loopback, link-local or private address."""
+    host = host.strip("[]").lower()
+    try:
+        return _is_local_address(ipaddress.ip_address(host.split("%")[0]))
+    except ValueError:
+        pass
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+    except OSError:
+        return False  # not resolvable here (a proxy resolves it): not a local address
+    return any(_is_local_address(ipaddress.ip_address(str(i[4][0]).split("%")[0])) for i in infos)
+
+
+async def check_redirect_target(mirror: Mirror, url: URL) -> None:
+    """Refuse a redirect into loopback, link-local or private addresses (the metadata
+    service at 169.254.169.254, a local admin port) unless the entry's own URL is there
+    too, so that a mirror on the local network keeps working."""
+    if mirror.local is None:
+        mirror.local = await is_local_host(mirror.url.host or "")
+    if mirror.local or not await is_local_host(url.host or ""):
+        return
+    raise MirrorFailure(
+        "gone",
+        f"refused redirect to {url.host}, a local or private address, from "
+        f"{mirror.label}, which is not; fix or remove that mirror",
+    )
+
+
+def _is_loopback(url: URL) -> bool:
+    host = (url.host or "").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def proxy_for(url: URL) -> str | None:
+    """The proxy the environment names for ``url`` (``*_PROXY``, ``NO_PROXY``), if any.
+
+    Sessions are made with ``trust_env=False``: aiohttp's ``trust_env`` also reads
+    ``~/.netrc`` and would send its credentials to every mirror and redirect target. The
+    proxy settings, the only part of the environment a download should honour, come here.
+    """
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if not proxy or urllib.request.proxy_bypass(url.host or ""):
+        return None
+    return proxy
 
 
 async def request(
@@ -262,36 +392,56 @@ async def request(
     Reads X-Linked-Etag/Size from huggingface.co's redirect response, caches the final URL,
     and on a 403 from a cached redirect target goes back to the original URL once.
     """
-    for attempt in range(2):
-        url = mirror.resolved or mirror.url
-        from_cache = mirror.resolved is not None
-        came_from: URL | None = None
-        for _ in range(MAX_REDIRECTS + 1):
-            check_url(url, came_from)
-            resp = await session.get(
-                url, headers=_headers(url, token, headers), allow_redirects=False
-            )
-            if resp.status not in (301, 302, 303, 307, 308):
-                if resp.status == 403 and (from_cache or came_from is not None) and attempt == 0:
-                    resp.release()
-                    mirror.resolved = None  # signed URL expired: ask the origin again
-                    break
-                if came_from is not None:
-                    mirror.resolved = url
-                return resp
-            sha = linked_sha256(resp.headers.get("X-Linked-Etag"))
-            if sha is not None and is_hf_host(url):
-                mirror.linked_sha256 = sha
-                size = resp.headers.get("X-Linked-Size", "")
-                mirror.linked_size = int(size) if size.isdigit() else None
-            location = resp.headers.get("Location")
-            resp.release()
-            if not location:
-                raise MirrorFailure("gone", f"HTTP {resp.status} without a Location")
-            came_from, url = url, url.join(URL(location))
-        else:
-            raise MirrorFailure("gone", f"more than {MAX_REDIRECTS} redirects")
+    # Once more from the origin after an expired signed URL, at once; a second 403 is final.
+    retrying = AsyncRetrying(
+        retry=retry_if_exception_type(_Expired), stop=stop_after_attempt(2), wait=wait_none()
+    )
+    try:
+        async for attempt in retrying:
+            with attempt:
+                last = attempt.retry_state.attempt_number == 2
+                return await _follow(session, mirror, headers, token, last)
+    except RetryError:
+        pass
     raise MirrorFailure("gone", "HTTP 403 even after a fresh redirect; the URL needs access")
+
+
+async def _follow(
+    session: aiohttp.ClientSession,
+    mirror: Mirror,
+    headers: dict[str, str],
+    token: str | None,
+    last: bool,
+) -> aiohttp.ClientResponse:
+    """One GET of the mirror, its redirects followed; ``_Expired`` on a stale signed URL."""
+    url = mirror.resolved or mirror.url
+    from_cache = mirror.resolved is not None
+    came_from: URL | None = None
+    for _ in range(MAX_REDIRECTS + 1):
+        check_url(url, came_from)
+        resp = await session.get(
+            url, headers=_headers(url, token, headers), allow_redirects=False, proxy=proxy_for(url)
+        )
+        if resp.status not in (301, 302, 303, 307, 308):
+            if resp.status == 403 and (from_cache or came_from is not None) and not last:
+                resp.release()
+                mirror.resolved = None  # signed URL expired: ask the origin again
+                raise _Expired
+            if came_from is not None:
+                mirror.resolved = url
+            return resp
+        sha = linked_sha256(resp.headers.get("X-Linked-Etag"))
+        if sha is not None and is_hf_host(url):
+            mirror.linked_sha256 = sha
+            size = resp.headers.get("X-Linked-Size", "")
+            mirror.linked_size = int(size) if size.isdigit() else None
+        location = resp.headers.get("Location")
+        resp.release()
+        if not location:
+            raise MirrorFailure("gone", f"HTTP {resp.status} without a Location")
+        came_from, url = url, url.join(URL(location))
+        await check_redirect_target(mirror, url)
+    raise MirrorFailure("gone", f"more than {MAX_REDIRECTS} redirects")
 
 
 async def open_range(  # noqa: PLR0917 (a range is start, end and total)
@@ -329,13 +479,34 @@ async def open_range(  # noqa: PLR0917 (a range is start, end and total)
     raise classify_status(resp.status, resp)
 
 
+class ProbeTimeout(MirrorFailure):
+    """A probe's answer did not come whole in time; the mirror is tried again later, by the
+    fetcher, while the others start (a probe never retries it)."""
+
+
 async def probe(
-    session: aiohttp.ClientSession, mirror: Mirror, size: int, token: str | None
+    session: aiohttp.ClientSession,
+    mirror: Mirror,
+    size: int,
+    token: str | None,
+    answer_timeout: float = 10.0,
 ) -> None:
-    """``Range: bytes=0-0``: learn the size, ETag and range support; drop a wrong size."""
+    """``Range: bytes=0-0``: learn the size, ETag and range support; drop a wrong size.
+
+    The headers and the one byte must arrive within ``answer_timeout`` in all (read
+    timeouts alone restart with every header line a slow mirror trickles).
+    """
 
     async def once() -> None:
-        resp = await request(session, mirror, {"Range": "bytes=0-0"}, token)
+        try:
+            async with asyncio.timeout(answer_timeout):
+                resp = await request(session, mirror, {"Range": "bytes=0-0"}, token)
+                if resp.status == 206:
+                    await resp.content.read(1)
+        except TimeoutError:
+            raise ProbeTimeout(
+                "transient", f"no whole answer to the probe within {answer_timeout:g} s"
+            ) from None
         try:
             if resp.status == 206:
                 parsed = parse_content_range(resp.headers.get("Content-Range"))
@@ -355,10 +526,12 @@ async def probe(
         finally:
             resp.release()
 
+    # The probe holds up the pull's start, so it waits at most 5 s between its tries; a longer
+    # Retry-After is honoured by the mirror's back-off once the probe gave up (Mirror.fail).
     retrying = AsyncRetrying(
-        retry=retry_if_exception(is_transient),
-        wait=wait_random_exponential(multiplier=0.2, max=5),
-        stop=stop_after_attempt(4),
+        retry=retry_if_exception(lambda e: is_transient(e) and not isinstance(e, ProbeTimeout)),
+        wait=wait_mirror(cap=5.0),
+        stop=stop_after_attempt(PROBE_TRIES),
         reraise=True,
     )
     try:

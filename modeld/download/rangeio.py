@@ -23,9 +23,16 @@ import asyncio
 import ssl
 from collections.abc import Callable
 
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_none,
+)
 from yarl import URL
 
-from modeld.download.mirrors import MirrorFailure, classify_status, parse_content_range
+from modeld.download.mirrors import MirrorFailure, classify_status, parse_content_range, retry_after
 
 # Per connection. Small enough that the bytes are still in the CPU cache when ``pwrite`` and
 # CRC-32 read them (1 MiB buffers made the page-cache copy 6x slower here: 0.4 s more CPU/GB).
@@ -51,13 +58,6 @@ class RangeFallback(Exception):
 
 class _Stale(Exception):
     """A kept-alive connection was closed by the server before any answer: retry fresh."""
-
-
-def _retry_after(value: str | None) -> float | None:
-    try:
-        return max(0.0, min(float(value or ""), 120.0))
-    except ValueError:
-        return None
 
 
 class RangeConn(asyncio.BufferedProtocol):
@@ -256,7 +256,7 @@ class RangeConn(asyncio.BufferedProtocol):
         if status != 206:
             failure = classify_status(status)
             if failure.kind == "transient":
-                failure.retry_after = _retry_after(headers.get("retry-after"))
+                failure.retry_after = retry_after(headers.get("retry-after"))
             raise failure
         encoding = headers.get("content-encoding", "identity").lower()
         if encoding not in ("identity", ""):
@@ -378,24 +378,47 @@ class RangeClient:
         lines += [f"{k}: {v}" for k, v in headers.items()]
         lines.append(f"Range: bytes={start}-{end - 1}")
         request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        for _ in range(2):
-            conn = await self._connect(url)
-            if on_conn is not None:
-                on_conn(conn)
-            try:
-                served = await conn.begin(request, start, end, total, sink, from_cache)
-            except _Stale:
-                continue  # the server closed the idle connection meanwhile: once more, fresh
-            except BaseException:
-                conn.abort()  # cancel or failure: never leave a half-read answer open
-                raise
-            finally:
-                if on_conn is not None:
-                    on_conn(None)
-            if conn.alive:
-                self._idle.setdefault(_key(url), []).append(conn)
-            return served
+        # The server closed a kept-alive connection before answering: once more, on a fresh
+        # connection, at once (no back-off: nothing failed but the idle connection's timer).
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(_Stale), stop=stop_after_attempt(2), wait=wait_none()
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await self._fetch_once(
+                        url, request, (start, end, total), sink, from_cache, on_conn
+                    )
+        except RetryError:
+            pass
         raise MirrorFailure("transient", "kept-alive connection closed twice in a row")
+
+    async def _fetch_once(  # noqa: PLR0917 (fetch's arguments, passed on)
+        self,
+        url: URL,
+        request: bytes,
+        span: tuple[int, int, int],
+        sink: Sink,
+        from_cache: bool,
+        on_conn: Callable[[RangeConn | None], None] | None,
+    ) -> int:
+        start, end, total = span
+        conn = await self._connect(url)
+        if on_conn is not None:
+            on_conn(conn)
+        try:
+            served = await conn.begin(request, start, end, total, sink, from_cache)
+        except _Stale:
+            raise
+        except BaseException:
+            conn.abort()  # cancel or failure: never leave a half-read answer open
+            raise
+        finally:
+            if on_conn is not None:
+                on_conn(None)
+        if conn.alive:
+            self._idle.setdefault(_key(url), []).append(conn)
+        return served
 
     def close(self) -> None:
         """Close every connection, idle or busy (the end of a download, or a cancel)."""

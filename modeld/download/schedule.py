@@ -106,7 +106,10 @@ class Schedule:
             return None
         now = time.monotonic()
         live = [p.rate() for p in self.inflight if p.mirror is m and now - p.began > 0.5]
-        return min(m.conn_rate, max(live)) if live else m.conn_rate
+        rate = min(m.conn_rate, max(live)) if live else m.conn_rate
+        # A piece that got no bytes yet measures 0: the scheduler divides by rates, so a
+        # stalled mirror counts as very slow (1 B/s), never as infinitely slow.
+        return max(rate, 1.0)
 
     def _rates(self) -> tuple[list[Mirror], dict[int, float]]:
         """The mirrors ready for a range request now, and the measured ones' rates."""
@@ -204,9 +207,6 @@ class Schedule:
         bs = self.block_size
         now = time.monotonic()
         front = self.prefix_blocks
-        # A rate is 0 while the pieces in flight on that mirror stall (``_rate``); like the
-        # holder's rate below, count it as 1 B/s rather than divide by it.
-        rate_f = max(rate_f, 1.0)
         for p in self.inflight:
             if p.abandoned or p.stream or p.mirror is None or p.mirror is best:
                 continue
@@ -257,7 +257,7 @@ class Schedule:
             if not helpers:
                 continue
             mirror = max(helpers, key=lambda m: rates[id(m)])
-            rate_f = max(rates[id(mirror)], 1.0)  # 0 while its pieces stall, see _free_front
+            rate_f = rates[id(mirror)]  # at least 1 B/s (``_rate``)
             rate_s = max(p.rate(), 1.0)
             t_slow = (p.end - p.pos) / rate_s
             cur_block_end = min(p.end, (p.pos // bs + 1) * bs)

@@ -260,5 +260,9 @@ class Budget:
         known = max(e.target.learned or 0, e.recorded)
         if self.on_learned is None or e.peak <= known * (1 + LEARN_STEP):
             return
+        # A peak is learned only between requests: one measured during a request that then
+        # fails or is refused must never count (``Engine.tainted``).
+        if e.tainted or e.state is not State.READY:
+            return
         e.recorded = e.peak
         self._spawn(self.on_learned(e.target, e.peak))

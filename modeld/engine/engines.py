@@ -1,7 +1,9 @@
 """From a model id to an engine ``Target``: install check, header, plan, probe, memory estimate.
 
 This is the glue between the catalog/store, the plan resolver and the pool; the pool itself
-knows nothing of models. ``register(services)`` creates the daemon's pool and hooks.
+knows nothing of models. Plans are resolved here only (``Engines.plan``): for a load or a
+request (``target``) and for ``show`` (``plans``). The daemon's composition root
+(``modeld.daemon.root``) builds the pool and hands it in.
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from modeld import logs
-from modeld.catalog.catalog import Entry
-from modeld.engine.pool import Pool, PoolConfig, Target
-from modeld.engine.runner.client import Runner
+from modeld.catalog.catalog import Catalog, Entry
+from modeld.config import Settings
+from modeld.engine.pool import Pool, Target
+from modeld.engine.types import Journal
 from modeld.errors import (
     CorruptModel,
     ImageProbeFailed,
+    ModeldError,
     ModelNotInstalled,
     RuntimeTooOld,
     Unverified,
@@ -29,7 +34,10 @@ from modeld.hostinfo import RUNTIME_PACKAGE, at_least, runtime_version
 from modeld.modelfile.header import ModelInfo, read_header
 from modeld.modelfile.plan import Plan, Prefs, needs_probe, resolve
 from modeld.modelfile.runtime import CreateSpec
-from modeld.store.store import Installed
+from modeld.store.store import Installed, Store
+
+# (model id, digest) -> what can make that install verified (``services.verification``).
+ExplainUnverified = Callable[[str, str], Awaitable[str]]
 
 MiB = 1024 * 1024
 # PSS of a runner with the runtime loaded and no engine, measured on 0.18.1 (~41 MiB); a
@@ -89,6 +97,33 @@ def estimate_memory(info: ModelInfo, plan: Plan, max_tokens: int, base: int = RU
     return base + ENGINE_OVERHEAD + weights + kv
 
 
+def estimate_from_size(size: int, max_tokens: int, base: int = RUNNER_BASE) -> int:
+    """``estimate_memory`` for a file whose header is not known yet: all of it is weights.
+
+    Before a download only the entry's size and limits are known. Counting the whole file
+    as the decoder's weights over-counts a vision or audio section a text plan leaves out
+    (a few % of a Gemma file); once the header is read, ``estimate_memory`` replaces it.
+    """
+    kv = max_tokens * max(_KV_MIN_PER_TOKEN, int(size * _KV_FRACTION_PER_TOKEN))
+    return base + ENGINE_OVERHEAD + size + kv
+
+
+def entry_max_tokens(entry: Entry | None, info: ModelInfo | None, *, vision: bool = False) -> int:
+    """The token window an engine of ``entry`` gets (the runner's ``max_tokens``)."""
+    limits = entry.limits if entry is not None else None
+    return (
+        ((limits.vision_max_tokens if vision else None) if limits else None)
+        or (limits.max_tokens if limits else None)
+        or (info.llm_metadata.max_num_tokens if info and info.llm_metadata else None)
+        or DEFAULT_MAX_TOKENS
+    )
+
+
+def error_brief(e: ModeldError) -> dict[str, Any]:
+    """An error as a field of a document (``show``'s plans): its code and message."""
+    return {"code": e.code, "message": e.message}
+
+
 def check_runtime(model_id: str, entry: Entry | None, info: ModelInfo, runtime: str | None) -> None:
     """Refuse a file that needs a newer runtime than ``runtime`` (the installed one).
 
@@ -113,17 +148,101 @@ def check_runtime(model_id: str, entry: Entry | None, info: ModelInfo, runtime: 
             )
 
 
+# A measured peak above this many times the file's estimate is learned only once confirmed:
+# a second engine of the same file and plan (another runner) measures that much too. One
+# odd runner (a runtime leak, a request that got through every bound) then cannot make the
+# model refuse to load for everyone; a model that truly needs it pays one more eviction.
+LEARN_CONFIRM_FACTOR = 3.0
+
+MemoryKey = tuple[str, str, int]  # (digest, plan key, max_tokens)
+
+
+class LearnedMemory:
+    """The measured peaks that admission reserves instead of the estimate (``memory`` rows)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        # Valid while the store's write generation is unchanged (rm, a reset write).
+        self._cache: dict[MemoryKey, tuple[int, int | None]] = {}
+        # A peak above LEARN_CONFIRM_FACTOR x the estimate, waiting for a second engine.
+        self._unconfirmed: dict[MemoryKey, tuple[Target, int]] = {}
+
+    async def expected(self, key: MemoryKey) -> int | None:
+        generation = self.store.generation
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == generation:
+            return hit[1]
+        value: int | None = await self.store.measured_memory(*key)
+        if self.store.generation == generation:
+            self._cache[key] = (generation, value)
+        return value
+
+    async def offer(self, target: Target, pss: int) -> bool:
+        """Learn ``pss`` for ``target``'s file and plan, unless it still needs confirming."""
+        key = (target.digest, target.plan.key, target.max_tokens)
+        if pss > target.estimate * LEARN_CONFIRM_FACTOR:
+            first = self._unconfirmed.get(key)
+            if first is None or first[0] is target:
+                self._unconfirmed[key] = (target, max(pss, first[1] if first else 0))
+                logs.event(
+                    "memory_unconfirmed",
+                    engine=target.engine_id,
+                    pss=pss,
+                    estimate=target.estimate,
+                    factor=LEARN_CONFIRM_FACTOR,
+                )
+                return False
+            del self._unconfirmed[key]
+            pss = min(pss, first[1])  # both engines took at least this much
+        await self.store.record_memory(*key, pss)
+        logs.event("memory_learned", engine=target.engine_id, pss=pss, estimate=target.estimate)
+        return True
+
+    async def forget(self, digest: str) -> int:
+        for key in [k for k in self._unconfirmed if k[0] == digest]:
+            del self._unconfirmed[key]
+        forgot: int = await self.store.forget_memory(digest)
+        logs.event("memory_forgotten", digest=digest, rows=forgot)
+        return forgot
+
+    async def learned(self, target: Target, pss: int) -> None:
+        """The pool's ``on_learned``: a grown peak of one of its engines."""
+        await self.offer(target, pss)
+
+
+def journal_to(store: Store) -> Journal:
+    """The pool's journal: events into the store's, never failing a load over it."""
+
+    async def journal(kind: str, fields: dict[str, Any]) -> None:
+        try:
+            await store.event(kind, **fields)
+        except Exception as e:  # the journal is for reports: never fail a load over it
+            logs.event("journal_failed", kind=kind, error=str(e))
+
+    return journal
+
+
 class Engines:
     """Resolves requests to targets and hands them to the pool."""
 
-    def __init__(self, services: Any, pool: Pool) -> None:
-        self.settings = services.settings
-        self.catalog = services.parts["catalog"]
-        self.store = services.parts["store"]
+    def __init__(
+        self,
+        settings: Settings,
+        catalog: Catalog,
+        store: Store,
+        pool: Pool,
+        memory: LearnedMemory,
+        *,
+        explain_unverified: ExplainUnverified | None = None,
+    ) -> None:
+        self.settings = settings
+        self.catalog = catalog
+        self.store = store
         self.pool = pool
-        # (model id, digest) -> what can make that install verified; set by the daemon,
-        # which wires the parts that know (catalog, kept digests, hubs) above the engine.
-        self.explain_unverified: Callable[[str, str], Awaitable[str]] | None = None
+        self.memory = memory
+        # What can make an install verified; the parts that know (catalog, kept digests,
+        # hubs) sit above the engine and are wired by the composition root.
+        self.explain_unverified = explain_unverified
         self._probing: dict[str, asyncio.Task[dict[str, bool | None]]] = {}
         self.runtime = runtime_version()
         # Blobs are content-addressed and only this daemon writes probes and measurements
@@ -135,7 +254,6 @@ class Engines:
         # digest -> plan key -> the image probe's row (``Store.image_probes``).
         self._image_probes: dict[str, dict[str, dict[str, Any]]] = {}
         self._image_probing: dict[tuple[str, str], asyncio.Task[dict[str, Any]]] = {}
-        self._learned: dict[tuple[str, str, int], int | None] = {}
         # Installed rows, valid while the store's write generation is unchanged: any write
         # (install, remove, verify, scan, touch) invalidates them, so they are never stale.
         self._installed: dict[str, tuple[int, Installed | None]] = {}
@@ -144,6 +262,14 @@ class Engines:
         self._touch_pending: dict[str, float] = {}
         self._touch_task: asyncio.Task[None] | None = None
         self._touch_flushed = 0.0
+
+    async def header(self, model_id: str, digest: str, path: Path) -> ModelInfo:
+        """The header of the installed blob ``digest`` (read once: blobs never change)."""
+        info = self._headers.get(digest)
+        if info is None:
+            info = await asyncio.to_thread(read_header, path, model_id=model_id)
+            self._headers[digest] = info
+        return info
 
     async def _installed_row(self, model_id: str) -> Installed | None:
         generation = self.store.generation
@@ -180,8 +306,16 @@ class Engines:
         except Exception as e:  # last_used is advisory (prune's "unused for"): never fail
             logs.event("touch_failed", error=str(e))
 
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
     async def stop(self) -> None:
-        """Write the pending ``last_used`` times (a stop hook, before the store closes)."""
+        """Write the pending ``last_used`` times (before the pool stops and the store closes)."""
         task, self._touch_task = self._touch_task, None
         if task is not None and not task.done():
             task.cancel()
@@ -337,6 +471,60 @@ class Engines:
         problems = [] if doc["version"] else [f"{RUNTIME_PACKAGE} is not installed"]
         return {**doc, "summary": f"{RUNTIME_PACKAGE} {version}; {gpu}", "problems": problems}
 
+    def plan(
+        self,
+        model_id: str,
+        entry: Entry | None,
+        info: ModelInfo,
+        modalities: Iterable[str],
+        *,
+        probes: dict[str, bool | None],
+        backends: dict[str, Any] | None = None,
+    ) -> Plan:
+        """The backend plan for ``modalities``: the settings, the entry's, then the request's."""
+        return resolve(
+            info,
+            model=model_id,
+            settings=Prefs.from_settings(self.settings),
+            entry=Prefs.from_mapping(entry.backends.model_dump() if entry else None),
+            request=Prefs.from_mapping(backends),
+            modalities=tuple(modalities),
+            probes=probes,
+        )
+
+    def plans(
+        self,
+        model_id: str,
+        entry: Entry | None,
+        info: ModelInfo,
+        *,
+        probes: dict[str, dict[str, Any]],
+        image_probes: dict[str, dict[str, Any]],
+    ) -> dict[str, Any]:
+        """``show``'s plans: text and vision, each a plan (and what it still needs) or why none.
+
+        Nothing is probed here: ``probes`` are the recorded rows, and only current ones decide
+        (a stale one is probed again at the next load).
+        """
+        results: dict[str, bool | None] = {b: p["ok"] for b, p in probes.items() if p["current"]}
+        try:
+            check_runtime(model_id, entry, info, self.runtime)
+        except ModeldError as e:
+            return {name: {"plan": None, "error": error_brief(e)} for name in ("text", "vision")}
+        out: dict[str, Any] = {}
+        for name, modalities in (("text", ("text",)), ("vision", ("text", "image"))):
+            try:
+                p = self.plan(model_id, entry, info, modalities, probes=results)
+            except ModeldError as e:
+                out[name] = {"plan": None, "error": error_brief(e)}
+            else:
+                unprobed = sorted(needs_probe(p, results))
+                out[name] = {"plan": p.to_dict(), "error": None, "needs_probe": unprobed}
+                if p.vision is not None:
+                    # None: not probed with an image yet (the first image request or load does).
+                    out[name]["image_probe"] = image_probes.get(p.key)
+        return out
+
     async def target(
         self,
         model_id: str,
@@ -375,40 +563,19 @@ class Engines:
             raise CorruptModel(
                 f"model {model_id}: its file {path} is missing; run `modeld pull {model_id}`"
             )
-        info = self._headers.get(installed.digest)
-        if info is None:
-            info = await asyncio.to_thread(read_header, path, model_id=model_id)
-            self._headers[installed.digest] = info
+        info = await self.header(model_id, installed.digest, path)
         modalities = tuple(modalities)
-        entry_prefs = Prefs.from_mapping(entry.backends.model_dump())
-        request_prefs = Prefs.from_mapping(backends)
-        settings_prefs = Prefs.from_settings(self.settings)
-
-        def plan_with(probes: dict[str, bool | None]) -> Plan:
-            return resolve(
-                info,
-                model=model_id,
-                settings=settings_prefs,
-                entry=entry_prefs,
-                request=request_prefs,
-                modalities=modalities,
-                probes=probes,
-            )
-
         check_runtime(model_id, entry, info, self.runtime)
         probes = await self._probes(installed.digest)
-        plan = plan_with(probes)
+        plan = self.plan(model_id, entry, info, modalities, probes=probes, backends=backends)
         if needs_probe(plan, probes):
             probe_spec, _ = self._spec(entry, info, installed, plan)
             probes = await self._probe_gpu(model_id, installed.digest, probe_spec)
-            plan = plan_with(probes)
+            plan = self.plan(model_id, entry, info, modalities, probes=probes, backends=backends)
         spec, max_tokens = self._spec(entry, info, installed, plan)
         budget = self.pool.budget
         base = budget.spare_reserved if budget.spare is not None else RUNNER_BASE
-        mkey = (installed.digest, plan.key, max_tokens)
-        if mkey not in self._learned:
-            self._learned[mkey] = await self.store.measured_memory(*mkey)
-        learned = self._learned[mkey]
+        learned = await self.memory.expected((installed.digest, plan.key, max_tokens))
         adapter = None
         if "gpu" in plan.backends():
             adapter = (await self._probe_rows(installed.digest)).get("gpu", {}).get("adapter")
@@ -429,6 +596,7 @@ class Engines:
             runtime=self.runtime,
             adapter=adapter,
             image_probe=image_probe,
+            warm_up=self._warm_up(entry, plan),
         )
 
     def _spec(
@@ -436,12 +604,7 @@ class Engines:
     ) -> tuple[CreateSpec, int]:
         """The runner's ``create`` spec for ``plan`` (the GPU probe gets the same one)."""
         limits = entry.limits
-        max_tokens = (
-            (limits.vision_max_tokens if plan.vision else None)
-            or limits.max_tokens
-            or (info.llm_metadata.max_num_tokens if info.llm_metadata else None)
-            or DEFAULT_MAX_TOKENS
-        )
+        max_tokens = entry_max_tokens(entry, info, vision=plan.vision is not None)
         max_images = (
             (limits.max_images if limits.max_images is not None else 1) if plan.vision else None
         )
@@ -457,8 +620,24 @@ class Engines:
             # The entry's [limits] speculative_decoding as is: true and false reach the
             # runtime as True and False; absent (None) leaves it to the runtime's default.
             speculative=limits.speculative_decoding,
+            # Always an explicit count: the runtime's own default ignores the machine.
+            threads=entry.runtime.threads or self.settings.cpu_threads,
         )
         return spec, max_tokens
+
+    def _warm_up(self, entry: Entry, plan: Plan) -> bool | None:
+        """Whether loads of ``plan`` warm up: True every load, False never, None when asked.
+
+        A gpu plan pays its shader compilation at the first generation (~2 s on an H200
+        against ~40 ms afterwards), so every load of one warms up; a cpu plan's first
+        request costs far less, so only loads that promise a quick first reply (pinned,
+        preloaded) ask for it. The entry's ``[runtime] warm_up`` wins, then the setting.
+        """
+        if entry.runtime.warm_up is not None:
+            return entry.runtime.warm_up
+        if not self.settings.warm_up:
+            return False
+        return True if "gpu" in plan.backends() else None
 
     def _runtime_path(self, digest: str, blob: Path) -> Path:
         """A ``.litertlm`` name for the blob: the runtime picks the format by file extension."""
@@ -479,46 +658,12 @@ class Engines:
         limit = self.catalog.get(model_id).limits.max_images
         return 1 if limit is None else int(limit)
 
-    async def learned(self, target: Target, pss: int) -> None:
-        """Keep an engine's measured peak PSS for its next admission (SQLite, and here)."""
-        key = (target.digest, target.plan.key, target.max_tokens)
-        self._learned[key] = max(pss, self._learned.get(key) or 0)
-        await self.store.record_memory(*key, pss)
-        logs.event("memory_learned", engine=target.engine_id, pss=pss, estimate=target.estimate)
-
-
-def register(services: Any, *, spare: bool = True) -> Engines:
-    """Create the daemon's pool (real runners) and its status section and hooks."""
-    s = services.settings
-    engines_ref: list[Engines] = []
-
-    async def on_learned(target: Target, pss: int) -> None:
-        await engines_ref[0].learned(target, pss)
-
-    store = services.parts["store"]
-
-    async def journal(kind: str, fields: dict[str, Any]) -> None:
-        try:
-            await store.event(kind, **fields)
-        except Exception as e:  # the journal is for reports: never fail a load over it
-            logs.event("journal_failed", kind=kind, error=str(e))
-
-    pool = Pool(
-        PoolConfig(budget=s.memory_budget, keep_alive=s.keep_alive, spare=spare),
-        Runner.start,
-        metrics=services.metrics,
-        on_learned=on_learned,
-        journal=journal,
-    )
-    engines = Engines(services, pool)
-    engines_ref.append(engines)
-    services.parts["pool"] = pool
-    services.parts["engines"] = engines
-    services.status_sections["pool"] = pool.status
-    services.status_sections["runtime"] = engines.runtime_status
-    services.start_hooks.append(pool.start)
-    # Registered after the store, so (reverse order) runners stop before the store closes.
-    services.stop_hooks.append(pool.stop)
-    # Stop hooks run in reverse: pending last_used times are written before the pool stops.
-    services.stop_hooks.append(engines.stop)
-    return engines
+    async def forget_memory(self, model_id: str) -> dict[str, Any]:
+        """Forget the peaks learned for ``model_id``'s file (an admin's reset)."""
+        installed = await self._installed_row(model_id)
+        if installed is None:
+            raise ModelNotInstalled(
+                f"model {model_id} is not installed; nothing was learned about it"
+            )
+        forgot = await self.memory.forget(installed.digest)
+        return {"id": model_id, "digest": installed.digest, "forgot": forgot}

@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from modeld import logs
 from modeld.config import format_size
@@ -153,6 +155,15 @@ class Pool:
 
     # --- lifecycle -----------------------------------------------------------------------
 
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
     async def start(self) -> None:
         self._spawn(self.budget.watch())
         self._spawn(self._reaper())
@@ -193,8 +204,14 @@ class Pool:
             retry_after=left,
         )
 
-    async def _engine_for(self, target: Target, keep_alive: float | None) -> Engine:
-        """The engine for ``target``, created (once) if needed; counts the caller as a user."""
+    async def _engine_for(
+        self, target: Target, keep_alive: float | None, *, warm_up: bool | None = None
+    ) -> Engine:
+        """The engine for ``target``, created (once) if needed; counts the caller as a user.
+
+        ``warm_up``: whether this caller's load warms up (None: the target's rule,
+        ``Target.warm_up``); it only counts when this caller starts the load.
+        """
         if self.stopping:
             raise ShuttingDown("the daemon is stopping; retry when it is back")
         self._held(target)
@@ -206,7 +223,11 @@ class Pool:
                 continue
             break
         if e is None:
-            e = Engine(target=target, keep_alive=self.config.keep_alive)
+            e = Engine(
+                target=target,
+                keep_alive=self.config.keep_alive,
+                warm_up=bool(target.warm_up) if warm_up is None else warm_up,
+            )
             self.engines[target.key] = e
             e.load_task = self._spawn(self._load(e))
         if e.users >= self.config.queue_limit:
@@ -232,7 +253,9 @@ class Pool:
                 runner = await self.factory()
             e.runner = runner
             self._note_runner(t, runner)
-            reply = await runner.create(t.spec)
+            reply = await runner.create(
+                dataclasses.replace(t.spec, warm_up=True) if e.warm_up else t.spec
+            )
         except BaseException as exc:
             err = load_error(t, exc)
             if not isinstance(exc, asyncio.CancelledError):
@@ -250,9 +273,14 @@ class Pool:
                 raise
             return
         e.create_seconds = float(reply.get("seconds", 0.0))
+        e.warm_up_timings = reply.get("warm_up")
         e.options = reply.get("options")
         if self.metrics:
             self.metrics.phase_seconds.labels("engine_create").observe(e.create_seconds)
+            if e.warm_up_timings is not None:
+                self.metrics.phase_seconds.labels("warm_up").observe(
+                    float(e.warm_up_timings["seconds"])
+                )
         e.load_seconds = time.monotonic() - started
         e.measured = runner.memory()[0] or int(reply.get("pss", 0))
         e.reserved = max(e.measured, t.expected)
@@ -275,6 +303,7 @@ class Pool:
             pid=runner.pid,
             seconds=e.load_seconds,
             create=e.create_seconds,
+            warm_up=e.warm_up_timings["seconds"] if e.warm_up_timings else None,
             pss=e.measured,
             estimate=t.expected,
             adapter=t.adapter,
@@ -418,10 +447,21 @@ class Pool:
         self._wake(reaper=e.expires_at is not None and (due is None or e.expires_at < due))
 
     async def load(
-        self, target: Target, *, keep_alive: float | None = None, pin: bool = False
+        self,
+        target: Target,
+        *,
+        keep_alive: float | None = None,
+        pin: bool = False,
+        warm_up: bool | None = None,
     ) -> dict[str, Any]:
-        """Load ``target`` now (or find it loaded); return its ``ps`` view."""
-        e = await self._engine_for(target, keep_alive)
+        """Load ``target`` now (or find it loaded); return its ``ps`` view.
+
+        ``warm_up`` (the caller's explicit choice) wins; else the target's rule, and where
+        that leaves it open, a pinned load warms up (it is kept for a quick first reply).
+        """
+        if warm_up is None:
+            warm_up = pin if target.warm_up is None else target.warm_up
+        e = await self._engine_for(target, keep_alive, warm_up=warm_up)
         e.explicit = True
         e.pinned = e.pinned or pin
         try:
@@ -463,6 +503,7 @@ class Pool:
                         yield rec
                     return
             except RunnerError as err:
+                e.tainted = True
                 cls = BadRequest if err.code == "bad_request" else EngineError
                 raise cls(f"model {target.model_id}: {err.message}") from err
             except RunnerDied as died:

@@ -83,6 +83,9 @@ class Target:
     image_probe: dict[str, Any] | None = None
     runtime: str | None = None  # the litert-lm version the runner loads
     adapter: str | None = None  # the GPU adapter its GPU probe saw (gpu plans only)
+    # Warm up at load (``Engines._warm_up``): True every load, False never, None only for
+    # loads that ask (pinned, preloaded).
+    warm_up: bool | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -111,6 +114,9 @@ class Engine:
     measured_at: float = 0.0  # monotonic time of the last PSS reading
     peak: int = 0
     recorded: int = 0  # the peak last handed to on_learned
+    # Set when a request on it failed or was refused: what it holds since proves nothing
+    # about the model, so nothing it measures is learned (a huge prompt must not teach).
+    tainted: bool = False
     users: int = 0  # requests waiting for the load, queued on the lock, or running
     served: int = 0
     pinned: bool = False
@@ -121,6 +127,9 @@ class Engine:
     expires_at: float | None = None
     load_seconds: float | None = None
     create_seconds: float | None = None
+    # Whether this load warms up, and the warm-up generation's timings (``runner.child``).
+    warm_up: bool = False
+    warm_up_timings: dict[str, Any] | None = None
     # What the runner created the engine with, read back from the runtime (``runner.py``).
     options: dict[str, Any] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -45,6 +45,11 @@ class EngineView:
     # The runner's own time in litert_lm.Engine() (load_seconds adds admission, the
     # runner's start when no spare was ready, and the round trip).
     create_seconds: float | None
+    # The warm-up generation at load (None: this load did not warm up), apart from
+    # create_seconds; load_seconds includes both.
+    warm_up_seconds: float | None
+    warm_up: dict[str, Any] | None
+    cpu_threads: Any
     loaded_at: float
     last_eviction: str | None
 
@@ -84,6 +89,9 @@ def engine_view(e: Engine, now: float, last_eviction: str | None) -> EngineView:
         queued=max(0, e.users - (1 if e.state is State.BUSY else 0)),
         load_seconds=e.load_seconds,
         create_seconds=e.create_seconds,
+        warm_up_seconds=e.warm_up_timings["seconds"] if e.warm_up_timings else None,
+        warm_up=e.warm_up_timings,
+        cpu_threads=(e.options or {}).get("cpu_threads"),
         loaded_at=e.created_at,
         last_eviction=last_eviction,
     )
@@ -124,6 +132,12 @@ def final_record(
         "image_prepare": image_prepare,
         "load": waited_load,
         "engine_create": e.create_seconds if waited_load > 0.001 else 0.0,
+        # The load's warm-up generation, when this request waited for that load.
+        "warm_up": (
+            float(e.warm_up_timings["seconds"])
+            if e.warm_up_timings and waited_load > 0.001
+            else 0.0
+        ),
         "queue": began - loaded_at,
         "prefill": inner.get("prefill"),
         "first_token": (first - arrived) if first is not None else None,

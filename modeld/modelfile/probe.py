@@ -41,7 +41,7 @@ PROBE_PROMPT = "Hi"
 PROBE_MAX_TOKENS = 4
 PROBE_IMAGE_PROMPT = "Describe this image."
 # The image probe's picture: small, so the probe stays cheap, and a JPEG like the ones
-# requests send (``modeld.api.requests.prepare_image``); vision encoders resize it anyway.
+# requests send (``modeld.services.inference.prepare_image``); vision encoders resize it anyway.
 PROBE_IMAGE_SIDE = 64
 # The key of a ``create`` spec that asks the probe child to send one image too.
 IMAGE_KEY = "probe_image"
@@ -193,12 +193,16 @@ async def probe_spec(
     backend, vision, audio = spec.backend, spec.vision, spec.audio
     report: dict[str, Any] = {}
     start = time.monotonic()
+    # Imported here: this module is also the child's main, which needs no settings.
+    from modeld.config import child_environ
+
     proc = await asyncio.create_subprocess_exec(
         *child_argv({**spec.to_json(), IMAGE_KEY: True} if image else spec.to_json()),
+        close_fds=True,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=env,
+        env=child_environ() if env is None else env,
         # Its own session: a terminal's Ctrl-C reaches the daemon, not the probe, so a
         # foreground `modeld serve` stopped mid-probe never records a false GPU failure.
         start_new_session=True,

@@ -31,6 +31,10 @@ class CreateSpec:
     cache_dir: str | None = None  # without it the runtime writes its cache next to the file
     # The entry's [limits] speculative_decoding as is: None leaves it to the runtime.
     speculative: bool | None = None
+    # CPU threads: the daemon always sends its chosen count; None leaves it to the runtime.
+    threads: int | None = None
+    # A runner's ``create`` only: one short generation after the engine is made.
+    warm_up: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -51,12 +55,17 @@ def create_engine(spec: CreateSpec) -> Any:
     """
     import litert_lm
 
+    threads = spec.threads
+
     def backend(name: str | None) -> Any:
         if name is None:
             return None
         if name not in ("cpu", "gpu"):
             raise ValueError(f"unknown backend {name!r}; use cpu or gpu")
-        return litert_lm.Backend.GPU() if name == "gpu" else litert_lm.Backend.CPU()
+        if name == "gpu":
+            return litert_lm.Backend.GPU()
+        # None leaves it to the runtime; the daemon always sends its chosen count.
+        return litert_lm.Backend.CPU(thread_count=None if threads is None else int(threads))
 
     cache_dir = spec.cache_dir
     if cache_dir:
@@ -82,6 +91,15 @@ def _backend_name(backend: Any) -> str | None:
     return str(backend.get_name()) if backend is not None else None
 
 
+def _cpu_threads(engine: Any) -> int | None:
+    """The thread count of the engine's CPU backends (the daemon gives them all the same)."""
+    for backend in (engine.backend, engine.vision_backend, engine.audio_backend):
+        count = getattr(backend, "thread_count", None)
+        if count is not None:
+            return int(count)
+    return None
+
+
 def engine_options(engine: Any) -> dict[str, Any]:
     """The settings a ``litert_lm.Engine`` was created with, in the runtime's own names.
 
@@ -98,4 +116,6 @@ def engine_options(engine: Any) -> dict[str, Any]:
         "max_num_images": engine.max_num_images,
         "cache_dir": engine.cache_dir,
         "enable_speculative_decoding": engine.enable_speculative_decoding,
+        # None: no CPU backend, or the runtime's own default count.
+        "cpu_threads": _cpu_threads(engine),
     }

@@ -1,37 +1,49 @@
-"""The daemon's parts, wired together once and handed to the API.
+"""The daemon's parts in typed fields: what the adapters (HTTP routes) are handed.
 
-Each capability registers itself here when the daemon starts: its component, a section of
-``/api/status``, and start/stop hooks. Stop hooks run in reverse order of registration.
+``modeld.daemon.root`` builds one ``Services`` (each part from the parts it needs) and starts
+and stops its parts in dependency order. An adapter reaches a part by its field, never by a
+name, and goes through the application services (``models``, ``inference``) for anything
+that decides.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from modeld import __version__
+from modeld.catalog.catalog import Catalog
 from modeld.config import Settings
+from modeld.download.downloads import Downloads
+from modeld.engine.engines import Engines
+from modeld.engine.pool import Pool
 from modeld.metrics import Metrics
-
-StatusSection = Callable[[], Awaitable[dict[str, Any]] | dict[str, Any]]
-Hook = Callable[[], Awaitable[None]]
+from modeld.services.inference import Inference
+from modeld.services.models import Models
+from modeld.services.remover import Remover
+from modeld.store.store import Store
 
 
 @dataclass
 class Services:
-    """What the API needs to answer requests; built by ``daemon.py``."""
+    """Every part of one daemon, and the application services over them."""
 
     settings: Settings
-    metrics: Metrics = field(default_factory=Metrics)
+    metrics: Metrics
+    catalog: Catalog
+    store: Store
+    downloads: Downloads
+    pool: Pool
+    engines: Engines
+    remover: Remover
+    models: Models
+    inference: Inference
     version: str = __version__
     started_at: float = field(default_factory=time.time)
-    # Each capability adds its part (catalog, store, downloads, pool, ...) by name.
-    parts: dict[str, Any] = field(default_factory=dict)
-    status_sections: dict[str, StatusSection] = field(default_factory=dict)
-    start_hooks: list[Hook] = field(default_factory=list)
-    stop_hooks: list[Hook] = field(default_factory=list)
+    # The ``tcp`` section of ``/api/status`` once TCP listeners serve (``daemon.py``).
+    tcp_status: Callable[[], dict[str, Any]] | None = None
     stopping: bool = False
 
     async def status(self) -> dict[str, Any]:
@@ -40,8 +52,14 @@ class Services:
             "version": self.version,
             "uptime": round(time.time() - self.started_at, 3),
             "settings": self.settings.effective(),
+            "catalog": self.catalog.status(),
+            "store": await self.store.status(),
+            # The GPU (backend) probe results.
+            "probes": await self.store.probe_status(),
+            "downloads": self.downloads.status(),
+            "pool": self.pool.status(),
+            "runtime": await self.engines.runtime_status(),
         }
-        for name, section in self.status_sections.items():
-            value = section()
-            doc[name] = await value if isinstance(value, Awaitable) else value
+        if self.tcp_status is not None:
+            doc["tcp"] = self.tcp_status()
         return doc

@@ -14,10 +14,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from types import TracebackType
+from typing import Any, Self, TypeVar
 
 from modeld import logs
+from modeld.config import Settings
+from modeld.download.downloads import Downloads
 from modeld.download.journal import SqliteJournal, journal_keys
+from modeld.engine.pool import Pool
 from modeld.errors import (
     BadRequest,
     DownloadNotFound,
@@ -28,6 +32,7 @@ from modeld.errors import (
     Refused,
     RemoveFailed,
 )
+from modeld.metrics import Metrics
 from modeld.services import prune
 from modeld.services.prune import (
     Activity,
@@ -42,18 +47,14 @@ from modeld.services.prune import (
 )
 from modeld.store.store import Store
 
-if TYPE_CHECKING:  # services sits above this module in the import order
-    from modeld.services.parts import Services
-
 T = TypeVar("T")
 
 
-def activity_of(parts: dict[str, Any]) -> Activity:
+def activity_of(pool: Pool | None, downloads: Downloads | None) -> Activity:
     """Engines and downloads of the daemon right now (``pool.views()``, ``downloads.jobs``)."""
     loaded: set[str] = set()
     digests: set[str] = set()
     pinned: set[str] = set()
-    pool = parts.get("pool")
     if pool is not None:
         for view in pool.views():
             loaded.add(view.model)
@@ -62,7 +63,6 @@ def activity_of(parts: dict[str, Any]) -> Activity:
                 pinned.add(view.model)
     downloading: set[str] = set()
     paths: set[str] = set()
-    downloads = parts.get("downloads")
     if downloads is not None:
         for model_id, job in dict(downloads.jobs).items():
             if getattr(job, "finished", False):
@@ -102,25 +102,43 @@ def _delete_path(path: Path) -> None:
 
 
 class Remover:
-    """``rm`` and ``prune`` for one daemon (``services.parts``: store, pool, downloads)."""
+    """``rm`` and ``prune`` for one daemon, against its store, pool and downloads.
 
-    def __init__(self, services: Services) -> None:
-        self.services = services
+    Without a pool or downloads (a remover on a bare store) nothing counts as loaded or
+    being downloaded.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        store: Store,
+        pool: Pool | None = None,
+        downloads: Downloads | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.store = store
+        self.pool = pool
+        self.downloads = downloads
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def drain(self) -> None:
-        """Stop hook: let a removal in flight finish before the pool and the store stop."""
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.services.settings.shutdown_timeout)
+    async def __aenter__(self) -> Self:
+        return self
 
-    @property
-    def store(self) -> Store:
-        store: Store = self.services.parts["store"]
-        return store
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Let a removal in flight finish (before the pool and the store stop)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.settings.shutdown_timeout)
 
     def activity(self) -> Activity:
-        return activity_of(self.services.parts)
+        return activity_of(self.pool, self.downloads)
 
     async def _shielded(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run ``fn`` to its end even if the waiting request is cancelled."""
@@ -142,7 +160,7 @@ class Remover:
             now=time.time(),
             rows=rows,
             journal_keys=keys,
-            disk_budget=self.services.settings.disk_budget,
+            disk_budget=self.settings.disk_budget,
         )
         await asyncio.to_thread(
             scan_files, inv, store.blobs_dir, store.partial_dir, store.cache_dir
@@ -150,7 +168,7 @@ class Remover:
         return inv
 
     async def plan(self, sel: Selection) -> PrunePlan:
-        if sel.to_budget and self.services.settings.disk_budget is None:
+        if sel.to_budget and self.settings.disk_budget is None:
             raise Refused(
                 "prune --to-budget needs a disk budget: set MODELD_DISK_BUDGET (e.g. 20GB) "
                 "and restart the daemon, or use --unused-for D"
@@ -239,8 +257,8 @@ class Remover:
                 kept.append(replace(item, reason=why))
                 continue
             removed.append(item)
-            self.services.metrics.removed_bytes.labels(item.kind).inc(item.size)
-            self.services.metrics.removed_items.labels(item.kind).inc()
+            self.metrics.removed_bytes.labels(item.kind).inc(item.size)
+            self.metrics.removed_items.labels(item.kind).inc()
         return removed, kept, errors
 
     async def _digest_used(self, digest: str) -> bool:
@@ -313,7 +331,7 @@ class Remover:
 
     def _in_use(self, model_id: str) -> list[str]:
         reasons: list[str] = []
-        pool = self.services.parts.get("pool")
+        pool = self.pool
         views = [v for v in (pool.views() if pool is not None else []) if v.model == model_id]
         if views:
             engines = ", ".join(v.id for v in views)
@@ -375,7 +393,7 @@ class Remover:
             }
 
     async def _cancel_download(self, model_id: str) -> bool:
-        downloads = self.services.parts.get("downloads")
+        downloads = self.downloads
         if downloads is None or model_id not in self.activity().downloading:
             return False
         with contextlib.suppress(DownloadNotFound):
@@ -385,7 +403,7 @@ class Remover:
         return False
 
     async def _unload(self, model_id: str) -> list[str]:
-        pool = self.services.parts.get("pool")
+        pool = self.pool
         if pool is None:
             return []
         try:

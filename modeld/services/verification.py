@@ -9,14 +9,14 @@ the ``unverified`` refusal both say ``how_to_verify``, whose every step works.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from yarl import URL
 
-from modeld.catalog.catalog import Entry, bundled_registry_dir
+from modeld.catalog.catalog import Catalog, Entry, bundled_registry_dir
 from modeld.config import Settings
 from modeld.download.job import DownloadTarget, Tuning, hub_vouch
 from modeld.download.mirrors import is_hf_host
+from modeld.store.store import Store
 from modeld.store.vouches import Vouch, pinned_revision
 
 
@@ -30,7 +30,7 @@ def hub_of(urls: list[str]) -> str | None:
 
 
 async def vouched_by(
-    settings: Settings, store: Any, entry: Entry, digest: str
+    settings: Settings, store: Store, entry: Entry, digest: str
 ) -> tuple[str | None, Vouch | None]:
     """Who vouches for an installed file's ``digest`` now, and the hub answer consulted.
 
@@ -118,7 +118,7 @@ def _kept_hint(model_id: str, entry: Entry, digest: str, kept: Vouch) -> str:
     )
 
 
-async def verification_hint(catalog: Any, store: Any, model_id: str, digest: str) -> str:
+async def verification_hint(catalog: Catalog, store: Store, model_id: str, digest: str) -> str:
     """``how_to_verify`` for an install, with its entry, the entry's file and the kept digest."""
     entry: Entry | None = catalog.find(model_id)
     kept = None

@@ -1,4 +1,8 @@
-"""The state dir's SQLite index: its schema, connections, and the rows it hands out.
+"""The state dir's SQLite index: its schema and migrations, connections, and the rows it
+hands out.
+
+The schema is a list of migrations keyed by ``PRAGMA user_version``: opening a file applies
+the steps it has not had yet, in order; a file from a newer modeld is refused untouched.
 
 Used by :mod:`modeld.store.store` (which re-exports ``Installed`` and ``VerifyReport``); nothing
 here touches blobs or runs a transaction of its own.
@@ -8,27 +12,29 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import sqlite_utils
 
-from modeld.errors import DatabaseUnusable
+from modeld.errors import DatabaseUnusable, StateTooNew
 
 __all__ = [
     "BUSY_TIMEOUT_MS",
+    "MIGRATIONS",
     "SCHEMA_VERSION",
     "Installed",
     "VerifyReport",
     "check_database",
     "connect_db",
-    "create_schema",
     "installed_from",
+    "migrate",
+    "user_version",
 ]
 
 BUSY_TIMEOUT_MS = 10_000
-SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -152,11 +158,20 @@ def check_database(path: Path) -> None:
         )
 
 
-def create_schema(conn: sqlite3.Connection) -> None:
-    conn.execute("PRAGMA journal_mode = WAL")
-    # FULL: a committed row survives power loss, so it never outlives its fsynced blob.
-    conn.execute("PRAGMA synchronous = FULL")
-    db = sqlite_utils.Database(conn)
+def user_version(conn: sqlite3.Connection) -> int:
+    """The schema version the file records (0 for a new, empty file)."""
+    return int(conn.execute("PRAGMA user_version").fetchone()[0])
+
+
+# --- migrations: MIGRATIONS[n] takes a file from version n to n + 1 ---------------------------
+#
+# Each step is idempotent (tables created where missing, columns added where missing): state
+# dirs exist whose tables ran ahead of their recorded version, because tables used to be
+# created where missing without a version bump. Never edit a step that has shipped; append one.
+
+
+def _v1_base(db: Any) -> None:
+    """The index as first released: installed models, measured memory, GPU probes, events."""
     db.table("installed").create(
         {
             "id": str,
@@ -184,9 +199,26 @@ def create_schema(conn: sqlite3.Connection) -> None:
         not_null={"ok", "at"},
         if_not_exists=True,
     )
-    # One small image run through a vision plan (``modeld.modelfile.probe --image``), per file and
-    # plan. A table of its own, created where missing: a state dir from before it exists
-    # opens unchanged.
+    db.table("events").create(
+        {"seq": int, "at": float, "kind": str, "fields": str},
+        pk="seq",
+        not_null={"at", "kind"},
+        if_not_exists=True,
+    )
+
+
+def _v2_probe_details(db: Any) -> None:
+    """What a bug report needs of a probe, and the image probe of vision plans.
+
+    A probe row gains the GPU adapter, the runtime version and probe method it ran with, and
+    the child's stderr. A version 1 row has no method: it is shown but not trusted, so the
+    file is probed again (see modeld.modelfile.probe). ``image_probes``: one small image run
+    through a vision plan, per file and plan.
+    """
+    probes = db.table("probes")
+    for column, kind in (("adapter", str), ("runtime", str), ("method", int), ("log", str)):
+        if column not in probes.columns_dict:
+            probes.add_column(column, kind)
     db.table("image_probes").create(
         {
             "digest": str,
@@ -202,15 +234,16 @@ def create_schema(conn: sqlite3.Connection) -> None:
         not_null={"ok", "at"},
         if_not_exists=True,
     )
-    # Version 2: what a bug report needs of a probe (the GPU adapter, the runtime version
-    # and probe method it ran with, the child's stderr). A version 1 row has no method:
-    # it is shown but not trusted, so the file is probed again (see modeld.modelfile.probe).
-    probes = db.table("probes")
-    for column, kind in (("adapter", str), ("runtime", str), ("method", int), ("log", str)):
-        if column not in probes.columns_dict:
-            probes.add_column(column, kind)
-    # What a hub vouched for once, per (entry, pinned revision): see modeld.store.vouches.
-    # Created where missing, so a state dir from before this table gains it on its next start.
+
+
+def _v3_vouches_and_journal(db: Any) -> None:
+    """What a hub vouched for once, and the download journal (created here, not on first use).
+
+    ``vouched``: per (entry, pinned revision), see modeld.store.vouches. The journal's two
+    tables keep each download's finished blocks (modeld.download.journal); their DDL is plain
+    SQL because sqlite-utils' ``create()`` cannot say ``WITHOUT ROWID`` or ``ON DELETE
+    CASCADE``.
+    """
     db.table("vouched").create(
         {
             "model_id": str,
@@ -224,13 +257,67 @@ def create_schema(conn: sqlite3.Connection) -> None:
         not_null={"sha256", "source", "at"},
         if_not_exists=True,
     )
-    db.table("events").create(
-        {"seq": int, "at": float, "kind": str, "fields": str},
-        pk="seq",
-        not_null={"at", "kind"},
-        if_not_exists=True,
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS download_journal ("
+        " key TEXT PRIMARY KEY, size INTEGER NOT NULL, block_size INTEGER NOT NULL,"
+        " expected TEXT, etags TEXT NOT NULL DEFAULT '{}')"
     )
-    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS download_blocks ("
+        " key TEXT NOT NULL REFERENCES download_journal(key) ON DELETE CASCADE,"
+        " idx INTEGER NOT NULL, crc INTEGER NOT NULL, mirror TEXT NOT NULL,"
+        " PRIMARY KEY (key, idx)) WITHOUT ROWID"
+    )
+
+
+MIGRATIONS: tuple[Callable[[Any], None], ...] = (
+    _v1_base,
+    _v2_probe_details,
+    _v3_vouches_and_journal,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def migrate(conn: sqlite3.Connection, path: Path) -> tuple[int, int]:
+    """Bring the file at ``path`` to ``SCHEMA_VERSION``; return (version found, version now).
+
+    Each step runs in its own ``BEGIN IMMEDIATE`` transaction together with its
+    ``user_version`` bump, so a crash leaves the file at a whole version. A file from a newer
+    modeld is refused before anything is written to it.
+    """
+    found = user_version(conn)
+    _check_known(found, path)
+    conn.execute("PRAGMA journal_mode = WAL")
+    # FULL: a committed row survives power loss, so it never outlives its fsynced blob.
+    conn.execute("PRAGMA synchronous = FULL")
+    db = sqlite_utils.Database(conn)
+    for version in range(found, SCHEMA_VERSION):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            # Another process may have migrated while this one waited for the lock.
+            current = user_version(conn)
+            _check_known(current, path)
+            if current == version:
+                MIGRATIONS[version](db)
+                conn.execute(f"PRAGMA user_version = {version + 1}")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+    return found, user_version(conn)
+
+
+def _check_known(version: int, path: Path) -> None:
+    if version > SCHEMA_VERSION:
+        raise StateTooNew(
+            f"{path} has schema version {version}, and this modeld knows versions up to "
+            f"{SCHEMA_VERSION}: a newer modeld wrote it. Run that newer modeld, or point "
+            "MODELD_HOME at another directory; the file was left unchanged.",
+            path=str(path),
+            version=version,
+            known=SCHEMA_VERSION,
+        )
 
 
 def installed_from(row: sqlite3.Row, blobs: Path) -> Installed:

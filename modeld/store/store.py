@@ -26,10 +26,17 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import Any, Self, TypeVar
 
 from modeld import logs
-from modeld.errors import BadRequest, DatabaseUnusable, ModelNotInstalled, disk_full
+from modeld.errors import (
+    BadRequest,
+    DatabaseUnusable,
+    ModelNotInstalled,
+    ReplacesVerified,
+    disk_full,
+)
 from modeld.hostinfo import PROBE_METHOD, runtime_version
 from modeld.layout import DIGEST_RE, MODEL_ID_RE, StateDir
 from modeld.store.fsutil import fsync_dir, fsync_path, place_blob
@@ -40,8 +47,8 @@ from modeld.store.schema import (
     Installed,
     VerifyReport,
     connect_db,
-    create_schema,
     installed_from,
+    migrate,
 )
 from modeld.store.vouches import Vouch
 
@@ -96,6 +103,15 @@ class Store:
 
     # --- lifecycle -------------------------------------------------------------------
 
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
     async def open(self) -> None:
         """Create the dirs and the db, start the writer, and scan for leftovers."""
         if self._writer is not None:
@@ -122,7 +138,7 @@ class Store:
             ) from e
 
     async def close(self) -> None:
-        """Finish queued writes and close the db (a stop hook; idempotent)."""
+        """Finish queued writes and close the db (idempotent)."""
         writer, self._writer = self._writer, None
         if writer is not None:
             self._queue.put(None)
@@ -135,10 +151,18 @@ class Store:
     def _write_loop(self, started: asyncio.Future[None], loop: asyncio.AbstractEventLoop) -> None:
         try:
             conn = connect_db(self.db_path)
-            create_schema(conn)
+            try:
+                found, now = migrate(conn, self.db_path)
+            except BaseException:
+                conn.close()
+                raise
         except Exception as e:
             loop.call_soon_threadsafe(started.set_exception, e)
             return
+        if found != now:
+            logs.event(
+                "store_schema_migrated", path=str(self.db_path), from_version=found, to_version=now
+            )
         loop.call_soon_threadsafe(started.set_result, None)
         try:
             while (job := self._queue.get()) is not None:
@@ -245,6 +269,8 @@ class Store:
             return old["digest"] if old is not None and old["digest"] != digest else None
 
         async with self._blob_lock:
+            if verified_by is None:
+                verified_by = await self._keep_verification(model_id, digest)
             await asyncio.to_thread(place_blob, Path(src), dest, size)
             replaced = await self.write(tx)
         if replaced is not None:
@@ -253,6 +279,26 @@ class Store:
             "installed", model=model_id, digest=digest, size=size, verified_by=verified_by
         )
         return Installed(model_id, digest, size, verified_by, now, None, dest)
+
+    async def _keep_verification(self, model_id: str, digest: str) -> str | None:
+        """What vouches for an unverified ``digest`` about to be installed as ``model_id``:
+        the old row's source when it is the same file; a verified install of another file
+        is never replaced by an unverified one (``ReplacesVerified``)."""
+        old = await self.read(
+            lambda c: c.execute(
+                "SELECT digest, verified_by FROM installed WHERE id = ?", (model_id,)
+            ).fetchone()
+        )
+        if old is None or old["verified_by"] is None:
+            return None
+        if old["digest"] == digest:
+            kept: str = old["verified_by"]
+            return kept
+        raise ReplacesVerified(
+            f"model {model_id} is installed verified (by {old['verified_by']}); a file no "
+            "source vouches for never replaces it. Import a file matching the verified "
+            f"digest, or `modeld rm {model_id}` first if you mean to drop the verified one"
+        )
 
     async def installed(self, model_id: str) -> Installed | None:
         """The model's install, or None (also when start-up found its blob missing)."""
@@ -292,6 +338,8 @@ class Store:
                 return None
             conn.execute("DELETE FROM installed WHERE id = ?", (model_id,))
             digest: str = row["digest"]
+            # rm forgets what engines of the file were measured to take.
+            conn.execute("DELETE FROM memory WHERE digest = ?", (digest,))
             return digest
 
         digest = await self.write(tx)
@@ -474,6 +522,13 @@ class Store:
             ).fetchone()
         )
         return int(row["pss"]) if row is not None else None
+
+    async def forget_memory(self, digest: str) -> int:
+        """Drop every measured peak of ``digest``; the next load starts from the estimate."""
+        cur = await self.write(
+            lambda c: c.execute("DELETE FROM memory WHERE digest = ?", (digest,))
+        )
+        return int(cur.rowcount)
 
     async def record_probe(
         self,

@@ -21,7 +21,7 @@ from modeld.api import make_app
 from modeld.api.access import ROUTES, Role
 from modeld.api.peers import Peer, is_admin
 from modeld.config import load_settings
-from modeld.daemon.daemon import build_services
+from modeld.daemon.root import Root
 from tests.support.daemon import DaemonProcess, daemon_env
 from tests.support.state import MODELS, install_fixture
 from tests.support.unix import unix_request
@@ -36,7 +36,7 @@ needs_root = pytest.mark.skipif(
 
 def test_every_route_has_a_role(clean_env: Path) -> None:
     """Each registered route (method, path) is in the role table, and the table names no other."""
-    app = make_app(build_services(load_settings(home=clean_env / "home")))
+    app = make_app(Root(load_settings(home=clean_env / "home")).services)
     registered = {
         (route.method, route.resource.canonical)
         for route in app.router.routes()

@@ -1,4 +1,4 @@
-"""Image preparation for generation requests (``api.requests.prepare_image``), real Pillow."""
+"""Image preparation for generation requests (``services.inference.prepare_image``), real Pillow."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import io
 import pytest
 from PIL import Image, JpegImagePlugin
 
-from modeld.api.requests import IMAGE_LONG_SIDE, JPEG_QUALITY, prepare_image
 from modeld.errors import BadRequest
+from modeld.services.inference import IMAGE_LONG_SIDE, JPEG_QUALITY, prepare_image
 
 MAX_PIXELS = 40_000_000  # the default MODELD_MAX_IMAGE_PIXELS
 EXIF_ORIENTATION = 0x0112

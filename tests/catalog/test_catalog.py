@@ -29,6 +29,7 @@ urls = ["https://example.org/m1.litertlm", "http://127.0.0.1:9/m1.litertlm"]
 size = 1234
 sha256 = "{sha}"
 min_runtime_version = "0.18.1"
+variants = ["m1-int4", "m1.small"]
 
 [limits]
 max_tokens = 4096
@@ -39,6 +40,10 @@ speculative_decoding = false
 [backends]
 main = "gpu"
 vision = "cpu"
+
+[runtime]
+threads = 4
+warm_up = false
 """.replace("{sha}", "a" * 64)
 
 # The real files: repository, pinned revision, file name and size (sources in registry/).
@@ -120,6 +125,8 @@ def test_good_entry_parses_every_field(tmp_path: Path) -> None:
     assert entry.backends.main == "gpu"
     assert entry.limits.max_images == 1
     assert entry.min_runtime_version == "0.18.1"
+    assert (entry.runtime.threads, entry.runtime.warm_up) == (4, False)
+    assert entry.variants == ["m1-int4", "m1.small"]
 
 
 @pytest.mark.parametrize(
@@ -146,6 +153,11 @@ def test_good_entry_parses_every_field(tmp_path: Path) -> None:
         ('"0.18.1"', '"latest"', "min_runtime_version"),
         ('"0.18.1"', '">=0.18"', "min_runtime_version"),
         ('"0.18.1"', "0.18", "min_runtime_version"),
+        ("threads = 4", "threads = 0", "runtime.threads"),
+        ("threads = 4", 'threads = "4"', "runtime.threads"),
+        ("warm_up = false", 'warm_up = "no"', "runtime.warm_up"),
+        ("[runtime]\n", "[runtime]\nthreadz = 2\n", "runtime.threadz"),
+        ('"m1-int4"', '"m1 int4"', "variants"),
     ],
 )
 def test_bad_entry_is_reported_with_its_key(tmp_path: Path, old: str, new: str, key: str) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from modeld.api.report import revision_of
 from modeld.hostinfo import runtime_version
+from modeld.services.models import revision_of
 from modeld.store.store import sha256_file
 from tests.support.daemon import DaemonProcess, default_backend_env
 from tests.support.state import MODELS, write_entry

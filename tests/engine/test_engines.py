@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import json
+import statistics
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -240,3 +241,151 @@ async def test_an_image_request_is_answered_by_an_image_capable_model(clean_env:
         shown = await c.model("tiny-vision")
     probe = shown["image_probes"][VISION_PLAN]
     assert (probe["ok"], probe["stage"], probe["reason"]) == (True, None, None)
+
+
+async def test_a_peak_far_above_the_estimate_counts_once_confirmed(short_tmp: Path) -> None:
+    """A peak within LEARN_CONFIRM_FACTOR x the estimate is learned at once; one above it only
+    when a second engine (not the same one again) measures it too, as the smaller of both."""
+    from modeld.engine.engines import LEARN_CONFIRM_FACTOR, LearnedMemory
+    from modeld.engine.pool import Target
+    from modeld.modelfile.plan import Plan
+    from modeld.modelfile.runtime import CreateSpec
+
+    def engine_target() -> Target:
+        plan = Plan(main="cpu")
+        spec = CreateSpec(path="/fake/m.litertlm")
+        return Target("m", "ab" * 32, plan, spec, estimate=100, max_tokens=256)
+
+    key = ("ab" * 32, Plan(main="cpu").key, 256)
+    high = int(100 * LEARN_CONFIRM_FACTOR) + 1
+    async with open_store(short_tmp / "home") as store:
+        memory = LearnedMemory(store)
+        first, second = engine_target(), engine_target()
+        assert await memory.offer(first, 250)
+        assert await memory.expected(key) == 250
+        assert not await memory.offer(first, high * 3)
+        assert not await memory.offer(first, high * 4)  # the same engine again confirms nothing
+        assert await memory.expected(key) == 250
+        assert await memory.offer(second, high * 2)
+        assert await memory.expected(key) == high * 2
+        assert await store.measured_memory(*key) == high * 2
+        assert await memory.forget("ab" * 32) == 1
+        assert await memory.expected(key) is None
+
+
+@pytest.fixture
+async def tuned(clean_env: Path) -> AsyncIterator[InProcessDaemon]:
+    """A cpu daemon with 2 threads by setting; entries that set threads and warm-up."""
+    home, registry = clean_env / "home", clean_env / "registry"
+    # One file each: engines are keyed by (file digest, plan), so entries of one file share it.
+    models = {
+        "plain": ("tiny-text", ""),
+        "one-thread": ("tiny-text-b", "[runtime]\nthreads = 1\n"),
+        "cold": ("tiny-text-f32", "[runtime]\nwarm_up = false\n"),
+        "always-warm": ("vision-cpu-ok", "[runtime]\nwarm_up = true\n"),
+    }
+    for model_id, (fixture, extra) in models.items():
+        install_fixture(home, model_id, MODELS / f"{fixture}.litertlm")
+        _entry(registry, model_id, fixture, extra)
+    settings = load_settings(
+        home=home,
+        socket=home / "modeld.sock",
+        registry=[registry],
+        main_backend="cpu",
+        cpu_threads=2,
+    )
+    async with running_daemon(settings) as d:
+        yield d
+
+
+async def test_cpu_threads_reach_the_runtime(tuned: InProcessDaemon) -> None:
+    """MODELD_CPU_THREADS, or the entry's [runtime] threads, is the engine's thread count."""
+    async with tuned.client() as c:
+        plain = await _load(c, "plain")
+        one = await _load(c, "one-thread")
+        shown = await c.request("GET", "/api/models/one-thread")
+        ps = await _ps_json(tuned)
+    assert plain["engine_options"]["cpu_threads"] == plain["cpu_threads"] == 2
+    assert one["engine_options"]["cpu_threads"] == one["cpu_threads"] == 1
+    assert {e["id"]: e["cpu_threads"] for e in ps["engines"]} == {
+        "plain:cpu": 2,
+        "one-thread:cpu": 1,
+    }
+    settings = shown["engine_settings"]
+    assert (settings["cpu_threads"], settings["cpu_threads_from"]) == (1, "entry")
+    assert settings["loaded_cpu_threads"] == {"one-thread:cpu": 1}
+
+
+async def test_warm_up_follows_pin_and_the_entry(tuned: InProcessDaemon) -> None:
+    """A cpu load warms up when pinned; the entry's warm_up wins, a load's own choice over it."""
+    async with tuned.client() as c:
+        unpinned = await _load(c, "plain")
+        await c.request("DELETE", "/api/engines/plain")
+        pinned = await c.request("POST", "/api/engines", {"model": "plain", "pin": True})
+        cold = await c.request("POST", "/api/engines", {"model": "cold", "pin": True})
+        warm = await _load(c, "always-warm")
+        await c.request("DELETE", "/api/engines/always-warm")
+        # The load's own choice wins over the entry's, both ways.
+        asked_off = await c.request(
+            "POST", "/api/engines", {"model": "always-warm", "warm_up": False}
+        )
+        await c.request("DELETE", "/api/engines/cold")
+        asked_on = await c.request("POST", "/api/engines", {"model": "cold", "warm_up": True})
+    assert unpinned["warm_up_seconds"] is None and unpinned["warm_up"] is None
+    assert cold["warm_up_seconds"] is None and asked_off["warm_up_seconds"] is None
+    for view in (pinned, warm, asked_on):
+        assert view["warm_up_seconds"] > 0
+        # Its own phase, apart from Engine(): both are inside the load.
+        assert view["create_seconds"] > 0
+        assert view["load_seconds"] >= view["create_seconds"] + view["warm_up_seconds"]
+        assert view["warm_up"]["prompt_tokens"] > 0 and view["warm_up"]["tokens"] > 0
+
+
+async def test_first_request_after_a_warmed_load_is_steady(tuned: InProcessDaemon) -> None:
+    """After a warmed load the first prefill is within 3x the steady one.
+
+    The runtime's own prefill time (its benchmark counters, not wall time around the
+    request) excludes the daemon's queueing and the socket; 3x leaves room for a noisy
+    shared machine while a cold first prefill, which packs weights and touches their
+    pages, is what would exceed it. A request that loads the engine reports the warm-up
+    as its own phase, apart from engine_create.
+    """
+    async with tuned.client() as c:
+        await c.request("POST", "/api/engines", {"model": "plain", "pin": True})
+        await c.request("POST", "/api/engines", {"model": "one-thread"})  # not warmed
+        prefills: dict[str, list[float]] = {"plain": [], "one-thread": []}
+        for _ in range(5):
+            for model, seen in prefills.items():
+                seen.append((await _final(c, model))["timings"]["prefill"])
+        loaded_by_request = await _final(c, "always-warm")
+    warmed, cold = prefills["plain"], prefills["one-thread"]
+    assert warmed[0] <= 3 * statistics.median(warmed[1:]), warmed
+    # Without the warm-up the first prefill was 3x to 40x the steady one on this box
+    # (0.9 to 13 ms against 0.3 ms): too wide a spread to assert on, so it is only shown.
+    print("first prefill, not warmed:", cold[0], "steady:", statistics.median(cold[1:]))
+    timings = loaded_by_request["timings"]
+    assert timings["warm_up"] > 0 and timings["engine_create"] > 0
+
+
+async def _final(c: Client, model: str) -> dict[str, Any]:
+    body = {"model": model, "prompt": "hello there", "max_tokens": 4}
+    records = [r async for r in c.stream("POST", "/api/generate", body)]
+    final: dict[str, Any] = records[-1]
+    return final
+
+
+async def test_warm_up_setting_off(clean_env: Path) -> None:
+    """MODELD_WARM_UP=0: a pinned load does not warm up."""
+    home, registry = clean_env / "home", clean_env / "registry"
+    install_fixture(home, "plain", MODELS / "tiny-text.litertlm")
+    _entry(registry, "plain", "tiny-text")
+    settings = load_settings(
+        home=home,
+        socket=home / "modeld.sock",
+        registry=[registry],
+        main_backend="cpu",
+        warm_up=False,
+    )
+    async with running_daemon(settings) as d, d.client() as c:
+        view = await c.request("POST", "/api/engines", {"model": "plain", "pin": True})
+    assert view["warm_up_seconds"] is None

@@ -184,3 +184,39 @@ def test_min_runtime_version_is_enforced_at_load(short_tmp: Path) -> None:
         assert ok["plan"]["main"] == "cpu" and ok["state"] == "ready"
     finally:
         assert d.stop() == 0, d.log()[-3000:]
+
+
+def test_rm_and_an_admin_reset_forget_learned_memory(short_tmp: Path) -> None:
+    """A served request teaches the file's peak; `unload --forget-memory` and `rm` forget it,
+    so the next load reserves the file's estimate again."""
+    import sqlite3
+    import time
+
+    from tests.support.daemon import daemon_env
+
+    home, registry = short_tmp / "home", short_tmp / "registry"
+    install_fixture(home, "tiny-text", TINY, registry=registry)
+    d = DaemonProcess(home=home, env=daemon_env(home, MODELD_REGISTRY=str(registry)))
+
+    def rows() -> int:
+        with sqlite3.connect(f"file:{home / 'modeld.db'}?mode=ro", uri=True) as db:
+            return int(db.execute("SELECT count(*) FROM memory").fetchone()[0])
+
+    def learns() -> None:
+        assert d.cli("run", "tiny-text", "hello", "--max-tokens", "3").returncode == 0
+        deadline = time.monotonic() + 30
+        while rows() == 0:
+            assert time.monotonic() < deadline, "no peak was learned"
+            time.sleep(0.1)
+
+    d.start()
+    try:
+        learns()
+        reset = d.cli_json("unload", "tiny-text", "--forget-memory")
+        assert reset["memory"]["forgot"] >= 1 and rows() == 0
+        assert [e["id"] for e in reset["unloaded"]] == ["tiny-text:cpu"]
+        learns()
+        assert d.cli("rm", "tiny-text", "--force").returncode == 0
+        assert rows() == 0
+    finally:
+        d.stop()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from modeld.engine.pool import Pool, PoolConfig, State, Target
-from modeld.errors import Busy, EngineCrashed, EngineError, HeldBack, OverBudget
+from modeld.errors import BadRequest, Busy, EngineCrashed, EngineError, HeldBack, OverBudget
 from modeld.modelfile.plan import Plan
 from modeld.modelfile.runtime import CreateSpec
 from tests.support.fake_runner import FakeFactory
@@ -306,3 +306,30 @@ async def test_image_prepare_is_its_own_phase_in_the_final_record() -> None:
         "modeld_generate_phase_seconds_sum", {"phase": "image_prepare"}
     )
     assert observed == 0.125  # once: a request without images adds nothing
+
+
+async def test_peak_of_a_failed_request_is_never_learned() -> None:
+    """A request the runtime refuses after its runner grew: the watcher sees the growth, but
+    nothing from that runner is learned; a runner whose requests succeed is learned."""
+    learned: list[tuple[str, int]] = []
+
+    async def on_learned(t: Target, pss: int) -> None:
+        learned.append((t.model_id, pss))
+
+    factory = FakeFactory(engine_pss=100)
+    pool = Pool(
+        PoolConfig(budget=100_000, spare=False, watch_interval=0.01), factory, on_learned=on_learned
+    )
+    await pool.start()
+    bad, good = target("bad"), target("good")
+    with pytest.raises(BadRequest):
+        await anext(pool.generate(bad, {"messages": [], "fake_fail": "too long", "fake_pss": 9000}))
+    (engine,) = pool.engines.values()
+    await wait_until(lambda: engine.measured == 9000)
+    await consume(pool, good)
+    await wait_until(lambda: ("good", 100) in learned)
+    await consume(pool, bad)  # later requests succeed: the runner still proves nothing
+    seen = engine.measured_at
+    await wait_until(lambda: engine.measured_at > seen)
+    assert all(model != "bad" for model, _ in learned), learned
+    await pool.stop()

@@ -284,3 +284,99 @@ def test_stderr_log_keeps_everything_up_to_its_limit_then_head_and_tail() -> Non
     marker = next(ln for ln in kept if ln.startswith("[..."))
     dropped = int(marker.split()[1])
     assert len(kept) - 1 + dropped == 200
+
+
+def test_runner_gets_no_secrets_no_descriptors_and_a_data_limit(short_tmp: Path) -> None:
+    """A real daemon's runner has a scrubbed environment (no token, no MODELD_*), only its
+    socket besides stdio, and an RLIMIT_DATA equal to the memory budget."""
+    from tests.support.daemon import DaemonProcess, daemon_env
+    from tests.support.state import install_fixture
+
+    home, registry = short_tmp / "home", short_tmp / "registry"
+    install_fixture(home, "tiny-text", TINY, registry=registry)
+    budget = 3 << 30
+    d = DaemonProcess(
+        home=home,
+        env=daemon_env(
+            home,
+            MODELD_REGISTRY=str(registry),
+            MODELD_MEMORY_BUDGET=str(budget),
+            MODELD_HF_TOKEN="hf_modeldsecret",
+            HF_TOKEN="hf_hubsecret",
+            GITHUB_TOKEN="ghp_othersecret",
+        ),
+    )
+    d.start()
+    try:
+        d.cli_json("load", "tiny-text")
+        (engine,) = d.cli_json("ps")["engines"]
+        pid = engine["pid"]
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert b"secret" not in environ and b"MODELD_" not in environ, environ
+        assert b"PATH=" in environ
+        limits = Path(f"/proc/{pid}/limits").read_text()
+        (line,) = [x for x in limits.splitlines() if x.startswith("Max data size")]
+        assert line.split()[3:5] == [str(budget), str(budget)], line
+        fds = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        sockets = [n for n, target in fds.items() if n > 2 and target.startswith("socket:")]
+        assert len(sockets) == 1, fds
+        # Past stdio and the socket: only what the child opened itself (the model, /dev).
+        assert all(
+            not t.startswith(("socket:", "pipe:", str(home / "modeld.db")))
+            for n, t in fds.items()
+            if n > 2 and n not in sockets
+        ), fds
+    finally:
+        d.stop()
+
+
+def test_the_pinned_runtime_still_has_the_private_error_api() -> None:
+    """Runners read the runtime's own failure text through ``litert_lm._ffi``, a private API:
+    this fails when an upgraded runtime moved it, and says what to do."""
+    import importlib.metadata
+    import socket
+
+    from modeld.engine.runner.child import _Child
+
+    version = importlib.metadata.version("litert-lm-api")
+    try:
+        from litert_lm._ffi import _get_lib
+
+        lib = _get_lib()
+        for name in ("litert_lm_get_last_error_message", "litert_lm_clear_last_error"):
+            getattr(lib, name)
+    except (ImportError, AttributeError) as e:
+        pytest.fail(
+            f"litert-lm-api {version} moved the private error API that runners use ({e}). "
+            "Runners still work, but their errors carry the exception text alone and may lose "
+            "the backend_constraint code. Find the new place of the error text and update "
+            "_bind_errors in modeld/engine/runner/child.py, or keep litert-lm-api below "
+            f"{version} in pyproject.toml and constraints.txt."
+        )
+    a, b = socket.socketpair()
+    with a, b:
+        child = _Child(a)
+        child._bind_errors()
+        assert child._last_error is not None and child._clear_error is not None
+
+
+def test_a_runtime_without_the_private_error_api_falls_back(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without ``litert_lm._ffi`` a runner's errors carry the exception's own text, and its
+    stderr says why."""
+    import socket
+
+    from modeld.engine.runner.child import _Child
+
+    monkeypatch.setitem(sys.modules, "litert_lm._ffi", None)  # as a runtime without it
+    a, b = socket.socketpair()
+    with a, b:
+        child = _Child(a)
+        child._bind_errors()
+        assert child._last_error is None
+        child.clear_error()
+        assert child.runtime_reason(RuntimeError("Failed to create engine")) == (
+            "RuntimeError: Failed to create engine"
+        )
+    assert "error text API is missing" in capsys.readouterr().err

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from modeld.config import load_settings
 from modeld.download.journal import Block, JournalState, SqliteJournal
+from modeld.metrics import Metrics
 from modeld.services import prune
-from modeld.services.parts import Services
 from modeld.services.prune import (
     DEFAULT_SELECTION,
     Activity,
@@ -261,9 +261,7 @@ async def _open(home: Path, **extra: Any) -> tuple[Store, Remover]:
     settings = load_settings(home=home, socket=home / "modeld.sock", **extra)
     store = Store(home)
     await store.open()
-    services = Services(settings=settings)
-    services.parts["store"] = store
-    return store, Remover(services)
+    return store, Remover(settings, Metrics(), store)
 
 
 async def _install(store: Store, home: Path, model_id: str, data: bytes) -> Any:

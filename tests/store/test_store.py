@@ -54,6 +54,7 @@ async def test_image_probes_table_is_added_to_an_older_state_dir(tmp_path: Path)
     await first.close()
     with sqlite3.connect(home / "modeld.db") as conn:
         conn.execute("DROP TABLE image_probes")
+        conn.execute("PRAGMA user_version = 1")  # as the version before the table
     store = Store(home)
     await store.open()
     try:
@@ -388,6 +389,7 @@ async def test_kept_digests_survive_reopen_and_an_older_db_gains_their_table(
     install_fixture(home, "tiny", TINY)
     with sqlite3.connect(home / "modeld.db") as conn:
         conn.execute("DROP TABLE vouched")  # as a database written before the table existed
+        conn.execute("PRAGMA user_version = 2")
     first = Vouch("a" * 64, 7, "huggingface.co", 1.7e9)
     store = Store(home)
     await store.open()

@@ -50,6 +50,9 @@ class FakeRunner:
         if not self.factory.hold:
             gate.set()
         self.factory.gates.append(gate)
+        if job.get("fake_fail"):  # a request the runtime refuses after growing to fake_pss
+            self.pss = int(job.get("fake_pss", self.pss))
+            raise RunnerError("bad_request", str(job["fake_fail"]))
         for token in ("a", "b"):
             if self.died is not None:
                 raise self.died

@@ -9,9 +9,11 @@ Protocol (one socketpair, both ways): frames of a 4-byte big-endian length and a
 JSON object. Parent -> child ops, each with an ``id``:
 
 - ``create``: path, backend, vision, audio, max_tokens, max_images, cache_dir, speculative
-  (None: the runtime's default) -> ``{"id", "ok": true, "seconds", "pss", "rss", "options"}``;
-  ``options`` are the settings the engine was created with, read back from the runtime's
-  ``Engine`` object (``engine_options``)
+  (None: the runtime's default), threads (CPU backends), warm_up (one short generation
+  after the engine is made) -> ``{"id", "ok": true, "seconds", "warm_up", "pss", "rss",
+  "options"}``; ``seconds`` is ``litert_lm.Engine()`` alone, ``warm_up`` the warm-up
+  generation's timings (None when not asked); ``options`` are the settings the engine was
+  created with, read back from the runtime's ``Engine`` object (``engine_options``)
 - ``generate``: messages (role/content, last one is sent), max_tokens, sampler, stop,
   format, stream; when set: presence/frequency/repetition_penalty, schema (+ strict),
   tools (OpenAI descriptions; calls come back, never run), raw (no chat template)
@@ -49,8 +51,9 @@ import struct
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
+
+import psutil
 
 from modeld.proc import die_with_parent
 
@@ -109,18 +112,12 @@ def split_frames(buf: bytearray) -> list[dict[str, Any]]:
 
 
 def read_memory(pid: int) -> tuple[int, int]:
-    """``(pss, rss)`` in bytes from ``/proc/PID/smaps_rollup`` (0, 0 if it is gone)."""
-    pss = rss = 0
+    """``(pss, rss)`` in bytes (psutil reads ``/proc/PID/smaps_rollup``); (0, 0) if it is gone."""
     try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
+        info = psutil.Process(pid).memory_full_info()
+    except psutil.Error:
         return 0, 0
-    for line in text.splitlines():
-        if line.startswith("Pss:"):
-            pss = int(line.split()[1]) * 1024
-        elif line.startswith("Rss:"):
-            rss = int(line.split()[1]) * 1024
-    return pss, rss
+    return int(info.pss), int(info.rss)
 
 
 # --- the child -------------------------------------------------------------------------
@@ -192,6 +189,12 @@ class _TokenBatcher:
                     self._flush_locked(time.monotonic())
 
 
+# The warm-up generation: a few tokens are enough to run every kernel of a prefill and
+# a decode step once.
+WARM_UP_PROMPT = "Hello"
+WARM_UP_TOKENS = 4
+
+
 class _Child:
     """The runner's state: one socket, at most one engine, one generation thread."""
 
@@ -224,17 +227,29 @@ class _Child:
     def error(self, rid: Any, code: str, message: str) -> None:
         self.send({"id": rid, "error": {"code": code, "message": message}})
 
-    # The runtime's own failure text is kept per thread; read it on the failing thread.
     def _bind_errors(self) -> None:
-        from litert_lm._ffi import _get_lib
+        """Bind the runtime's own failure text (kept per thread; read on the failing thread).
 
-        lib = _get_lib()
-        with contextlib.suppress(AttributeError):
-            self._last_error = lib.litert_lm_get_last_error_message
-            self._last_error.restype = ctypes.c_char_p
-            self._last_error.argtypes = []
-            self._clear_error = lib.litert_lm_clear_last_error
-            self._clear_error.argtypes = []
+        It is reached through ``litert_lm._ffi``, a private API: a runtime that moved it
+        still runs, and its errors carry the Python exception's text alone (which may lose
+        the ``backend_constraint`` code). tests/engine/test_runner.py fails on such an upgrade.
+        """
+        try:
+            from litert_lm._ffi import _get_lib
+
+            lib = _get_lib()
+            last_error = lib.litert_lm_get_last_error_message
+            clear_error = lib.litert_lm_clear_last_error
+        except (ImportError, AttributeError, OSError) as e:
+            sys.stderr.write(
+                f"runner: the runtime's error text API is missing ({type(e).__name__}: {e}); "
+                "errors carry the exception text alone\n"
+            )
+            return
+        last_error.restype = ctypes.c_char_p
+        last_error.argtypes = []
+        clear_error.argtypes = []
+        self._last_error, self._clear_error = last_error, clear_error
 
     def clear_error(self) -> None:
         if self._clear_error is not None:
@@ -279,18 +294,53 @@ class _Child:
             self.error(rid, self._code_for(reason), reason)
             return
         self.max_tokens = msg.get("max_tokens")
-        pss, rss = read_memory(os.getpid())
         seconds = time.perf_counter() - started
+        warm_up = None
+        if msg.get("warm_up"):
+            try:
+                warm_up = self._warm_up()
+            except Exception as e:
+                reason = self.runtime_reason(e)
+                self.error(rid, self._code_for(reason), f"the warm-up generation failed: {reason}")
+                return
+        pss, rss = read_memory(os.getpid())
         self.send(
             {
                 "id": rid,
                 "ok": True,
                 "seconds": seconds,
+                "warm_up": warm_up,
                 "pss": pss,
                 "rss": rss,
                 "options": self._options(),
             }
         )
+
+    def _warm_up(self) -> dict[str, Any]:
+        """One short generation, so that the first request does not pay the one-time costs.
+
+        A GPU engine compiles its shaders and a CPU engine packs its weights and touches
+        their pages at the first prefill and decode, not at ``Engine()``: a pinned engine
+        that skips this makes its first user wait (~2 s against ~40 ms on an H200).
+        """
+        started = time.perf_counter()
+        conversation = self.engine.create_conversation(max_output_tokens=WARM_UP_TOKENS)
+        try:
+            conversation.send_message(WARM_UP_PROMPT)
+            info = None
+            with contextlib.suppress(RuntimeError):
+                info = conversation.get_benchmark_info()
+        finally:
+            conversation.close()
+        prefill_tps = info.last_prefill_tokens_per_second if info else None
+        prefill_tokens = info.last_prefill_token_count if info else 0
+        return {
+            "seconds": time.perf_counter() - started,
+            "prefill": prefill_tokens / prefill_tps if prefill_tps else None,
+            "prompt_tokens": prefill_tokens,
+            "tokens": info.last_decode_token_count if info else None,
+            "decode_tokens_per_second": info.last_decode_tokens_per_second if info else None,
+        }
 
     def _options(self) -> dict[str, Any]:
         from modeld.modelfile.runtime import engine_options

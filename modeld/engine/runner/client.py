@@ -15,12 +15,14 @@ import contextlib
 import itertools
 import os
 import re
+import resource
 import signal
 import socket
 import sys
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from modeld.config import child_environ
 from modeld.engine.runner.child import ProtocolError, encode_frame, read_memory, split_frames
 from modeld.modelfile.runtime import CreateSpec
 
@@ -142,9 +144,18 @@ class Runner:
         self._hello: asyncio.Future[dict[str, Any]] | None = None
 
     @classmethod
-    async def start(cls, *, env: dict[str, str] | None = None) -> Runner:
-        """Start a child and wait until it has loaded the runtime (its ``hello``)."""
+    async def start(
+        cls, *, env: dict[str, str] | None = None, data_limit: int | None = None
+    ) -> Runner:
+        """Start a child and wait until it has loaded the runtime (its ``hello``).
+
+        The child gets a scrubbed environment (``config.child_environ``; ``env`` replaces
+        it), no descriptor but its socket (``close_fds``), and with ``data_limit`` an
+        ``RLIMIT_DATA`` (soft and hard), set before it is sent any model.
+        """
         self = cls()
+        if env is None:
+            env = child_environ()
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -155,6 +166,7 @@ class Runner:
                 str(child_sock.fileno()),
                 "--parent",
                 str(os.getpid()),
+                close_fds=True,
                 pass_fds=(child_sock.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
@@ -167,6 +179,12 @@ class Runner:
         finally:
             child_sock.close()
         self.pid = self.proc.pid
+        if data_limit is not None:
+            try:
+                resource.prlimit(self.pid, resource.RLIMIT_DATA, (data_limit, data_limit))
+            except OSError:
+                await self.kill()
+                raise
         reader, self._writer = await asyncio.open_unix_connection(sock=parent_sock)
         self._hello = asyncio.get_running_loop().create_future()
         self._tasks = [

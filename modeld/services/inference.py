@@ -1,0 +1,301 @@
+"""The ``Inference`` application service: engines loaded on request, and generation.
+
+A generation request, native or OpenAI, arrives as one ``Generation`` (turns with their
+images, sampling options). ``Inference.generate`` checks it (roles, image count,
+keep_alive), admits it (the install and the engine target, its plan resolved with the
+vision modality before any runner starts, and the prompt's size against the engine's
+window), prepares it (images re-encoded, only now) and hands it to the pool, whose token
+stream the adapter serializes. Everything that can refuse a request is raised before the
+first record, so a refusal is a plain error response, never a broken stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import io
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from modeld import logs
+from modeld.config import Settings
+from modeld.engine.engines import Engines
+from modeld.engine.pool import Pool, Target, validate_keep_alive
+from modeld.errors import BadRequest, TooLarge
+
+IMAGE_LONG_SIDE = 640
+JPEG_QUALITY = 88
+# A prompt over this many UTF-8 bytes per token of the engine's window is refused unread;
+# text averages ~4 bytes a token, so 32 leaves room for any prompt that fits.
+PROMPT_BYTES_PER_TOKEN = 32
+
+
+def prepare_image(data: bytes, max_pixels: int) -> bytes:
+    """Turn upright, downscale to at most 640 px on the long side, re-encode as JPEG 88.
+
+    Pillow reads only the header on ``open``: the pixel count is checked there, before any
+    decoding (a 219 KB PNG can decode to 13000 x 13000, 0.9 GB). The EXIF orientation is
+    applied before the resize: a phone photo stored sideways reaches the model upright, and
+    the 640 px bound applies to its upright long side. The output carries no EXIF, so
+    nothing downstream turns it a second time.
+    """
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            if width * height > max_pixels:
+                raise _too_many_pixels(width, height, max_pixels)
+            # A JPEG decodes straight to a smaller scale (1/2, 1/4, 1/8) when that is enough.
+            img.draft("RGB", (IMAGE_LONG_SIDE, IMAGE_LONG_SIDE))
+            img.load()
+            rgb = ImageOps.exif_transpose(img).convert("RGB")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        # Pillow's own bound (about 179 MP; over 89 MP it warns) is past ours unless
+        # MODELD_MAX_IMAGE_PIXELS was raised.
+        raise TooLarge(f"an image has too many pixels ({e}); send a smaller image") from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise BadRequest(f"an image could not be decoded ({e}); send PNG or JPEG bytes") from e
+    rgb.thumbnail((IMAGE_LONG_SIDE, IMAGE_LONG_SIDE))
+    out = io.BytesIO()
+    rgb.save(out, format="JPEG", quality=JPEG_QUALITY)
+    return out.getvalue()
+
+
+def _too_many_pixels(width: int, height: int, max_pixels: int) -> TooLarge:
+    logs.event("image_refused", logging.WARNING, width=width, height=height, limit=max_pixels)
+    return TooLarge(
+        f"an image is {width}x{height} ({width * height / 1e6:.1f} megapixels), over "
+        f"MODELD_MAX_IMAGE_PIXELS ({max_pixels / 1e6:g} megapixels); scale it down before "
+        f"sending (modeld uses it at {IMAGE_LONG_SIDE} px on the long side anyway)"
+    )
+
+
+@dataclass
+class Turn:
+    """One message: its role, its text and the raw bytes of its images.
+
+    An assistant turn may carry the tool calls it made (``{"name", "arguments"}`` with the
+    arguments as an object); a ``tool`` turn names the tool whose result its text is.
+    """
+
+    role: str
+    text: str
+    images: list[bytes] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    name: str | None = None
+
+    def message(self, prepared: Callable[[bytes], bytes]) -> dict[str, Any]:
+        """The turn in the runtime's message format (litert-lm's ``Message.to_json``)."""
+        if self.role == "tool":
+            part = {"type": "tool_response", "name": self.name or "", "response": self.text}
+            return {"role": "tool", "content": [part]}
+        if not self.images:
+            msg: dict[str, Any] = {"role": self.role, "content": self.text}
+        else:
+            content: list[dict[str, Any]] = [{"type": "text", "text": self.text}]
+            content += [
+                {"type": "image", "blob": base64.b64encode(prepared(b)).decode()}
+                for b in self.images
+            ]
+            msg = {"role": self.role, "content": content}
+        if self.tool_calls:
+            msg["tool_calls"] = [{"type": "function", "function": c} for c in self.tool_calls]
+        return msg
+
+
+@dataclass
+class Generation:
+    """One generation request, whichever wire format it came in."""
+
+    model: str
+    turns: list[Turn]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    format: str | None = None
+    # Repetition settings (the runtime's RepetitionPenaltyConfig).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    # A JSON schema the reply is constrained to (the runtime's constrained decoding), and
+    # whether the daemon also checks the finished reply against it.
+    schema: dict[str, Any] | None = None
+    strict: bool = False
+    # OpenAI tool descriptions (``{"type": "function", "function": {...}}``) given to the
+    # runtime, which hands calls back instead of running them.
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    # The prompt goes to the model as it is, without the chat template (``/v1/completions``).
+    raw: bool = False
+    keep_alive: Any = None
+    allow_unverified: bool = False
+    backends: dict[str, Any] | None = None
+    # False: the client waits for the whole reply, so the runner sends it in one record.
+    stream: bool = True
+
+    @property
+    def image_count(self) -> int:
+        return sum(len(t.images) for t in self.turns)
+
+    def job(self, prepared: Callable[[bytes], bytes]) -> dict[str, Any]:
+        """The runner's ``generate`` fields; ``prepared`` re-encodes each image."""
+        job: dict[str, Any] = {
+            "messages": [t.message(prepared) for t in self.turns],
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "format": self.format,
+            "stream": self.stream,
+        }
+        extra = {
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "schema": self.schema,
+            "strict": self.strict or None,
+            "tools": self.tools or None,
+            "raw": self.raw or None,
+        }
+        # Only what is set: a plain request's frame stays as it was.
+        job.update({k: v for k, v in extra.items() if v is not None})
+        return job
+
+
+def check_prompt(gen: Generation, model_id: str, max_tokens: int) -> None:
+    """Refuse a prompt that cannot fit the engine's window, before the runtime tokenizes it.
+
+    The runtime tokenizes the whole conversation before it checks the window: a prompt of
+    millions of tokens took 15 s and 3.5 GB first. Text averages about 4 bytes a token, so
+    ``PROMPT_BYTES_PER_TOKEN`` bytes a token of the window is a bound no prompt that fits
+    comes near; the runtime still checks the exact count of what passes.
+    """
+    limit = max_tokens * PROMPT_BYTES_PER_TOKEN
+    size = 0
+    for turn in gen.turns:
+        # A character is at least one byte: count bytes only while under the limit.
+        size += len(turn.text)
+        if size <= limit:
+            size += len(turn.text.encode("utf-8", "surrogatepass")) - len(turn.text)
+        if size > limit:
+            logs.event("prompt_refused", logging.WARNING, model=model_id, size=size, limit=limit)
+            raise TooLarge(
+                f"the prompt is over {limit} bytes: model {model_id} takes {max_tokens} tokens "
+                f"at most, and modeld refuses prompts over {PROMPT_BYTES_PER_TOKEN} bytes a token "
+                "before tokenizing them; send a shorter prompt or fewer earlier messages"
+            )
+
+
+@dataclass
+class Prepared:
+    """A request turned into the runner's job, images re-encoded."""
+
+    job: dict[str, Any]
+    # Seconds spent decoding and re-encoding the images (a phase of the final record).
+    image_prepare: float = 0.0
+
+
+class Inference:
+    """Loads, unloads and generation, over the daemon's engines and pool."""
+
+    def __init__(self, settings: Settings, engines: Engines, pool: Pool) -> None:
+        self.settings = settings
+        self.engines = engines
+        self.pool = pool
+
+    # --- engines ---------------------------------------------------------------------
+
+    async def loaded(self) -> dict[str, Any]:
+        """The loaded engines, the pool's budget use and the runtime."""
+        runtime = await self.engines.runtime_info()
+        return {"engines": self.pool.list(), **self.pool.status(), "runtime": runtime}
+
+    async def load(
+        self,
+        model: str,
+        *,
+        backends: dict[str, Any] | None,
+        keep_alive: Any,
+        pin: bool,
+        allow_unverified: bool,
+        warm_up: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load an engine for ``model`` (a vision backend asked for loads the vision plan)."""
+        modalities = ["text"] + (["image"] if backends and backends.get("vision") else [])
+        alive = validate_keep_alive(keep_alive)
+        target = await self.engines.target(
+            model, modalities=modalities, backends=backends, allow_unverified=allow_unverified
+        )
+        return await self.pool.load(target, keep_alive=alive, pin=pin, warm_up=warm_up)
+
+    async def unload(self, selector: str) -> list[dict[str, Any]]:
+        return await self.pool.unload(selector)
+
+    async def forget_memory(self, model_id: str) -> dict[str, Any]:
+        """Forget the peaks learned for ``model_id``'s file (an admin's reset)."""
+        return await self.engines.forget_memory(model_id)
+
+    # --- generation ------------------------------------------------------------------
+
+    def check(self, gen: Generation) -> float | None:
+        """Refuse what is wrong with the request itself; return its keep_alive in seconds."""
+        if not gen.turns or gen.turns[-1].role not in ("user", "tool"):
+            raise BadRequest("the last message must have role user (or tool, with tool results)")
+        limit = self.engines.max_images(gen.model)
+        if gen.image_count > limit:
+            raise TooLarge(
+                f"{gen.image_count} images sent; model {gen.model} takes at most {limit}"
+            )
+        return validate_keep_alive(gen.keep_alive)
+
+    async def admit(self, gen: Generation) -> Target:
+        """The engine target for the request, or its refusal, before any runner starts.
+
+        The install and the plan come first, resolved with the vision modality when images
+        came: a model that is not installed, or whose plan cannot take images (a vision
+        encoder that needs gpu when vision=cpu), is refused before an image is decoded. Then
+        the prompt's size is held against the engine's window.
+        """
+        target = await self.engines.target(
+            gen.model,
+            modalities=["text", "image"] if gen.image_count else ["text"],
+            backends=gen.backends,
+            allow_unverified=gen.allow_unverified,
+            images=gen.image_count > 0,
+        )
+        check_prompt(gen, target.model_id, target.max_tokens)
+        return target
+
+    async def prepare(self, gen: Generation) -> Prepared:
+        """The runner's job; images decoded and re-encoded off the event loop."""
+        if not gen.image_count:
+            return Prepared(gen.job(bytes))
+        # Decoding and re-encoding takes tens of ms per image: keep it off the event loop.
+        prepare = functools.partial(prepare_image, max_pixels=self.settings.max_image_pixels)
+        began = time.perf_counter()
+        job = await asyncio.to_thread(gen.job, prepare)
+        return Prepared(job, time.perf_counter() - began)
+
+    async def generate(self, gen: Generation) -> tuple[str, AsyncGenerator[dict[str, Any], None]]:
+        """``(engine id, token records then a final record)`` for an admitted request.
+
+        Everything that can refuse the request (unknown or uninstalled model, too many
+        images, a backend constraint, a prompt over the window, a bad keep_alive or image)
+        is raised here, before a response starts.
+        """
+        keep_alive = self.check(gen)
+        target = await self.admit(gen)
+        prepared = await self.prepare(gen)
+        records = self.pool.generate(
+            target, prepared.job, keep_alive=keep_alive, image_prepare=prepared.image_prepare
+        )
+        return target.engine_id, records

@@ -1,0 +1,396 @@
+"""The ``Models`` application service: list, show, verify, install state, pull, bug report.
+
+What the routes (native and OpenAI) and, through the socket, the CLI and the Python client
+ask about models is decided here, on the daemon's catalog, store, engines and downloads.
+Plans come from ``Engines.plans`` (the one place plans are resolved); nothing is probed
+by ``show``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+from urllib.parse import unquote, urlsplit
+
+from modeld.catalog.catalog import Catalog, Entry, bundled_registry_dir, outdated
+from modeld.config import Settings
+from modeld.download.downloads import Downloads, result_dict
+from modeld.download.job import DownloadJob, DownloadTarget
+from modeld.engine.engines import Engines, error_brief
+from modeld.engine.pool import Pool
+from modeld.errors import ModeldError, ModelNotFound, ModelNotInstalled, NotEmbeddingModel
+from modeld.hostinfo import RUNTIME_PACKAGE, host_facts
+from modeld.modelfile.header import read_header
+from modeld.services import verification
+from modeld.services.fit import Fits
+from modeld.store.store import Installed, Store
+
+# State names shown by ``list`` and ``show``; scripts match on them.
+NOT_INSTALLED = "not_installed"
+INSTALLED = "installed"
+OUTDATED = "outdated"  # installed, but the entry now names another file; still loadable
+MISSING = "missing"  # the index has a row, but start-up found no file
+
+# ".../resolve/<revision>/<file>": Hugging Face, its mirrors, and entries from hf:// pulls.
+_RESOLVE = re.compile(r"/resolve/(?P<rev>[^/]+)/")
+MODEL_EVENTS = 100
+RECENT_EVENTS = 30
+_SCANNED_EVENTS = 2000
+
+
+def revision_of(urls: list[str]) -> str | None:
+    """The revision pinned in the entry's URLs (the primary's first), or None."""
+    for url in urls:
+        path = unquote(urlsplit(url).path)
+        m = _RESOLVE.search(path)
+        if m is not None:
+            return m.group("rev")
+    return None
+
+
+def _concerns(event: dict[str, Any], model_id: str, digest: str | None) -> bool:
+    fields = event.get("fields") or {}
+    return fields.get("model") == model_id or (
+        digest is not None and fields.get("digest") == digest
+    )
+
+
+def _no_plans(e: ModeldError) -> dict[str, Any]:
+    return {m: {"plan": None, "error": error_brief(e)} for m in ("text", "vision")}
+
+
+@dataclass
+class Pull:
+    """A pull as asked: the install that already matches the entry, or the download job."""
+
+    model_id: str
+    installed: dict[str, Any] | None = None
+    job: DownloadJob | None = None
+    # The fit checked before any byte, and the variant taken (``Fits.choose``), if checked.
+    choice: dict[str, Any] | None = None
+
+    def _already(self) -> dict[str, Any]:
+        doc = {"id": self.model_id, "state": "installed", "already": True}
+        doc |= {"installed": self.installed}
+        if self.choice is not None:
+            doc["choice"] = self.choice
+        return doc
+
+    def snapshot(self) -> dict[str, Any]:
+        """One document: the install (``already``) or the job's progress now."""
+        if self.job is None:
+            return self._already()
+        return self.job.snapshot() | {"choice": self.choice}
+
+    async def records(self) -> AsyncGenerator[dict[str, Any], None]:
+        """Progress records until installed or failed; the last one carries the install.
+
+        Leaving this generator (the client went away) never cancels the job.
+        """
+        job = self.job
+        if job is None:
+            yield self._already()
+            return
+        first = True
+        async for record in job.events():
+            if record["state"] == "installed":
+                record["installed"] = result_dict(job.result)
+            if self.choice is not None and (first or record["state"] == "installed"):
+                record["choice"] = self.choice
+            first = False
+            yield record
+
+
+class Models:
+    """Models as users see them: the catalog's entries with what is installed of each."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        catalog: Catalog,
+        store: Store,
+        *,
+        engines: Engines,
+        pool: Pool,
+        downloads: Downloads,
+        fits: Fits,
+    ) -> None:
+        self.settings = settings
+        self.catalog = catalog
+        self.store = store
+        self.engines = engines
+        self.pool = pool
+        self.downloads = downloads
+        self.fits = fits
+
+    # --- install state ---------------------------------------------------------------
+
+    def _summary(
+        self, model_id: str, entry: Entry | None, inst: Installed | None, missing: bool
+    ) -> dict[str, Any]:
+        is_outdated = inst is not None and outdated(entry, inst.digest, inst.size)
+        if inst is not None:
+            state = OUTDATED if is_outdated else INSTALLED
+        else:
+            state = MISSING if missing else NOT_INSTALLED
+        installed = None
+        if inst is not None:
+            installed = inst.to_dict() | {"outdated": is_outdated}
+        source = self.catalog.source_of(model_id)
+        return {
+            "id": model_id,
+            "display_name": entry.display_name if entry else model_id,
+            "file_name": entry.file_name if entry else None,
+            "size": entry.size if entry else (inst.size if inst else None),
+            "sha256": entry.sha256 if entry else None,
+            "in_catalog": entry is not None,
+            "source": str(source) if source else None,
+            "state": state,
+            "installed": installed,
+        }
+
+    async def listing(self, installed_only: bool = False) -> dict[str, Any]:
+        """The catalog with each entry's install state, plus installed models it lacks."""
+        installs = {i.model_id: i for i in await self.store.list_installed()}
+        missing = await self.store.missing()
+        ids = sorted({e.id for e in self.catalog.entries()} | installs.keys() | missing.keys())
+        models = []
+        for m in ids:
+            if installed_only and m not in installs:
+                continue
+            entry = self.catalog.find(m)
+            doc = self._summary(m, entry, installs.get(m), m in missing)
+            # Whether its smallest (text-only) engine fits MODELD_MEMORY_BUDGET at all.
+            doc["fit"] = (await self.fits.of(entry, installs.get(m))).to_dict() if entry else None
+            models.append(doc)
+        return {"models": models, "problems": [str(p) for p in self.catalog.problems]}
+
+    async def servable(self) -> list[Installed]:
+        """Installed models that can answer: an install without an entry has no limits to load."""
+        return [
+            inst
+            for inst in await self.store.list_installed()
+            if self.catalog.find(inst.model_id) is not None
+        ]
+
+    async def current(self, model_id: str) -> dict[str, Any] | None:
+        """The model's install when it still matches its entry (so a pull has nothing to do).
+
+        An unverified install whose bytes differ from what a hub vouched for for the entry's
+        pinned revision is not current either: a pull fetches the vouched file.
+        """
+        inst = await self.store.installed(model_id)
+        if inst is None:
+            return None
+        entry = self.catalog.find(model_id)
+        with contextlib.suppress(ModelNotFound):
+            if outdated(entry, inst.digest, inst.size):
+                return None
+        if entry is not None and not inst.verified and entry.sha256 is None:
+            rev = DownloadTarget.from_entry(entry).revision
+            kept = await self.store.vouched(model_id, rev) if rev else None
+            if kept is not None and kept.sha256 != inst.digest:
+                return None
+        return inst.to_dict()
+
+    async def pull(self, model_id: str, *, force: bool = False) -> Pull:
+        """Start or join the model's download, unless its install is current already.
+
+        Before any byte, a model that can never load is refused, or a variant that fits is
+        taken (``Fits.choose``; ``force`` skips the refusal).
+        """
+        current = await self.current(model_id)
+        choice: dict[str, Any] | None = None
+        if current is None and model_id not in self.downloads.jobs:
+            found = await self.fits.choose(model_id, force=force)
+            choice = {**found, "fit": found["fit"].to_dict()}
+            if found["chosen"] != model_id:
+                model_id = found["chosen"]
+                current = await self.current(model_id)
+        if current is not None:
+            return Pull(model_id, installed=current, choice=choice)
+        return Pull(model_id, job=self.downloads.pull(model_id), choice=choice)
+
+    async def embed(self, model_id: str) -> NoReturn:
+        """Embeddings: refused, saying why for this model (no embedding engine runs yet)."""
+        if self.catalog.find(model_id) is None:
+            raise ModelNotFound(f"no model {model_id!r}; `modeld list` shows the catalog")
+        inst = await self.store.installed(model_id)
+        if inst is None:
+            raise ModelNotInstalled(
+                f"model {model_id} is not installed; run `modeld pull {model_id}` first"
+            )
+        info = await asyncio.to_thread(read_header, inst.path, model_id=model_id)
+        if info.role_section("main") is not None:
+            raise NotEmbeddingModel(
+                f"model {model_id} is not an embedding model (it generates text: its file "
+                "has a prefill/decode section); use /v1/chat/completions with it, or send "
+                "an embedding model's id"
+            )
+        raise NotEmbeddingModel(
+            f"model {model_id} has no text decoder, and modeld does not run LiteRT-LM "
+            "embedding engines yet; no model it can load produces embeddings"
+        )
+
+    def _engine_settings(self, entry: Entry | None, model_id: str) -> dict[str, Any]:
+        """The CPU threads and warm-up rule an engine of this model gets, and loaded engines'."""
+        settings = self.settings
+        runtime = entry.runtime if entry else None
+        threads_from = "entry" if runtime and runtime.threads else "MODELD_CPU_THREADS"
+        warm_up = runtime.warm_up if runtime and runtime.warm_up is not None else None
+        if warm_up is None:
+            warm_up_rule = "gpu plans and pinned loads" if settings.warm_up else "never"
+        else:
+            warm_up_rule = "every load (entry)" if warm_up else "never (entry)"
+        loaded = {e["id"]: e["cpu_threads"] for e in self.pool.list() if e["model"] == model_id}
+        return {
+            "cpu_threads": (runtime.threads if runtime else None) or settings.cpu_threads,
+            "cpu_threads_from": threads_from,
+            "warm_up": warm_up_rule,
+            "loaded_cpu_threads": loaded,
+        }
+
+    # --- show ------------------------------------------------------------------------
+
+    async def show(self, model_id: str) -> dict[str, Any]:
+        """One model: entry, install state, header sections and constraints, plans, probes."""
+        entry = self.catalog.find(model_id)
+        inst = await self.store.installed(model_id)
+        missing = model_id in await self.store.missing()
+        if entry is None and inst is None and not missing:
+            raise ModelNotFound(
+                f"no model {model_id!r} in the catalog or installed; "
+                "`modeld list` shows the known ids"
+            )
+        doc = self._summary(model_id, entry, inst, missing)
+        doc["entry"] = entry.to_dict() if entry else None
+        doc["fit"] = (await self.fits.of(entry, inst)).to_dict() if entry else None
+        doc["engine_settings"] = self._engine_settings(entry, model_id)
+        doc["header"] = doc["header_error"] = None
+        doc["probes"] = {}
+        doc["image_probes"] = {}
+        doc["runtime"] = {
+            "package": RUNTIME_PACKAGE,
+            "version": self.engines.runtime,
+            "adapter": None,
+        }
+        if inst is None:
+            doc["plans"] = _no_plans(
+                ModelNotInstalled(
+                    f"model {model_id} is not installed, so its file's sections are unknown; "
+                    f"run `modeld pull {model_id}`"
+                )
+            )
+            return doc
+        doc["probes"] = await self.store.probes(inst.digest)
+        # plan key -> one small image run through that plan on this host (modelfile.probe).
+        doc["image_probes"] = await self.store.image_probes(inst.digest)
+        gpu = doc["probes"].get("gpu")
+        if gpu is not None and gpu["ok"] and gpu["current"]:
+            doc["runtime"]["adapter"] = gpu["adapter"]
+        try:
+            info = await asyncio.to_thread(read_header, inst.path, model_id=model_id)
+        except ModeldError as e:
+            doc["header_error"] = error_brief(e)
+            doc["plans"] = _no_plans(e)
+            return doc
+        except OSError as e:
+            err = ModelNotInstalled(
+                f"model {model_id}: its file cannot be read ({e.strerror or e}); "
+                f"run `modeld verify {model_id}` or `modeld pull {model_id}`"
+            )
+            doc["header_error"] = error_brief(err)
+            doc["plans"] = _no_plans(err)
+            return doc
+        doc["header"] = info.to_dict()
+        doc["plans"] = self.engines.plans(
+            model_id, entry, info, probes=doc["probes"], image_probes=doc["image_probes"]
+        )
+        return doc
+
+    # --- verify ----------------------------------------------------------------------
+
+    async def verify(self, model_id: str) -> dict[str, Any]:
+        """Re-hash the blob; an unverified install becomes verified when a source vouches.
+
+        Sources, in order: the entry's sha256; else the digest a hub vouched for earlier for
+        the entry's pinned revision; else the hub itself, asked now (one request, no body),
+        whose answer is then kept. ``hint`` says what can still make an unverified install
+        verified.
+        """
+        before = await self.store.installed(model_id)
+        entry = self.catalog.find(model_id)
+        if before is None and entry is None:
+            self.catalog.get(model_id)  # raises ModelNotFound with its hint
+        report = await self.store.verify(model_id)
+        doc = report.to_dict()
+        verified_by = before.verified_by if before else None
+        vouch = None
+        if report.ok and verified_by is None and entry is not None:
+            verified_by, vouch = await verification.vouched_by(
+                self.settings, self.store, entry, report.digest
+            )
+            if verified_by is not None:
+                await self.store.set_verified(model_id, verified_by)
+        doc["verified_by"] = verified_by if report.ok else None
+        doc["outdated"] = report.ok and outdated(entry, report.digest, report.size)
+        doc["hint"] = None
+        if report.ok and verified_by is None:
+            doc["hint"] = verification.how_to_verify(
+                model_id,
+                entry,
+                report.digest,
+                vouch,
+                hub=verification.hub_of(entry.urls) if entry is not None else None,
+                source=self.catalog.source_of(model_id),
+                bundled=bundled_registry_dir(),
+            )
+        return doc
+
+    # --- bug report ------------------------------------------------------------------
+
+    async def bug_report(self, model_id: str, version: str) -> dict[str, Any]:
+        """What an upstream issue about ``model_id`` needs.
+
+        Host, OS, Python, the runtime's version and the GPU adapter, the entry and its
+        revision, the installed file (size, digest, what verified it), the header and plans,
+        every probe with its child's stderr, the latest runner's whole stderr, and the
+        journal's recent events.
+        """
+        shown = await self.show(model_id)
+        inst = shown["installed"]
+        entry = shown["entry"]
+        digest = inst["digest"] if inst else None
+        events = await self.store.events(limit=_SCANNED_EVENTS)
+        return {
+            "generated_at": time.time(),
+            "modeld_version": version,
+            "host": host_facts(),
+            "runtime": await self.engines.runtime_info(),
+            "settings": self.settings.effective(),
+            "model": {
+                "id": model_id,
+                "state": shown["state"],
+                "registry": shown["source"],
+                "entry": entry,
+                "revision": revision_of(entry["urls"]) if entry else None,
+                "file_name": shown["file_name"],
+                "size": inst["size"] if inst else shown["size"],
+                "digest": digest,
+                "verified_by": inst["verified_by"] if inst else None,
+                "installed": inst,
+            },
+            "header": shown["header"],
+            "header_error": shown["header_error"],
+            "plans": shown["plans"],
+            "probes": await self.store.probes(digest, with_log=True) if digest else {},
+            "engines": [v for v in self.pool.list() if v["model"] == model_id],
+            "runner": self.pool.runner_log(model_id),
+            "events": [e for e in events if _concerns(e, model_id, digest)][:MODEL_EVENTS],
+            "recent_events": events[:RECENT_EVENTS],
+        }

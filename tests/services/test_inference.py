@@ -1,0 +1,92 @@
+"""``modeld.services.inference``: preparing, admitting and running generation requests, and
+loads, on the real parts of a ``Root`` (the real runtime on the tiny fixture models)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from modeld.daemon.root import Root
+from modeld.errors import BackendConstraint, BadRequest, ModelNotInstalled, TooLarge
+from modeld.services.inference import PROMPT_BYTES_PER_TOKEN, Generation, Turn
+from modeld.services.parts import Services
+from tests.support.state import MODELS, install_fixture, registry_settings, write_entry
+
+TINY = MODELS / "tiny-text.litertlm"
+GEMMA3N = MODELS / "gemma3n-like.litertlm"
+
+
+@pytest.fixture
+async def started(clean_env: Path) -> AsyncIterator[Services]:
+    """A started ``Root`` with tiny-text and gemma3n-like installed, ``absent`` not."""
+    home, registry = clean_env / "home", clean_env / "registry"
+    install_fixture(home, "tiny-text", TINY, registry=registry)
+    install_fixture(home, "gemma3n-like", GEMMA3N, registry=registry)
+    write_entry(registry, "absent", size=123, sha256="a" * 64)
+    async with Root(registry_settings(home, registry), spare=False) as services:
+        yield services
+
+
+def _png(width: int = 1280, height: int = 320) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(out, format="PNG")
+    return out.getvalue()
+
+
+async def test_check_refuses_the_request_before_any_engine(started: Services) -> None:
+    """The last turn must be the user's, images within the entry's limit, keep_alive valid."""
+    inference = started.inference
+    with pytest.raises(BadRequest, match="role user"):
+        inference.check(Generation("tiny-text", [Turn("assistant", "hi")]))
+    two = [Turn("user", "look", [_png(), _png()])]
+    with pytest.raises(TooLarge, match="at most 1"):
+        inference.check(Generation("tiny-text", two))
+    with pytest.raises(BadRequest):
+        inference.check(Generation("tiny-text", [Turn("user", "hi")], keep_alive="x"))
+    assert inference.check(Generation("tiny-text", [Turn("user", "hi")], keep_alive="30s")) == 30
+    assert started.pool.list() == []
+
+
+async def test_prepare_reencodes_images_into_the_runners_job(started: Services) -> None:
+    """An image reaches the job as a JPEG at most 640 px on its long side, text kept."""
+    gen = Generation("tiny-text", [Turn("user", "what is it?", [_png()])])
+    prepared = await started.inference.prepare(gen)
+    assert prepared.image_prepare > 0
+    content = prepared.job["messages"][0]["content"]
+    assert content[0] == {"type": "text", "text": "what is it?"}
+    with Image.open(io.BytesIO(base64.b64decode(content[1]["blob"]))) as img:
+        assert img.format == "JPEG" and max(img.size) == 640
+
+
+async def test_admit_refuses_before_any_runner_starts(started: Services) -> None:
+    """Not installed, a vision encoder that needs gpu with vision=cpu, or a prompt far over
+    the engine's window: refused, and no engine started."""
+    with pytest.raises(ModelNotInstalled, match="modeld pull absent"):
+        await started.inference.admit(Generation("absent", [Turn("user", "hi")]))
+    images = Generation("gemma3n-like", [Turn("user", "see", [_png()])])
+    with pytest.raises(BackendConstraint):
+        await started.inference.admit(images)
+    text = Generation("tiny-text", [Turn("user", "hi")])
+    window = (await started.inference.admit(text)).max_tokens
+    huge = Generation("tiny-text", [Turn("user", "x" * (window * PROMPT_BYTES_PER_TOKEN + 1))])
+    with pytest.raises(TooLarge, match="over"):
+        await started.inference.admit(huge)
+    assert started.pool.list() == []
+
+
+async def test_generate_streams_tokens_then_the_final_record(started: Services) -> None:
+    """A text request on the real runtime: token records, then one final record with timings."""
+    gen = Generation("tiny-text", [Turn("user", "hello")], max_tokens=3)
+    engine_id, records = await started.inference.generate(gen)
+    out = [r async for r in records]
+    final = out[-1]
+    assert final["done"] is True and final["engine"] == engine_id
+    assert final["tokens"] == 3
+    assert [v["id"] for v in (await started.inference.loaded())["engines"]] == [engine_id]
+    unloaded = await started.inference.unload("tiny-text")
+    assert [v["id"] for v in unloaded] == [engine_id]
