@@ -29,7 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from modeld.client import Client  # noqa: E402
+from modeld.client import AsyncClient  # noqa: E402
 from modeld.engine.runner.child import read_memory  # noqa: E402
 from modeld.engine.runner.client import Runner  # noqa: E402
 from modeld.modelfile.runtime import CreateSpec  # noqa: E402
@@ -102,7 +102,7 @@ async def runner_alone(runs: int, cache: Path) -> list[float]:
         await r.close()
 
 
-async def spare_ready(c: Client) -> None:
+async def spare_ready(c: AsyncClient) -> None:
     """Wait (up to 5 s) until the spare runner is back, so every cold run starts alike."""
     for _ in range(100):
         if (await c.request("GET", "/api/engines"))["spare"]["pid"]:
@@ -113,7 +113,7 @@ async def spare_ready(c: Client) -> None:
 async def daemon_runs(d: DaemonProcess, direct: Direct, args: argparse.Namespace) -> dict[str, Any]:
     body = {"model": "tiny-text", "prompt": PROMPT, "max_tokens": TOKENS}
     got: dict[str, Any] = {"warm": [], "direct": [], "health": [], "cold": [], "direct_cold": []}
-    async with Client(d.socket) as c:
+    async with AsyncClient(d.socket) as c:
         await spare_ready(c)
         await asyncio.sleep(0.5)
         assert d.proc is not None

@@ -1,147 +1,644 @@
-"""The socket client that the CLI (and Python apps) use to talk to a daemon."""
+"""The Python client for apps (and the CLI): ``Client`` (sync) and ``AsyncClient`` (asyncio).
+
+Both find the daemon as the CLI does (``find_daemon``) and raise the package's own errors
+(``modeld.errors``): a daemon's error comes back as the class of its code
+(``ModelNotFound``, ``Forbidden``...), a daemon that does not answer as ``DaemonUnavailable``.
+
+    from modeld.client import Client
+
+    with Client() as c:
+        print([m["id"] for m in c.models(installed=True)["models"]])
+        for record in c.generate("gemma-3-1b-it", "Why is the sky blue?"):
+            print(record.get("token", ""), end="", flush=True)
+
+Importing this module costs only the standard library: ``Client`` speaks HTTP/1.1 itself
+over the socket (or TCP), and ``AsyncClient`` imports aiohttp when it is first entered. That
+keeps a CLI call (a fresh process each time) short: pydantic and aiohttp alone cost ~0.5 s.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import errno
-import grp
+import io
 import json
 import os
-import pwd
 import socket
-import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-from urllib.parse import quote
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlsplit
 
-import aiohttp
-
+from modeld.config import client_api_key, client_socket_path, client_url
 from modeld.errors import (
     BadRequest,
     DaemonUnavailable,
     ModeldError,
+    SettingsError,
     SocketDenied,
     error_from_body,
 )
 
-# Host part of the URL is ignored on a Unix socket; it only has to be a valid name.
-_BASE = "http://modeld"
+if TYPE_CHECKING:
+    import aiohttp
 
 # How long a request that the daemon answers at once (GET: status, list, show, ps, health)
 # may wait for its answer. systemd accepts connections on modeld.socket even while the
 # service fails to start; without a limit a client would wait in the backlog forever. A
 # cold start through socket activation takes a few seconds.
 ANSWER_TIMEOUT = 30.0
+CONNECT_TIMEOUT = 5.0
+
+# The longest status line or header the client reads (the daemon's are far shorter).
+_MAX_LINE = 65536
+
+
+class Endpoint:
+    """Where a daemon listens: its Unix socket, or a TCP ``url`` with an API key.
+
+    A plain class: a dataclass is built with ``exec`` at import, a cost every CLI call pays.
+    """
+
+    __slots__ = ("api_key", "socket", "url")
+
+    def __init__(
+        self, socket: Path | None = None, url: str | None = None, api_key: str | None = None
+    ) -> None:
+        self.socket = socket
+        self.url = url
+        self.api_key = api_key
+
+    def __repr__(self) -> str:
+        return f"Endpoint(socket={self.socket!r}, url={self.url!r})"
+
+    def __str__(self) -> str:
+        return str(self.socket) if self.socket is not None else str(self.url)
+
+
+def find_daemon(
+    socket_path: Path | str | None = None,
+    *,
+    url: str | None = None,
+    api_key: str | None = None,
+) -> Endpoint:
+    """The daemon to talk to, as the CLI finds it.
+
+    ``socket_path``, else ``url`` (TCP, with ``api_key`` or ``MODELD_API_KEY``), else
+    ``MODELD_URL``, else the socket: ``MODELD_SOCKET``, the config file's ``socket``, then the
+    first that exists of ``$XDG_RUNTIME_DIR/modeld.sock``, ``/run/modeld/modeld.sock`` and
+    ``$MODELD_HOME/modeld.sock``.
+    """
+    if socket_path is not None:
+        return Endpoint(socket=Path(socket_path))
+    url = url or client_url()
+    if url is not None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname or parts.port is None:
+            raise SettingsError(
+                f"{url!r} is not a daemon URL; give http://HOST:PORT (for https, put the TLS "
+                "proxy's plain side here or use the socket)",
+                key="url",
+            )
+        return Endpoint(url=f"http://{parts.netloc}", api_key=api_key or client_api_key())
+    return Endpoint(socket=client_socket_path())
+
+
+def _path(model_id: str) -> str:
+    return quote(model_id, safe="")
+
+
+# --- request bodies, shared by both clients ------------------------------------------------
+
+
+def load_body(
+    model: str,
+    *,
+    main: str | None = None,
+    vision: str | None = None,
+    keep_alive: str | float | None = None,
+    pin: bool = False,
+    allow_unverified: bool = False,
+    warm_up: bool | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "pin": pin, "allow_unverified": allow_unverified}
+    if warm_up is not None:
+        body["warm_up"] = warm_up
+    backends = {k: v for k, v in (("main", main), ("vision", vision)) if v}
+    if backends:
+        body["backends"] = backends
+    if keep_alive is not None:
+        body["keep_alive"] = keep_alive
+    return body
+
+
+def generation_body(
+    model: str,
+    *,
+    prompt: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+    system: str | None = None,
+    images: list[bytes] | None = None,
+    format: str | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    keep_alive: str | float | None = None,
+    allow_unverified: bool = False,
+) -> dict[str, Any]:
+    """The body of ``POST /api/generate``; unset fields are left to the daemon."""
+    import base64  # here: only a generation needs it
+
+    body: dict[str, Any] = {"model": model}
+    if prompt is not None:
+        body["prompt"] = prompt
+    if messages is not None:
+        body["messages"] = messages
+    if images:
+        body["images"] = [base64.b64encode(b).decode() for b in images]
+    for key, value in (
+        ("system", system),
+        ("format", format),
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_k", top_k),
+        ("top_p", top_p),
+        ("seed", seed),
+        ("stop", stop),
+        ("keep_alive", keep_alive),
+    ):
+        if value is not None:
+            body[key] = value
+    if allow_unverified:
+        body["allow_unverified"] = True
+    return body
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    """One NDJSON record; an error record is raised as the daemon's error."""
+    line = line.strip()
+    if not line:
+        return None
+    record = json.loads(line)
+    if isinstance(record, dict) and "error" in record and len(record) == 1:
+        raise error_from_body(500, record)
+    if not isinstance(record, dict):
+        raise ModeldError(f"the daemon sent a record that is not an object: {line[:80]!r}")
+    return record
+
+
+def _decode(status: int, content_type: str, data: bytes) -> Any:
+    decoded: Any = None
+    if content_type.startswith("application/json") and data:
+        decoded = json.loads(data)
+    if status >= 400:
+        raise error_from_body(status, decoded)
+    return decoded if decoded is not None else data.decode(errors="replace")
+
+
+def _no_answer(where: Endpoint, seconds: float) -> DaemonUnavailable:
+    return DaemonUnavailable(
+        f"modeld on {where} took the connection but sent no answer in {seconds:g} s; the "
+        "service may be failing to start: see `systemctl status modeld` and "
+        "`journalctl -u modeld` (add --user for your own unit)"
+    )
+
+
+def _unreachable(where: Endpoint, err: BaseException) -> DaemonUnavailable:
+    os_error = getattr(err, "os_error", err)
+    denied = isinstance(os_error, OSError) and os_error.errno in (errno.EACCES, errno.EPERM)
+    if where.socket is not None and denied:
+        return socket_denied(where.socket)
+    if where.socket is None:
+        return DaemonUnavailable(
+            f"no modeld answers on {where} ({err.__class__.__name__}); check MODELD_URL and "
+            "that the daemon listens there (MODELD_LISTEN)"
+        )
+    return DaemonUnavailable(
+        f"no modeld answers on {where} ({err.__class__.__name__}); "
+        "start one with `modeld serve` or pass --socket"
+    )
+
+
+# --- the sync client --------------------------------------------------------------------
+
+
+class _Response:
+    """One HTTP/1.1 response read from a socket: status, headers, then its body."""
+
+    def __init__(self, sock: socket.socket, stream: io.BufferedReader) -> None:
+        self._sock = sock
+        self._stream = stream
+        line = self._line()
+        parts = line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise ModeldError(f"the daemon answered something that is not HTTP: {line[:80]!r}")
+        self.status = int(parts[1])
+        self.headers: dict[str, str] = {}
+        while (header := self._line()) not in (b"\r\n", b"\n", b""):
+            name, _, value = header.decode("latin-1").partition(":")
+            self.headers[name.strip().lower()] = value.strip()
+
+    def _line(self) -> bytes:
+        line = self._stream.readline(_MAX_LINE)
+        if not line:
+            raise ConnectionResetError("the daemon closed the connection")
+        return line
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "")
+
+    def chunks(self) -> Iterator[bytes]:
+        """The body as it arrives (chunked, by Content-Length, or until the daemon closes)."""
+        if self.headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                size = int(self._line().split(b";", 1)[0].strip() or b"0", 16)
+                if size == 0:
+                    return
+                data = self._stream.read(size)
+                if len(data) < size:
+                    raise ModeldError("the daemon closed the stream early; see its log")
+                self._stream.readline(_MAX_LINE)
+                yield data
+        elif "content-length" in self.headers:
+            data = self._stream.read(int(self.headers["content-length"]))
+            if data:
+                yield data
+        else:
+            while data := self._stream.read1(65536):
+                yield data
+
+    def read(self) -> bytes:
+        return b"".join(self.chunks())
+
+    def lines(self) -> Iterator[bytes]:
+        pending = b""
+        for chunk in self.chunks():
+            pending += chunk
+            *complete, pending = pending.split(b"\n")
+            yield from complete
+        if pending:
+            yield pending
+
+    def close(self) -> None:
+        self._stream.close()
+        self._sock.close()
 
 
 class Client:
-    """An async client for one daemon socket; use as ``async with Client(path) as c``.
+    """A sync client for one daemon: ``with Client() as c: c.status()``.
 
+    Each call is one request on its own connection (a Unix socket connects in microseconds).
     GET requests must be answered within ``answer_timeout``. Other requests may rightly take
-    long (a load, a verify), so before the first of them the client checks that the daemon
+    long (a load, a pull), so before the first of them the client checks that the daemon
     answers ``/api/health`` within that time.
     """
 
     def __init__(
         self,
-        socket_path: Path,
+        socket_path: Path | str | None = None,
         *,
-        connect_timeout: float = 5.0,
+        url: str | None = None,
+        api_key: str | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
         answer_timeout: float = ANSWER_TIMEOUT,
     ) -> None:
-        self.socket_path = socket_path
+        self.endpoint = find_daemon(socket_path, url=url, api_key=api_key)
+        self.connect_timeout = connect_timeout
         self.answer_timeout = answer_timeout
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
-        self._answer = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect_timeout, sock_read=answer_timeout
+        self._answered = False
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing stays open between calls; here for symmetry with ``AsyncClient``."""
+
+    def _connect(self) -> socket.socket:
+        where = self.endpoint
+        try:
+            if where.socket is not None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(self.connect_timeout)
+                try:
+                    sock.connect(str(where.socket))
+                except BaseException:
+                    sock.close()
+                    raise
+                return sock
+            parts = urlsplit(str(where.url))
+            return socket.create_connection(
+                (str(parts.hostname), parts.port or 80), timeout=self.connect_timeout
+            )
+        except TimeoutError as e:
+            raise _no_answer(where, self.connect_timeout) from e
+        except OSError as e:
+            raise _unreachable(where, e) from e
+
+    def _send(self, method: str, path: str, body: Any, *, quick: bool) -> _Response:
+        payload = b"" if body is None else json.dumps(body).encode()
+        head = [f"{method} {path} HTTP/1.1", "Host: modeld", "Connection: close"]
+        if body is not None:
+            head.append("Content-Type: application/json")
+        if payload or method not in ("GET", "HEAD", "DELETE"):
+            head.append(f"Content-Length: {len(payload)}")
+        if self.endpoint.api_key is not None:
+            head.append(f"Authorization: Bearer {self.endpoint.api_key}")
+        sock = self._connect()
+        try:
+            sock.settimeout(self.answer_timeout if quick else None)
+            sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + payload)
+            response = _Response(sock, sock.makefile("rb"))
+        except TimeoutError as e:
+            sock.close()
+            raise _no_answer(self.endpoint, self.answer_timeout) from e
+        except OSError as e:
+            sock.close()
+            raise _unreachable(self.endpoint, e) from e
+        self._answered = True
+        return response
+
+    def _ensure_answering(self) -> None:
+        """Before a request that may take long: the daemon answers a quick one in time."""
+        if not self._answered:
+            self.request("GET", "/api/health")
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        """Send one request; return the decoded JSON, or raise the daemon's error."""
+        quick = method == "GET"
+        if not quick:
+            self._ensure_answering()
+        response = self._send(method, path, body, quick=quick)
+        try:
+            data = response.read()
+        except TimeoutError as e:
+            raise _no_answer(self.endpoint, self.answer_timeout) from e
+        finally:
+            response.close()
+        return _decode(response.status, response.content_type, data)
+
+    def stream(self, method: str, path: str, body: Any = None) -> Iterator[dict[str, Any]]:
+        """Send one request and yield its NDJSON records; an error record is raised."""
+        self._ensure_answering()
+        response = self._send(method, path, body, quick=False)
+        try:
+            if response.status >= 400:
+                _decode(response.status, response.content_type, response.read())
+            for line in response.lines():
+                record = _record(line)
+                if record is not None:
+                    yield record
+        finally:
+            response.close()
+
+    # --- the API, one method per route ---------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("GET", "/api/health")
+        return result
+
+    def status(self) -> dict[str, Any]:
+        """``GET /api/status``: version, settings, and each part's summary and problems."""
+        result: dict[str, Any] = self.request("GET", "/api/status")
+        return result
+
+    def models(self, installed: bool = False) -> dict[str, Any]:
+        """``GET /api/models``: ``{"models": [...], "problems": [...]}`` with install state."""
+        result: dict[str, Any] = self.request(
+            "GET", "/api/models?installed=1" if installed else "/api/models"
         )
+        return result
+
+    def show(self, model_id: str) -> dict[str, Any]:
+        """``GET /api/models/{id}``: entry, install state, sections, plans, probes."""
+        result: dict[str, Any] = self.request("GET", f"/api/models/{_path(model_id)}")
+        return result
+
+    def bug_report(self, model_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("GET", f"/api/models/{_path(model_id)}/bug-report")
+        return result
+
+    def verify(self, model_id: str) -> dict[str, Any]:
+        """``POST /api/models/{id}/verify``: re-hash the installed file."""
+        result: dict[str, Any] = self.request("POST", f"/api/models/{_path(model_id)}/verify")
+        return result
+
+    def remove(self, model_id: str, *, force: bool = False) -> dict[str, Any]:
+        """``DELETE /api/models/{id}``: remove the install and its partial (``force`` unloads)."""
+        path = f"/api/models/{_path(model_id)}" + ("?force=1" if force else "")
+        result: dict[str, Any] = self.request("DELETE", path)
+        return result
+
+    def prune(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``POST /api/prune`` with ``dry_run``, ``partials``, ``orphans``, ``unused_for``..."""
+        result: dict[str, Any] = self.request("POST", "/api/prune", body or {})
+        return result
+
+    def pull(self, model_id: str, *, force: bool = False) -> Iterator[dict[str, Any]]:
+        """Download a model; yields progress records (``state``, ``completed``, ``size``,
+        ``mirrors``) until the last one, whose ``state`` is ``installed`` (with
+        ``already`` when there was nothing to download)."""
+        body = {"force": True} if force else {}
+        return self.stream("POST", f"/api/models/{_path(model_id)}/pull", body)
+
+    def pull_detached(self, model_id: str, *, force: bool = False) -> dict[str, Any]:
+        """Start (or join) a download in the daemon and return at once (``force``: even a
+        model that can never fit the memory budget)."""
+        body = {"detach": True, **({"force": True} if force else {})}
+        result: dict[str, Any] = self.request("POST", f"/api/models/{_path(model_id)}/pull", body)
+        return result
+
+    def cancel_pull(self, model_id: str) -> dict[str, Any]:
+        """Cancel a running download; its partial stays for a later pull to resume."""
+        result: dict[str, Any] = self.request("DELETE", f"/api/downloads/{_path(model_id)}")
+        return result
+
+    def import_file(self, path: Path | str, model_id: str | None = None) -> dict[str, Any]:
+        """``POST /api/models/import``: open ``path`` as this process and pass the open file
+        to the daemon (``SCM_RIGHTS``), so it reads exactly what this user may read."""
+        if self.endpoint.socket is None:
+            raise BadRequest("import passes an open file: it needs the daemon's socket")
+        fd = _open_model_file(path)
+        try:
+            self._ensure_answering()
+            body = {"fd": True, "name": Path(path).name, "id": model_id}
+            try:
+                status, decoded = _send_with_fd(self.endpoint.socket, body, fd, self.answer_timeout)
+            except TimeoutError as e:
+                raise _no_answer(self.endpoint, self.answer_timeout) from e
+            except OSError as e:
+                raise _unreachable(self.endpoint, e) from e
+        finally:
+            os.close(fd)
+        if status >= 400:
+            raise error_from_body(status, decoded)
+        result: dict[str, Any] = decoded
+        return result
+
+    def engines(self) -> dict[str, Any]:
+        """``GET /api/engines``: loaded engines, the memory budget, the runtime."""
+        result: dict[str, Any] = self.request("GET", "/api/engines")
+        return result
+
+    def load(self, model: str, **options: Any) -> dict[str, Any]:
+        """Load a model's engine now: ``main``, ``vision``, ``keep_alive``, ``pin``,
+        ``allow_unverified``; returns the engine's view."""
+        result: dict[str, Any] = self.request("POST", "/api/engines", load_body(model, **options))
+        return result
+
+    def unload(self, engine_or_model: str) -> dict[str, Any]:
+        """Stop an engine (or every engine of a model) after its in-flight requests."""
+        result: dict[str, Any] = self.request("DELETE", f"/api/engines/{_path(engine_or_model)}")
+        return result
+
+    def forget_memory(self, model_id: str) -> dict[str, Any]:
+        """``DELETE /api/models/{id}/memory``: forget the memory learned for its file (admin)."""
+        result: dict[str, Any] = self.request("DELETE", f"/api/models/{_path(model_id)}/memory")
+        return result
+
+    def generate(self, model: str, prompt: str, **options: Any) -> Iterator[dict[str, Any]]:
+        """Stream a reply: ``{"token": ...}`` records, then one with ``done``, ``tokens``,
+        ``finish`` and ``timings``. Options: ``system``, ``images`` (bytes), ``format``,
+        ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
+        ``keep_alive``, ``allow_unverified``."""
+        return self.stream(
+            "POST", "/api/generate", generation_body(model, prompt=prompt, **options)
+        )
+
+    def chat(
+        self, model: str, messages: list[dict[str, str]], **options: Any
+    ) -> Iterator[dict[str, Any]]:
+        """Like ``generate`` for a conversation: ``messages`` of ``{"role", "content"}``."""
+        if not messages:
+            raise BadRequest("chat needs at least one message")
+        body = generation_body(model, messages=messages, **options)
+        return self.stream("POST", "/api/generate", body)
+
+    model = show  # the name the async client has always had
+
+
+# --- the async client -------------------------------------------------------------------
+
+
+class AsyncClient:
+    """An asyncio client: ``async with AsyncClient() as c: await c.status()``.
+
+    The same methods as ``Client``, as coroutines; ``pull``, ``generate`` and ``chat`` are
+    async iterators. aiohttp is imported when the client is entered.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path | str | None = None,
+        *,
+        url: str | None = None,
+        api_key: str | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        answer_timeout: float = ANSWER_TIMEOUT,
+    ) -> None:
+        self.endpoint = find_daemon(socket_path, url=url, api_key=api_key)
+        self.socket_path = self.endpoint.socket
+        self.connect_timeout = connect_timeout
+        self.answer_timeout = answer_timeout
         self._answered = False
         self._session: aiohttp.ClientSession | None = None
+        self._base = self.endpoint.url or "http://modeld"
 
-    async def __aenter__(self) -> Client:
-        connector = aiohttp.UnixConnector(path=str(self.socket_path))
-        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+    async def __aenter__(self) -> AsyncClient:
+        import aiohttp  # here: apps that use only the sync client never load it
+
+        connector: aiohttp.BaseConnector
+        if self.endpoint.socket is not None:
+            connector = aiohttp.UnixConnector(path=str(self.endpoint.socket))
+        else:
+            connector = aiohttp.TCPConnector()
+        headers = {}
+        if self.endpoint.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.endpoint.api_key}"
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
+        )
         return self
 
     async def __aexit__(
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
-
-    def _unavailable(self, err: Exception) -> DaemonUnavailable:
-        os_error = err.os_error if isinstance(err, aiohttp.ClientConnectorError) else err
-        if isinstance(os_error, OSError) and os_error.errno in (errno.EACCES, errno.EPERM):
-            return socket_denied(self.socket_path)
-        if isinstance(err, aiohttp.ServerTimeoutError):
-            return DaemonUnavailable(
-                f"modeld on {self.socket_path} took the connection but sent no answer in "
-                f"{self.answer_timeout:g} s; the service may be failing to start: see "
-                "`systemctl status modeld` and `journalctl -u modeld` (add --user for "
-                "your own unit)"
-            )
-        return DaemonUnavailable(
-            f"no modeld answers on {self.socket_path} ({err.__class__.__name__}); "
-            "start one with `modeld serve` or pass --socket"
-        )
-
-    async def _ensure_answering(self) -> None:
-        """Before a request that may take long: the daemon answers a quick one in time."""
-        if not self._answered:
-            await self.request("GET", "/api/health")
+            self._session = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            raise RuntimeError("use Client as an async context manager")
+            raise RuntimeError("use AsyncClient as an async context manager")
         return self._session
+
+    def _unavailable(self, err: Exception) -> DaemonUnavailable:
+        import aiohttp
+
+        if isinstance(err, aiohttp.ServerTimeoutError | TimeoutError):
+            return _no_answer(self.endpoint, self.answer_timeout)
+        return _unreachable(self.endpoint, err)
+
+    async def _ensure_answering(self) -> None:
+        if not self._answered:
+            await self.request("GET", "/api/health")
 
     async def request(self, method: str, path: str, body: Any = None) -> Any:
         """Send one request; return the decoded JSON, or raise the daemon's error."""
+        import aiohttp
+
         quick = method == "GET"
         if not quick:
             await self._ensure_answering()
-        timeout = self._answer if quick else self._timeout
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=self.connect_timeout,
+            sock_read=self.answer_timeout if quick else None,
+        )
         try:
             async with self.session.request(
-                method, _BASE + path, json=body, timeout=timeout
+                method, self._base + path, json=body, timeout=timeout
             ) as resp:
                 data = await resp.read()
                 status = resp.status
                 ctype = resp.content_type
-        except (aiohttp.ClientConnectionError, FileNotFoundError, PermissionError) as e:
+        except (aiohttp.ClientConnectionError, OSError, TimeoutError) as e:
             raise self._unavailable(e) from e
         self._answered = True
-        decoded: Any = None
-        if ctype == "application/json" and data:
-            decoded = json.loads(data)
-        if status >= 400:
-            raise error_from_body(status, decoded)
-        return decoded if decoded is not None else data.decode(errors="replace")
+        return _decode(status, ctype, data)
 
     async def stream(
         self, method: str, path: str, body: Any = None
     ) -> AsyncIterator[dict[str, Any]]:
         """Send one request and yield its NDJSON records; an error record is raised."""
+        import aiohttp
+
         await self._ensure_answering()
         try:
-            resp = await self.session.request(method, _BASE + path, json=body)
-        except (aiohttp.ClientConnectionError, FileNotFoundError, PermissionError) as e:
+            resp = await self.session.request(method, self._base + path, json=body)
+        except (aiohttp.ClientConnectionError, OSError) as e:
             raise self._unavailable(e) from e
         try:
             if resp.status >= 400:
-                payload = await resp.json(content_type=None) if await resp.read() else None
-                raise error_from_body(resp.status, payload)
+                _decode(resp.status, resp.content_type, await resp.read())
             async for raw in resp.content:
-                line = raw.strip()
-                if not line:
-                    continue
-                record = json.loads(line)
-                if isinstance(record, dict) and "error" in record and len(record) == 1:
-                    raise error_from_body(500, record)
-                yield record
+                record = _record(raw)
+                if record is not None:
+                    yield record
         except aiohttp.ClientPayloadError as e:
             raise ModeldError(f"the daemon closed the stream early ({e}); see its log") from e
         finally:
@@ -156,67 +653,89 @@ class Client:
         return result
 
     async def models(self, installed: bool = False) -> dict[str, Any]:
-        """``GET /api/models``: the catalog with install state."""
-        path = "/api/models?installed=1" if installed else "/api/models"
-        result: dict[str, Any] = await self.request("GET", path)
-        return result
-
-    async def model(self, model_id: str) -> dict[str, Any]:
-        """``GET /api/models/{id}``: entry, install state, sections, plans, probes."""
         result: dict[str, Any] = await self.request(
-            "GET", f"/api/models/{quote(model_id, safe='')}"
+            "GET", "/api/models?installed=1" if installed else "/api/models"
         )
         return result
 
+    async def show(self, model_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request("GET", f"/api/models/{_path(model_id)}")
+        return result
+
+    model = show
+
     async def bug_report(self, model_id: str) -> dict[str, Any]:
-        """``GET /api/models/{id}/bug-report``: host, runtime, file, probes, stderr, events."""
         result: dict[str, Any] = await self.request(
-            "GET", f"/api/models/{quote(model_id, safe='')}/bug-report"
+            "GET", f"/api/models/{_path(model_id)}/bug-report"
         )
         return result
 
     async def verify(self, model_id: str) -> dict[str, Any]:
-        """``POST /api/models/{id}/verify``: re-hash the installed file."""
-        result: dict[str, Any] = await self.request(
-            "POST", f"/api/models/{quote(model_id, safe='')}/verify"
-        )
+        result: dict[str, Any] = await self.request("POST", f"/api/models/{_path(model_id)}/verify")
         return result
 
     async def remove(self, model_id: str, *, force: bool = False) -> dict[str, Any]:
-        """``DELETE /api/models/{id}``: remove the install and its partial (``force`` unloads)."""
-        path = f"/api/models/{quote(model_id, safe='')}" + ("?force=1" if force else "")
+        path = f"/api/models/{_path(model_id)}" + ("?force=1" if force else "")
         result: dict[str, Any] = await self.request("DELETE", path)
         return result
 
-    async def import_file(self, path: Path, model_id: str | None = None) -> dict[str, Any]:
-        """``POST /api/models/import``: open ``path`` as this process and pass the open file
-        to the daemon (``SCM_RIGHTS``), so it reads exactly what this user may read."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            raise BadRequest(f"{path}: {e.strerror}; give a file you can read") from None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise BadRequest(f"{path} is not a regular file; import reads model files only")
-            await self._ensure_answering()
-            body = {"fd": True, "name": Path(path).name, "id": model_id}
-            try:
-                status, decoded = await asyncio.to_thread(
-                    _send_with_fd, self.socket_path, body, fd, self.answer_timeout
-                )
-            except (ConnectionError, FileNotFoundError, PermissionError, TimeoutError) as e:
-                raise self._unavailable(e) from e
-        finally:
-            os.close(fd)
-        if status >= 400:
-            raise error_from_body(status, decoded)
-        result: dict[str, Any] = decoded
-        return result
-
     async def prune(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """``POST /api/prune`` with ``dry_run``, ``partials``, ``orphans``, ``unused_for``..."""
         result: dict[str, Any] = await self.request("POST", "/api/prune", body or {})
         return result
+
+    def pull(self, model_id: str) -> AsyncIterator[dict[str, Any]]:
+        return self.stream("POST", f"/api/models/{_path(model_id)}/pull", {})
+
+    async def import_file(self, path: Path | str, model_id: str | None = None) -> dict[str, Any]:
+        """As ``Client.import_file``; the blocking send runs in a thread."""
+        import asyncio
+
+        sync = Client(self.endpoint.socket, answer_timeout=self.answer_timeout)
+        sync.endpoint = self.endpoint
+        return await asyncio.to_thread(sync.import_file, path, model_id)
+
+    async def engines(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request("GET", "/api/engines")
+        return result
+
+    async def load(self, model: str, **options: Any) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request(
+            "POST", "/api/engines", load_body(model, **options)
+        )
+        return result
+
+    async def unload(self, engine_or_model: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request(
+            "DELETE", f"/api/engines/{_path(engine_or_model)}"
+        )
+        return result
+
+    def generate(self, model: str, prompt: str, **options: Any) -> AsyncIterator[dict[str, Any]]:
+        return self.stream(
+            "POST", "/api/generate", generation_body(model, prompt=prompt, **options)
+        )
+
+    def chat(
+        self, model: str, messages: list[dict[str, str]], **options: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        if not messages:
+            raise BadRequest("chat needs at least one message")
+        return self.stream(
+            "POST", "/api/generate", generation_body(model, messages=messages, **options)
+        )
+
+
+def _open_model_file(path: Path | str) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise BadRequest(f"{path}: {e.strerror}; give a file you can read") from None
+    import stat
+
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BadRequest(f"{path} is not a regular file; import reads model files only")
+    return fd
 
 
 def _send_with_fd(
@@ -259,7 +778,12 @@ def _send_with_fd(
         return status, None
 
 
+# --- why a socket is closed to this process ----------------------------------------------
+
+
 def _user_name(uid: int) -> str:
+    import pwd
+
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -267,6 +791,8 @@ def _user_name(uid: int) -> str:
 
 
 def _group_name(gid: int) -> str:
+    import grp
+
     try:
         return grp.getgrgid(gid).gr_name
     except KeyError:
@@ -275,6 +801,9 @@ def _group_name(gid: int) -> str:
 
 def socket_denied(socket_path: Path) -> SocketDenied:
     """Why this process may not open the daemon's socket, and what to do about it."""
+    import grp
+    import stat
+
     for directory in reversed(socket_path.parents):
         if not os.access(directory, os.X_OK):
             try:

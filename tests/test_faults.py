@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from modeld.client import Client
+from modeld.client import AsyncClient
 from modeld.errors import EngineCrashed
 from tests.support.daemon import DaemonProcess, daemon_env, spawn_daemon
 from tests.support.faults import (
@@ -259,7 +259,7 @@ def test_engine_load_on_full_disk_names_the_full_disk(short_tmp: Path) -> None:
 # --- a runner's SIGSEGV mid-generation ------------------------------------------------------
 
 
-async def _segv_mid_stream(c: Client, pid: int) -> tuple[int, EngineCrashed | None]:
+async def _segv_mid_stream(c: AsyncClient, pid: int) -> tuple[int, EngineCrashed | None]:
     """Stream a long generation; freeze the runner after the first token, then SIGSEGV it.
 
     Returns (tokens received, the error) — error None when the whole answer had already
@@ -313,7 +313,7 @@ async def test_runner_sigsegv_mid_generation(short_tmp: Path) -> None:
     d = rig.daemon
     try:
         d.start_quick()
-        async with Client(d.socket) as c:
+        async with AsyncClient(d.socket) as c:
             view = await c.request("POST", "/api/engines", {"model": "tiny-text"})
             pid = view["pid"]
             assert pid in runner_pids(rig.home)  # the pid the API names is a runner of ours

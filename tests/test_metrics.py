@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from modeld.client import Client
+from modeld.client import AsyncClient
 from modeld.config import load_settings
 from modeld.store.store import sha256_file
 from tests.support.daemon import running_daemon
@@ -55,7 +55,7 @@ async def until(socket: Path, check: Any, within: float = 10.0) -> Samples:
         await asyncio.sleep(0.1)
 
 
-async def generate(c: Client, **body: Any) -> dict[str, Any]:
+async def generate(c: AsyncClient, **body: Any) -> dict[str, Any]:
     body = {"model": "tiny-text", "prompt": "hi", "max_tokens": 8, **body}
     final: dict[str, Any] = {}
     async for rec in c.stream("POST", "/api/generate", body):

@@ -90,6 +90,8 @@ class Entry(_Strict):
     # Other entries of the same model (another quantization or size), by id: `pull ID`
     # takes the best of ID and these that fits the memory budget.
     variants: list[str] = Field(default_factory=list)
+    # Loaded once the daemon is ready (as MODELD_PRELOAD does), kept until memory is short.
+    preload: bool = False
 
     @field_validator("variants")
     @classmethod

@@ -10,9 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.markup import escape
 
-from modeld.cli.common import call, console, emit, err_console, json_option, table
+from modeld.cli.common import (
+    call,
+    complete_installed,
+    console,
+    emit,
+    err_console,
+    escape,
+    json_option,
+    table,
+)
 from modeld.config import format_size, parse_duration
 from modeld.errors import RemoveFailed
 
@@ -88,7 +96,7 @@ def _check_duration(name: str, value: str | None) -> None:
 
 
 @click.command(name="rm")
-@click.argument("model_id", metavar="ID")
+@click.argument("model_id", metavar="ID", shell_complete=complete_installed)
 @click.option("--force", is_flag=True, help="Unload the model or cancel its download first.")
 @json_option
 @click.pass_context

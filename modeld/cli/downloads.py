@@ -5,31 +5,26 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import click
-from rich.console import Group
-from rich.live import Live
-from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
 
-from modeld.cli.common import call, console, emit, err_console, json_option
+from modeld.cli.common import (
+    Column,
+    Table,
+    call,
+    complete_model,
+    console,
+    emit,
+    err_console,
+    escape,
+    json_option,
+)
 from modeld.client import Client
 from modeld.config import format_size
 
 
 def _mirror_table(record: dict[str, Any]) -> Table:
-    t = Table(box=None, show_header=False, pad_edge=False)
-    for column in ("host", "state", "speed", "conns", "got"):
-        t.add_column(column)
+    t = Table([Column(c) for c in ("host", "state", "speed", "conns", "got")], show_header=False)
     for m in record.get("mirrors", []):
         state = (
             m["state"]
@@ -77,16 +72,28 @@ def _print_choice(record: dict[str, Any]) -> None:
         )
 
 
-async def _follow(
-    client: Client, model_id: str, as_json: bool, body: dict[str, Any]
-) -> dict[str, Any]:
-    last: dict[str, Any] = {}
-    if as_json:
-        async for record in client.stream(
-            "POST", f"/api/models/{quote(model_id, safe='')}/pull", body
-        ):
-            last = record
+def _follow(client: Client, model_id: str, as_json: bool, force: bool) -> dict[str, Any]:
+    records = client.pull(model_id, force=force)
+    last: dict[str, Any] = next(records, {})  # the request has reached the daemon
+    if not as_json:
+        _print_choice(last)
+    if as_json or not console.is_terminal():
+        # A pipe or a log gets the outcome, not a redrawn bar.
+        for last in records:  # noqa: B007 (the last record is the outcome)
+            pass
         return last
+    # rich only now: the bar costs nothing before the daemon has the request.
+    from rich.console import Group
+    from rich.live import Live
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -94,28 +101,25 @@ async def _follow(
         TransferSpeedColumn(),
         TimeRemainingColumn(),
         TextColumn("{task.fields[state]}"),
-        console=console,
+        console=console.rich,
     )
-    task = progress.add_task(model_id, total=None, state="starting")
-    with Live(Group(progress), console=console, refresh_per_second=8, transient=True) as live:
-        async for record in client.stream(
-            "POST", f"/api/models/{quote(model_id, safe='')}/pull", body
-        ):
-            if not last:
-                _print_choice(record)
-                progress.update(task, description=record["id"])
+    task = progress.add_task(last.get("id", model_id), total=None, state="starting")
+    with Live(Group(progress), console=console.rich, refresh_per_second=8, transient=True) as live:
+        record = last
+        while record:
             last = record
-            if record.get("already"):
+            if record.get("already") or "size" not in record:
                 break
             progress.update(
                 task, total=record["size"], completed=record["completed"], state=record["state"]
             )
-            live.update(Group(progress, _mirror_table(record)))
+            live.update(Group(progress, _mirror_table(record).rich()))
+            record = next(records, {})
     return last
 
 
 @click.command()
-@click.argument("model_id", metavar="ID")
+@click.argument("model_id", metavar="ID", shell_complete=complete_model)
 @click.option("--detach", is_flag=True, help="Start (or join) the download and return at once.")
 @click.option("--cancel", is_flag=True, help="Cancel the running download (the partial stays).")
 @click.option("--force", is_flag=True, help="Download even a model that can never fit the budget.")
@@ -129,9 +133,8 @@ def pull(  # noqa: PLR0917 (click passes every option positionally by name)
     A model that can never fit the memory budget is refused before any byte is fetched;
     with variants in its entry, the best one that fits is taken instead.
     """
-    body: dict[str, Any] = {"force": True} if force else {}
     if cancel:
-        doc = call(ctx, lambda c: c.request("DELETE", f"/api/downloads/{quote(model_id, safe='')}"))
+        doc = call(ctx, lambda c: c.cancel_pull(model_id))
         emit(
             as_json,
             doc,
@@ -142,12 +145,7 @@ def pull(  # noqa: PLR0917 (click passes every option positionally by name)
         )
         return
     if detach:
-        doc = call(
-            ctx,
-            lambda c: c.request(
-                "POST", f"/api/models/{quote(model_id, safe='')}/pull", {**body, "detach": True}
-            ),
-        )
+        doc = call(ctx, lambda c: c.pull_detached(model_id, force=force))
 
         def human(d: dict[str, Any]) -> None:
             _print_choice(d)
@@ -162,7 +160,7 @@ def pull(  # noqa: PLR0917 (click passes every option positionally by name)
         emit(as_json, doc, human)
         return
     try:
-        record = call(ctx, lambda c: _follow(c, model_id, as_json, body))
+        record = call(ctx, lambda c: _follow(c, model_id, as_json, force))
     except KeyboardInterrupt:
         err_console.print(
             f"left the progress view; the download goes on in the daemon. "

@@ -12,9 +12,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.markup import escape
 
-from modeld.cli.common import console, emit, err_console, json_option, table
+from modeld.cli.common import console, emit, err_console, escape, json_option, table
 from modeld.config import load_settings
 
 if TYPE_CHECKING:

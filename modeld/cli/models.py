@@ -6,9 +6,17 @@ import time
 from typing import Any
 
 import click
-from rich.markup import escape
 
-from modeld.cli.common import call, console, emit, err_console, json_option, table
+from modeld.cli.common import (
+    call,
+    complete_model,
+    console,
+    emit,
+    err_console,
+    escape,
+    json_option,
+    table,
+)
 from modeld.config import format_duration, format_size
 from modeld.errors import IntegrityError
 
@@ -194,12 +202,12 @@ def _print_probes(m: dict[str, Any]) -> None:
 
 
 @click.command()
-@click.argument("model_id", metavar="ID")
+@click.argument("model_id", metavar="ID", shell_complete=complete_model)
 @json_option
 @click.pass_context
 def show(ctx: click.Context, model_id: str, as_json: bool) -> None:
     """Show one model: entry, install state, sections, backend plans, probe results."""
-    doc = call(ctx, lambda c: c.model(model_id))
+    doc = call(ctx, lambda c: c.show(model_id))
     emit(as_json, doc, _print_show)
 
 
@@ -220,7 +228,7 @@ def _print_verify(doc: dict[str, Any]) -> None:
 
 
 @click.command()
-@click.argument("model_id", metavar="ID")
+@click.argument("model_id", metavar="ID", shell_complete=complete_model)
 @json_option
 @click.pass_context
 def verify(ctx: click.Context, model_id: str, as_json: bool) -> None:

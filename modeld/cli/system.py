@@ -1,18 +1,25 @@
-"""``serve`` and ``status``."""
+"""``serve``, ``status`` and ``logs``."""
 
 from __future__ import annotations
 
+import os
+import socket
+import struct
+import sys
+from pathlib import Path
 from typing import Any
 
 import click
 
-from modeld.cli.common import call, console, emit, json_option
-from modeld.config import format_duration, format_size, load_settings
+from modeld.cli.common import call, client_of, console, emit, json_option
+from modeld.config import format_duration, format_size
+from modeld.errors import DaemonUnavailable, NotFound
 
 
 @click.command()
 def serve() -> None:
     """Run the daemon in the foreground (Ctrl-C or SIGTERM stops it in order)."""
+    from modeld.config import load_settings
     from modeld.daemon.daemon import serve as run_daemon
 
     settings = load_settings()
@@ -44,3 +51,69 @@ def status(ctx: click.Context, as_json: bool) -> None:
     """Show the daemon's version, settings and the state of each part."""
     doc = call(ctx, lambda c: c.status())
     emit(as_json, doc, _print_status)
+
+
+def _daemon_pid(socket_path: Path) -> int:
+    """The pid of the process that listens on ``socket_path`` (SO_PEERCRED)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        try:
+            sock.connect(str(socket_path))
+        except OSError as e:
+            raise DaemonUnavailable(
+                f"no modeld answers on {socket_path} ({e.strerror}); start one with "
+                "`modeld serve` or pass --socket"
+            ) from e
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _, _ = struct.unpack("3i", creds)
+    return int(pid)
+
+
+def log_command(pid: int, lines: int, follow: bool) -> list[str]:
+    """How to read the log of the daemon ``pid``: its unit's journal, or the file its
+    stderr goes to. Raises NotFound when neither can be named."""
+    try:
+        cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        cgroup = ""
+    units = [part for part in cgroup.strip().split("/") if part.endswith(".service")]
+    unit = units[-1] if units else None
+    if unit is not None and not unit.startswith("user@"):
+        user = ["--user"] if any(u.startswith("user@") for u in units) else []
+        return ["journalctl", *user, "-u", unit, "-n", str(lines), *(["-f"] if follow else [])]
+    try:
+        target = str(Path(f"/proc/{pid}/fd/2").readlink())
+    except OSError as e:
+        raise NotFound(
+            f"cannot see where the daemon (pid {pid}) logs ({e.strerror}): run `modeld logs` "
+            "as the daemon's user or as root"
+        ) from None
+    if target.startswith("/") and not target.startswith("/dev/") and Path(target).is_file():
+        return ["tail", "-n", str(lines), *(["-F"] if follow else []), target]
+    raise NotFound(
+        f"the daemon (pid {pid}) runs outside systemd and logs to {target}, its terminal: "
+        "look there, or start it with `modeld serve 2>>FILE`"
+    )
+
+
+@click.command()
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
+@click.option("-n", "--lines", type=click.IntRange(min=0), default=100, show_default=True)
+@click.pass_context
+def logs(ctx: click.Context, follow: bool, lines: int) -> None:
+    """Show the daemon's log: its systemd unit's journal, or the file its stderr goes to.
+
+    The daemon is found as every verb finds it (--socket, MODELD_SOCKET...); it must run on
+    this host, over its Unix socket.
+    """
+    endpoint = client_of(ctx).endpoint
+    if endpoint.socket is None:
+        raise click.UsageError("`modeld logs` reads a daemon on this host: pass --socket")
+    argv = log_command(_daemon_pid(endpoint.socket), lines, follow)
+    sys.stdout.flush()
+    try:
+        os.execvp(argv[0], argv)  # noqa: S606 (a fixed program, arguments not from a shell)
+    except OSError as e:
+        raise NotFound(
+            f"cannot run {argv[0]} ({e.strerror}); run it yourself: {' '.join(argv)}"
+        ) from None

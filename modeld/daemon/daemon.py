@@ -268,7 +268,7 @@ async def run(
                 _announce_ready(services, notifier, str(sock.getsockname()), tcp, inherited)
                 if ready is not None:
                     ready.set()
-                await stop.wait()
+                await _serve_until(stop, services)
                 logs.event("stopping", reason="signal")
                 notifier.stopping("stopping: finishing requests, stopping engines")
             finally:
@@ -292,6 +292,35 @@ async def run(
         lock.close()
         logs.event("stopped")
         notifier.close()
+
+
+async def _serve_until(stop: asyncio.Event, services: Services) -> None:
+    """Wait for ``stop``, preloading models meanwhile (a preload still running is cancelled)."""
+    preloading = asyncio.create_task(_preload(services))
+    try:
+        await stop.wait()
+    finally:
+        preloading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await preloading
+
+
+async def _preload(services: Services) -> None:
+    """Load MODELD_PRELOAD's models, then the entries marked ``preload = true``, one at a
+    time, each kept loaded (keep-alive never; still evicted for memory). A model that cannot
+    load is logged and skipped: the daemon serves on."""
+    marked = [e.id for e in services.catalog.entries() if e.preload]
+    for model_id in dict.fromkeys([*services.settings.preload, *marked]):
+        try:
+            view = await services.inference.load(
+                model_id, backends=None, keep_alive=-1, pin=False, allow_unverified=False
+            )
+        except ModeldError as e:
+            logs.event(
+                "preload_failed", logging.WARNING, model=model_id, code=e.code, reason=e.message
+            )
+            continue
+        logs.event("preloaded", model=model_id, engine=view["id"])
 
 
 def _announce_ready(

@@ -278,7 +278,7 @@ class DownloadJob:
             self.error.code = "cancelled"  # type: ignore[misc]
             self._set(DownloadState.CANCELLED)
         except ModeldError as e:
-            self.error = e
+            self.error = await self._forget_if_empty(e)
             self._set(DownloadState.FAILED)
         except OSError as e:
             self.error = os_error_to_modeld(e, str(self.partial))
@@ -291,6 +291,26 @@ class DownloadJob:
             logs.event(
                 "download_failed", model=self.id, code=self.error.code, reason=self.error.message
             )
+
+    async def _forget_if_empty(self, error: ModeldError) -> ModeldError:
+        """A pull that got no byte from any mirror leaves nothing behind: its partial would be
+        a sparse file of the whole size, holding nothing, that status and prune report."""
+        mirrors = self.mirrors
+        reached_none = bool(mirrors) and not any(
+            m.usable or m.answered or m.received for m in mirrors
+        )
+        if not isinstance(error, DownloadError) or self._crcs or not reached_none:
+            return error
+        self.partial.unlink(missing_ok=True)
+        await self.journal.clear(self.id)
+        reasons = "; ".join(f"{m.label}: {m.reason or m.state}" for m in mirrors)
+        return DownloadError(
+            f"{self.id}: no mirror could be reached ({reasons}); nothing was kept. Check the "
+            "network (and HTTPS_PROXY), or add a mirror: copy the entry's file (`modeld show "
+            f"{self.id}` names it) into a directory of your own, put your URL first in its "
+            "`urls`, and set MODELD_REGISTRY to that directory (a later registry dir overrides "
+            "the bundled entry by id; it applies without a restart)"
+        )
 
     async def _run(self) -> None:
         t = self.target
@@ -581,6 +601,15 @@ class DownloadJob:
             digest = await hasher.digest()
             if digest == expected:
                 return digest
+        unreached = [m.label for m in self.mirrors if m.state == "dropped" and not m.answered]
+        if unreached:
+            # Given up as unreachable for this pull, not proven wrong: one may answer later.
+            raise DownloadError(
+                f"{self.id}: the downloaded file's sha256 is {digest}, expected {expected}"
+                f"{source}; {', '.join(unreached)} could not be reached, so the bad bytes could "
+                "not be found (partial kept). Pull again once another of the entry's URLs "
+                "answers, or add another mirror to the entry"
+            )
         self.partial.unlink(missing_ok=True)
         await self.journal.clear(self.id)
         raise IntegrityError(

@@ -47,6 +47,9 @@ MAX_STRIKES = 6
 MAX_STALLS = 2 * MAX_STRIKES
 # Tries of the probe (``Range: bytes=0-0``) before its failure is recorded on the mirror.
 PROBE_TRIES = 4
+# Failed connections (DNS, refused, unreachable) before a mirror that never answered this
+# download is given up: offline, six tries with back-off took ~15 s per host for nothing.
+MAX_UNREACHABLE = 2
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -135,6 +138,10 @@ def classify_exception(exc: BaseException) -> MirrorFailure | None:
         return MirrorFailure("stall", "no bytes within the stall timeout")
     if isinstance(exc, aiohttp.TooManyRedirects):
         return MirrorFailure("gone", "too many redirects")
+    if isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(
+        exc, aiohttp.ClientSSLError
+    ):
+        return MirrorFailure("unreachable", f"cannot connect: {exc}")
     if isinstance(exc, aiohttp.ClientError | ConnectionError):
         return MirrorFailure("transient", f"{exc.__class__.__name__}: {exc}")
     return None
@@ -202,6 +209,7 @@ class Mirror:
     received: int = 0
     strikes: int = 0  # transient failures in a row
     stalls: int = 0  # stalls in a row (they use up no strike)
+    answered: bool = False  # some request of this download got an HTTP answer from it
     not_before: float = 0.0
     # Per-connection throughput (EWMA, bytes/s) judged on recent chunks.
     conn_rate: float | None = None
@@ -247,6 +255,8 @@ class Mirror:
     def fail(self, failure: MirrorFailure) -> None:
         """Record a failure: a back-off with jitter, or the mirror dropped."""
         self.reason = str(failure)
+        if failure.kind not in ("unreachable", "stall"):
+            self.answered = True  # an HTTP answer, if not the one hoped for
         if self.metrics is not None:
             self.metrics.download_errors.labels(self.label, failure.kind).inc()
         if failure.kind == "gone":
@@ -257,6 +267,15 @@ class Mirror:
             return
         if failure.kind == "expired":
             self.resolved = None
+            return
+        if (
+            failure.kind == "unreachable"
+            and not self.answered
+            and self.strikes + 1 >= MAX_UNREACHABLE
+        ):
+            self.strikes += 1
+            self.state = "dropped"
+            self.reason = f"{failure} ({self.strikes} tries; never reached)"
             return
         # tenacity's view of this mirror's tries: the attempt number counts strikes only.
         if failure.kind == "stall":
@@ -275,6 +294,7 @@ class Mirror:
             self.state = "backoff"
 
     def succeed(self) -> None:
+        self.answered = True
         self.strikes = self.stalls = 0
         if self.state in ("new", "backoff"):
             self.state = "ok"
@@ -541,10 +561,12 @@ async def probe(
     except (TimeoutError, MirrorFailure, aiohttp.ClientError, ConnectionError) as e:
         failure = classify_exception(e) or MirrorFailure("gone", str(e))
         if failure.kind == "gone":
+            mirror.answered = True
             mirror.state, mirror.reason = "dropped", f"probe failed: {failure}"
         else:
             # Still worth trying later: every range answer is checked against the size anyway.
             mirror.fail(failure)
         return
+    mirror.answered = True
     if mirror.state == "new":
         mirror.state = "ok"

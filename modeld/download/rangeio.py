@@ -345,8 +345,10 @@ class RangeClient:
         except TimeoutError:
             raise TimeoutError(f"no connection to {host}:{port} within the timeout") from None
         except OSError as e:  # refused, unreachable, DNS, certificate: the mirror's, not ours
+            # A certificate may be fixed while the pull goes on; no route or name will not.
+            kind = "transient" if isinstance(e, ssl.SSLError) else "unreachable"
             raise MirrorFailure(
-                "transient", f"cannot connect to {host}:{port}: {e.__class__.__name__}: {e}"
+                kind, f"cannot connect to {host}:{port}: {e.__class__.__name__}: {e}"
             ) from e
         self.connects += 1
         self._all = {c for c in self._all if c.alive}

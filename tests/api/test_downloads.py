@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from modeld.client import Client
+from modeld.client import AsyncClient
 from modeld.config import load_settings
 from modeld.daemon import daemon as daemon_mod
 from modeld.errors import (
@@ -56,8 +56,8 @@ class Env:
         self.stop = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
-    def client(self) -> Client:
-        return Client(self.home / "modeld.sock")
+    def client(self) -> AsyncClient:
+        return AsyncClient(self.home / "modeld.sock")
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ async def env(clean_env: Path) -> AsyncIterator[Env]:
     await mirror.stop()
 
 
-async def pull_all(c: Client, model_id: str) -> list[dict[str, Any]]:
+async def pull_all(c: AsyncClient, model_id: str) -> list[dict[str, Any]]:
     return [r async for r in c.stream("POST", f"/api/models/{model_id}/pull", {})]
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from modeld.client import Client
+from modeld.client import AsyncClient
 from modeld.config import load_settings
 from modeld.errors import BackendConstraint, EngineCrashed
 from tests.support.daemon import DaemonProcess, daemon_env, running_daemon
@@ -44,7 +44,7 @@ def settings_for(root: Path, **kw: Any) -> Any:
     return load_settings(home=home, socket=home / "modeld.sock", registry=[registry], **kw)
 
 
-async def generate(client: Client, **body: Any) -> tuple[str, dict[str, Any]]:
+async def generate(client: AsyncClient, **body: Any) -> tuple[str, dict[str, Any]]:
     body.setdefault("max_tokens", 8)
     text, final = [], {}
     async for rec in client.stream("POST", "/api/generate", body):
@@ -85,7 +85,7 @@ def _learned_rows(home: Path) -> dict[str, int]:
 class PssSampler:
     """Sums the real PSS of every runner (engines and the spare) every 50 ms, in a thread."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: AsyncClient) -> None:
         self.client = client
         self.pids: set[int] = set()
         self.max_sum = 0

@@ -1,11 +1,20 @@
-"""The CLI's own behaviour: version, usage errors, no daemon."""
+"""The CLI's own behaviour: version, usage errors, no daemon, aliases, plain output on a
+pipe, shell completion, logs."""
 
 from __future__ import annotations
 
+import json
 import os
+import select
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from modeld.client import Client
+from tests.cli.conftest import Tiny
+from tests.support.state import write_entry
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -78,3 +87,108 @@ def test_cli_finds_the_socket_named_in_the_config_file(short_tmp: Path) -> None:
         assert str(sock) in result.stdout
     finally:
         d.stop()
+
+
+# --- habits, against the package's one daemon (tests/cli/conftest.py) -------------------
+
+
+def _tiny_cli(tiny: Tiny, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "modeld", *args],
+        env=dict(tiny.daemon.env, **env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_ls_and_stop_are_list_and_unload(tiny: Tiny) -> None:
+    """`ls` prints what `list` prints; `stop` unloads as `unload` does."""
+    assert _tiny_cli(tiny, "ls").stdout == _tiny_cli(tiny, "list").stdout
+    assert _tiny_cli(tiny, "load", "tiny-text").returncode == 0
+    stopped = _tiny_cli(tiny, "stop", "tiny-text", "--json")
+    assert stopped.returncode == 0, stopped.stderr
+    assert json.loads(stopped.stdout)["unloaded"][0]["model"] == "tiny-text"
+    commands = [
+        line.split()[0]
+        for line in _tiny_cli(tiny, "--help").stdout.splitlines()
+        if line.startswith("  ") and line.split()
+    ]
+    assert "list" in commands and "ls" not in commands and "stop" not in commands
+
+
+def test_output_to_a_pipe_is_never_cut_nor_styled(tiny: Tiny) -> None:
+    """On a pipe, in a narrow COLUMNS: `ps` shows the whole engine id, `list` whole rows, and
+    neither carries markup or escape codes; `ps` explains the spare runner."""
+    assert _tiny_cli(tiny, "load", "tiny-text").returncode == 0
+    engine_id = json.loads(_tiny_cli(tiny, "ps", "--json").stdout)["engines"][0]["id"]
+    ps = _tiny_cli(tiny, "ps", COLUMNS="20")
+    assert ps.returncode == 0, ps.stderr
+    assert engine_id in ps.stdout and "\x1b" not in ps.stdout and "[/" not in ps.stdout
+    spare = [line for line in ps.stdout.splitlines() if line.startswith("spare runner")]
+    assert not spare or "next load" in spare[0]
+    listing = _tiny_cli(tiny, "list", COLUMNS="20").stdout.splitlines()
+    assert listing[0].split() == ["ID", "SIZE", "STATE", "FITS", "VERIFIED", "LAST", "USED"]
+    row = next(line for line in listing if line.startswith("tiny-text "))
+    assert "installed" in row and "registry sha256" in row
+    _tiny_cli(tiny, "unload", "tiny-text")
+
+
+def test_shell_completion_offers_the_daemons_model_ids(tiny: Tiny) -> None:
+    """click's bash completion completes a model id from the daemon's catalog."""
+    result = _tiny_cli(
+        tiny, _MODELD_COMPLETE="bash_complete", COMP_WORDS="modeld show tin", COMP_CWORD="2"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "plain,tiny-text" in result.stdout.splitlines()
+    verbs = _tiny_cli(
+        tiny, _MODELD_COMPLETE="bash_complete", COMP_WORDS="modeld pu", COMP_CWORD="1"
+    )
+    assert "plain,pull" in verbs.stdout.splitlines()
+
+
+def test_logs_shows_the_file_the_daemons_stderr_goes_to(tiny: Tiny) -> None:
+    """A daemon outside systemd that logs to a file: `modeld logs` tails that file."""
+    result = _tiny_cli(tiny, "logs", "-n", "5")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert 0 < len(lines) <= 5
+    assert all(line in tiny.daemon.log() for line in lines)
+
+
+def test_logs_needs_the_socket() -> None:
+    """Over TCP there is no log to read here: a usage error that says so."""
+    result = _run("logs", env=dict(os.environ, MODELD_URL="http://127.0.0.1:9"))
+    assert result.returncode == 2 and "--socket" in result.stderr
+
+
+def test_a_pull_that_reaches_no_mirror_leaves_nothing_and_says_how_to_add_one(
+    tiny: Tiny,
+) -> None:
+    """Every mirror refuses the connection: the pull gives up after two tries per host,
+    leaves no partial, and the one line names MODELD_REGISTRY and the entry's urls."""
+    with socket.socket() as closed:  # a loopback port that nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    write_entry(
+        tiny.registry,
+        "offline",
+        size=50_000_000,
+        sha256="a" * 64,
+        urls=["http://127.0.0.1:9/offline.litertlm", f"http://127.0.0.1:{port}/o.litertlm"],
+    )
+    with Client(tiny.socket) as c:
+        deadline = time.monotonic() + 30
+        while "offline" not in [m["id"] for m in c.models()["models"]]:  # live reload
+            assert time.monotonic() < deadline, "the registry file was never read"
+            select.select([], [], [], 0.05)
+    result = _tiny_cli(tiny, "pull", "offline")
+    assert result.returncode == 1
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1
+    assert "no mirror could be reached" in line and "2 tries" in line
+    assert "MODELD_REGISTRY" in line and "`urls`" in line
+    assert not list((tiny.daemon.home / "partial").glob("offline*"))
+    partials = json.loads(_tiny_cli(tiny, "prune", "--dry-run", "--json").stdout)["items"]
+    assert not [i for i in partials if "offline" in (i["path"] or "")]

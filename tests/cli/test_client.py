@@ -1,15 +1,26 @@
-"""The Python client: a socket that takes connections but never answers."""
+"""The Python client: sync and async, over the socket and TCP, and a socket that never answers."""
 
 from __future__ import annotations
 
+import hashlib
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from modeld.client import Client
-from modeld.errors import DaemonUnavailable, ModelNotFound
+from modeld import __version__
+from modeld.client import AsyncClient, Client
+from modeld.errors import (
+    DaemonUnavailable,
+    Forbidden,
+    ModelNotFound,
+    SettingsError,
+    Unauthorized,
+)
+from tests.cli.conftest import TINY, Tiny
 
 
 @pytest.fixture
@@ -24,7 +35,7 @@ def silent_socket(short_tmp: Path) -> Iterator[Path]:
 
 async def test_a_get_that_gets_no_answer_ends_with_daemon_unavailable(silent_socket: Path) -> None:
     """A GET waits `answer_timeout` for its answer, then says where to look."""
-    async with Client(silent_socket, answer_timeout=0.5) as client:
+    async with AsyncClient(silent_socket, answer_timeout=0.5) as client:
         with pytest.raises(DaemonUnavailable, match=r"sent no answer in 0\.5 s") as info:
             await client.status()
     assert "journalctl -u modeld" in info.value.message
@@ -32,7 +43,7 @@ async def test_a_get_that_gets_no_answer_ends_with_daemon_unavailable(silent_soc
 
 async def test_long_requests_first_check_that_the_daemon_answers(silent_socket: Path) -> None:
     """A load or a generation may take long, so the client first needs /api/health answered."""
-    async with Client(silent_socket, answer_timeout=0.5) as client:
+    async with AsyncClient(silent_socket, answer_timeout=0.5) as client:
         with pytest.raises(DaemonUnavailable, match="sent no answer"):
             await client.request("POST", "/api/engines", {"model": "tiny-text"})
         with pytest.raises(DaemonUnavailable, match="sent no answer"):
@@ -42,6 +53,110 @@ async def test_long_requests_first_check_that_the_daemon_answers(silent_socket: 
 
 async def test_a_daemon_that_answers_gets_the_long_request(daemon_proc) -> None:  # type: ignore[no-untyped-def]
     """Past the health check the request itself reaches the daemon, whose own error comes back."""
-    async with Client(daemon_proc.socket) as client:
+    async with AsyncClient(daemon_proc.socket) as client:
         with pytest.raises(ModelNotFound, match="nope"):
             await client.request("POST", "/api/engines", {"model": "nope"})
+
+
+# --- the sync client and the async one against a real daemon ---------------------------
+
+
+def test_sync_client_generates_and_chats_over_the_socket(tiny: Tiny) -> None:
+    """models, show, load, generate (streamed tokens, then the final record), chat, ps and
+    unload, each through the stdlib client on the socket."""
+    with Client(tiny.socket) as c:
+        assert c.status()["version"] == __version__
+        assert "tiny-text" in [m["id"] for m in c.models(installed=True)["models"]]
+        assert c.show("tiny-text")["installed"]["size"] == TINY.stat().st_size
+        view = c.load("tiny-text", keep_alive="5m")
+        assert view["model"] == "tiny-text"
+        records = list(c.generate("tiny-text", "hello", max_tokens=4, seed=1, temperature=0.0))
+        tokens = [r["token"] for r in records if "token" in r]
+        assert tokens and records[-1]["done"] and 1 <= records[-1]["tokens"] <= 4
+        messages = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "again"},
+        ]
+        chat = list(c.chat("tiny-text", messages, system="be brief", max_tokens=3))
+        assert chat[-1]["done"] and chat[-1]["tokens"] >= 1
+        assert "tiny-text" in [e["model"] for e in c.engines()["engines"]]
+        unloaded = c.unload("tiny-text")["unloaded"]
+        assert [e["id"] for e in unloaded] == [view["id"]]
+        with pytest.raises(ModelNotFound, match="nope"):
+            c.show("nope")
+        with pytest.raises(ModelNotFound):
+            list(c.generate("nope", "hi"))
+
+
+def test_sync_pull_yields_progress_until_installed(tiny: Tiny) -> None:
+    """pull() is an iterator of progress records whose last one is the installed file."""
+    with Client(tiny.socket) as c:
+        records = list(c.pull("pulled"))
+        assert records[-1]["state"] == "installed"
+        digest = hashlib.sha256(TINY.read_bytes()).hexdigest()
+        assert c.show("pulled")["installed"]["digest"] == digest
+        assert all(r["size"] == TINY.stat().st_size for r in records if "size" in r)
+        c.remove("pulled")
+        assert c.show("pulled")["installed"] is None
+
+
+def test_tcp_with_a_key_from_the_environment(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MODELD_URL and MODELD_API_KEY take the client to TCP; the key's role holds there."""
+    monkeypatch.setenv("MODELD_URL", tiny.url)
+    monkeypatch.setenv("MODELD_API_KEY", tiny.use_key)
+    monkeypatch.setenv("MODELD_SOCKET", "/nonexistent/modeld.sock")
+    with Client() as c:
+        assert c.endpoint.url == tiny.url
+        assert "tiny-text" in [m["id"] for m in c.models()["models"]]
+        records = list(c.generate("tiny-text", "hello", max_tokens=2))
+        assert records[-1]["done"]
+        with pytest.raises(Forbidden):
+            c.prune({"dry_run": True})
+    with Client(url=tiny.url, api_key=tiny.admin_key) as admin:
+        assert admin.prune({"dry_run": True})["dry_run"] is True
+    monkeypatch.delenv("MODELD_API_KEY")
+    for key in ("wrong", None):
+        with pytest.raises(Unauthorized), Client(url=tiny.url, api_key=key) as c:
+            c.status()
+
+
+async def test_async_client_over_tcp_and_the_socket(tiny: Tiny) -> None:
+    """AsyncClient: the same methods, async; generate streams over TCP with a key."""
+    async with AsyncClient(url=tiny.url, api_key=tiny.use_key) as c:
+        assert "tiny-text" in [m["id"] for m in (await c.models())["models"]]
+        records = [r async for r in c.generate("tiny-text", "hello", max_tokens=2)]
+        assert records[-1]["done"] and any("token" in r for r in records)
+        with pytest.raises(ModelNotFound):
+            await c.show("nope")
+    async with AsyncClient(tiny.socket) as c:
+        chat = [r async for r in c.chat("tiny-text", [{"role": "user", "content": "hi"}])]
+        assert chat[-1]["done"]
+
+
+def test_sync_client_gives_up_on_a_silent_socket(silent_socket: Path) -> None:
+    """The sync client waits answer_timeout for a GET, and checks health before a long call."""
+    with Client(silent_socket, answer_timeout=0.5) as c:
+        with pytest.raises(DaemonUnavailable, match=r"sent no answer in 0\.5 s"):
+            c.status()
+        with pytest.raises(DaemonUnavailable, match="sent no answer"):
+            list(c.generate("tiny-text", "hi"))
+
+
+def test_a_bad_url_is_a_settings_error() -> None:
+    """MODELD_URL must be http://HOST:PORT; anything else says so before any request."""
+    with pytest.raises(SettingsError, match="HOST:PORT"):
+        Client(url="https://example.org")
+
+
+def test_importing_the_client_loads_no_heavy_package() -> None:
+    """`import modeld.client` (and the CLI's fast verbs) load neither aiohttp nor pydantic."""
+    code = (
+        "import sys, modeld.client, modeld.cli, modeld.cli.models, modeld.cli.system, "
+        "modeld.cli.engines; print(sorted(m for m in ('aiohttp', 'pydantic', 'rich') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]"

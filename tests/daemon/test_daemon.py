@@ -103,3 +103,42 @@ def test_second_daemon_on_same_home_is_refused(daemon_proc: DaemonProcess) -> No
     other = daemon_proc.cli("serve", timeout=30)
     assert other.returncode == 1
     assert "already" in other.stderr
+
+
+def test_preload_loads_the_named_models_and_the_marked_entries(short_tmp: Path) -> None:
+    """MODELD_PRELOAD and `preload = true` in an entry load those models once the daemon is
+    ready (kept: keep-alive never); an id that cannot load is logged and skipped."""
+    import hashlib
+    import json
+
+    from tests.support.daemon import daemon_env
+    from tests.support.state import MODELS, install_fixture, write_entry
+
+    home, registry = short_tmp / "home", short_tmp / "registry"
+    tiny = MODELS / "tiny-text.litertlm"
+    install_fixture(home, "tiny-text", tiny, registry=registry)
+    other = MODELS / "tiny-text-b.litertlm"  # another file: an engine of its own
+    install_fixture(home, "marked", other)
+    write_entry(
+        registry,
+        "marked",
+        size=other.stat().st_size,
+        sha256=hashlib.sha256(other.read_bytes()).hexdigest(),
+        extra="preload = true",
+    )
+    env = daemon_env(home, MODELD_REGISTRY=str(registry), MODELD_PRELOAD="tiny-text,nope")
+    d = DaemonProcess(home=home, env=env)
+    d.start()
+    try:
+        d.wait_log("preloaded model=marked", timeout=120)
+        ps = d.cli_json("ps")
+        models = sorted(e["model"] for e in ps["engines"])
+        assert models == ["marked", "tiny-text"]
+        assert all(e["keep_alive"] < 0 for e in ps["engines"])
+        assert "preload_failed model=nope code=model_not_found" in d.log()
+        assert json.loads(d.cli("status", "--json").stdout)["settings"]["preload"] == [
+            "tiny-text",
+            "nope",
+        ]
+    finally:
+        d.stop()

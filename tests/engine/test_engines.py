@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from modeld.client import Client
+from modeld.client import AsyncClient
 from modeld.config import load_settings
 from modeld.errors import EngineError, ImageProbeFailed
 from modeld.store.store import sha256_file
@@ -59,7 +59,7 @@ async def limited(clean_env: Path) -> AsyncIterator[InProcessDaemon]:
         yield d
 
 
-async def _load(c: Client, model: str, **backends: str) -> dict[str, Any]:
+async def _load(c: AsyncClient, model: str, **backends: str) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model}
     if backends:
         body["backends"] = backends
@@ -142,7 +142,7 @@ def _png(width: int = 300, height: int = 200) -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
-async def _generate(c: Client, **body: Any) -> dict[str, Any]:
+async def _generate(c: AsyncClient, **body: Any) -> dict[str, Any]:
     body.setdefault("max_tokens", 4)
     final: dict[str, Any] = {}
     async for rec in c.stream("POST", "/api/generate", body):
@@ -367,7 +367,7 @@ async def test_first_request_after_a_warmed_load_is_steady(tuned: InProcessDaemo
     assert timings["warm_up"] > 0 and timings["engine_create"] > 0
 
 
-async def _final(c: Client, model: str) -> dict[str, Any]:
+async def _final(c: AsyncClient, model: str) -> dict[str, Any]:
     body = {"model": model, "prompt": "hello there", "max_tokens": 4}
     records = [r async for r in c.stream("POST", "/api/generate", body)]
     final: dict[str, Any] = records[-1]

@@ -287,8 +287,8 @@ def test_stderr_log_keeps_everything_up_to_its_limit_then_head_and_tail() -> Non
 
 
 def test_runner_gets_no_secrets_no_descriptors_and_a_data_limit(short_tmp: Path) -> None:
-    """A real daemon's runner has a scrubbed environment (no token, no MODELD_*), only its
-    socket besides stdio, and an RLIMIT_DATA equal to the memory budget."""
+    """A real daemon's runner has a scrubbed environment (no token, no MODELD_* but
+    MODELD_HOME), only its socket besides stdio, and an RLIMIT_DATA equal to the budget."""
     from tests.support.daemon import DaemonProcess, daemon_env
     from tests.support.state import install_fixture
 
@@ -312,7 +312,10 @@ def test_runner_gets_no_secrets_no_descriptors_and_a_data_limit(short_tmp: Path)
         (engine,) = d.cli_json("ps")["engines"]
         pid = engine["pid"]
         environ = Path(f"/proc/{pid}/environ").read_bytes()
-        assert b"secret" not in environ and b"MODELD_" not in environ, environ
+        # MODELD_HOME alone is kept: it names whose runner this is; no other MODELD_ variable.
+        names = {kv.split(b"=", 1)[0] for kv in environ.split(b"\0") if kv}
+        assert b"secret" not in environ, environ
+        assert {n for n in names if n.startswith(b"MODELD_")} == {b"MODELD_HOME"}, names
         assert b"PATH=" in environ
         limits = Path(f"/proc/{pid}/limits").read_text()
         (line,) = [x for x in limits.splitlines() if x.startswith("Max data size")]

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from modeld.client import Client
+from modeld.client import AsyncClient
 from modeld.config import load_settings
 from modeld.engine.engines import DEFAULT_MAX_TOKENS, estimate_from_size
 from modeld.errors import OverBudget
@@ -40,7 +40,7 @@ class Env:
     small: Mirror
     big: Mirror
 
-    def client(self) -> Client:
+    def client(self) -> AsyncClient:
         return self.daemon.client()
 
 
@@ -79,7 +79,7 @@ async def env(clean_env: Path) -> AsyncIterator[Env]:
         await big.stop()
 
 
-async def _pull(c: Client, model_id: str, **body: Any) -> list[dict[str, Any]]:
+async def _pull(c: AsyncClient, model_id: str, **body: Any) -> list[dict[str, Any]]:
     return [r async for r in c.stream("POST", f"/api/models/{model_id}/pull", body)]
 
 

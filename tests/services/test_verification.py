@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from modeld.client import Client
+from modeld.client import AsyncClient
 from modeld.download import mirrors as mirrors_mod
 from modeld.errors import (
     DigestConflict,
@@ -77,7 +77,7 @@ def _settings(root: Path) -> Any:
     )
 
 
-async def _pull(c: Client, model_id: str = "m1") -> dict[str, Any]:
+async def _pull(c: AsyncClient, model_id: str = "m1") -> dict[str, Any]:
     records = [r async for r in c.stream("POST", f"/api/models/{model_id}/pull", {})]
     return records[-1]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeld.client import Client
+from modeld.client import AsyncClient
 from modeld.config import Settings
 from tests.support.unix import unix_request
 
@@ -127,8 +127,8 @@ class InProcessDaemon:
     task: asyncio.Task[None]
     stop: asyncio.Event
 
-    def client(self) -> Client:
-        return Client(self.settings.socket_path)
+    def client(self) -> AsyncClient:
+        return AsyncClient(self.settings.socket_path)
 
 
 @contextlib.asynccontextmanager

@@ -1,5 +1,9 @@
 """Settings: the only place that reads the environment or the config file.
 
+This module is light (no pydantic): what a client needs to find the daemon, and the size and
+duration formats. ``Settings`` and ``load_settings`` live in ``modeld.config.settings`` and
+are imported from here on first use.
+
 Environment variables (prefix ``MODELD_``) win over the TOML config file, which uses the same
 names in lower case without the prefix. The file is ``$MODELD_CONFIG``, else
 ``$XDG_CONFIG_HOME/modeld/modeld.toml``, else ``/etc/modeld/modeld.toml`` (the first that
@@ -8,21 +12,30 @@ exists; a ``MODELD_CONFIG`` naming a missing file is an error).
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 import pwd
 import re
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
-
-from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from typing import TYPE_CHECKING, Any
 
 from modeld.errors import SettingsError
-from modeld.layout import StateDir
+
+if TYPE_CHECKING:
+    from modeld.config.settings import Settings, load_settings
+
+__all__ = ["Settings", "load_settings"]  # and every public name below
+
+
+def __getattr__(name: str) -> Any:
+    # `from modeld.config import Settings` still works; pydantic loads only then.
+    if name in ("Settings", "load_settings"):
+        from modeld.config import settings
+
+        return getattr(settings, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 ENV_PREFIX = "MODELD_"
 
@@ -136,6 +149,8 @@ def parse_address(text: str) -> tuple[str, int]:
         host = host[1:-1]
     if host.lower() == "localhost":
         host = "127.0.0.1"
+    import ipaddress  # here: only the daemon parses addresses, and a client call is timed
+
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
@@ -150,6 +165,8 @@ def format_address(host: str, port: int) -> str:
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an IP literal) is a loopback address (127.0.0.0/8, ::1)."""
+    import ipaddress
+
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -235,6 +252,8 @@ _CHILD_ENV_NAMES = frozenset(
         "PYTHONPATH", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE", "PYTHONSAFEPATH",
         "LD_LIBRARY_PATH", "XDG_RUNTIME_DIR", "XDG_CACHE_HOME", "XDG_DATA_DIRS",
         "XDG_CONFIG_DIRS", "COVERAGE_PROCESS_START",
+        # Not a secret: it names the state dir whose runner this is (ps, the fault tests).
+        "MODELD_HOME",
     }
 )  # fmt: skip
 _CHILD_ENV_PREFIXES = (
@@ -342,333 +361,6 @@ def config_file_path(environ: dict[str, str] | None = None) -> Path | None:
     return next((p for p in candidates if p.is_file()), None)
 
 
-class _TomlSource(PydanticBaseSettingsSource):
-    """Values from the TOML config file; unknown keys are typos and are refused."""
-
-    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
-        super().__init__(settings_cls)
-        self.path = path
-        self.data: dict[str, Any] = {}
-        if path is None:
-            return
-        try:
-            with path.open("rb") as f:
-                self.data = tomllib.load(f)
-        except FileNotFoundError as e:
-            raise SettingsError(
-                f"config file {path} does not exist; create it or unset {ENV_PREFIX}CONFIG"
-            ) from e
-        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise SettingsError(f"config file {path}: {e}; fix it (UTF-8 TOML)") from e
-        unknown = sorted(set(self.data) - set(settings_cls.model_fields))
-        if unknown:
-            allowed = ", ".join(sorted(settings_cls.model_fields))
-            raise SettingsError(
-                f"config file {path}: unknown key {unknown[0]!r}; allowed keys: {allowed}"
-            )
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return self.data.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self.data)
-
-
-SizeSetting = Annotated[int, NoDecode]
-DurationSetting = Annotated[float, NoDecode]
-
-
-class Settings(BaseSettings):
-    """Every setting; the README's table says what each one means."""
-
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, case_sensitive=False, extra="ignore", validate_default=True
-    )
-
-    home: Path = Field(default_factory=_default_home)
-    socket: Path | None = None
-    registry: Annotated[list[Path], NoDecode] = Field(default_factory=list)
-    memory_budget: SizeSetting = Field(default_factory=lambda: memory_total_bytes() // 2)
-    disk_budget: Annotated[int | None, NoDecode] = None
-    keep_alive: DurationSetting = 300.0
-    main_backend: Literal["gpu", "cpu"] = "gpu"
-    # Threads of a CPU engine (``Backend.CPU(thread_count=N)``); an entry's [runtime]
-    # threads wins over it.
-    cpu_threads: int = Field(default_factory=default_cpu_threads, ge=1, le=256)
-    # One short generation when an engine loads, where the first request would pay for
-    # compilation and first touch: gpu plans, pinned loads, preloads. 0 turns it off.
-    warm_up: bool = True
-    vision_backend: Literal["cpu", "gpu"] = "cpu"
-    download_connections: int = Field(default=8, ge=1, le=64)
-    piece_size: SizeSetting = 16 * 1024**2
-    stall_timeout: DurationSetting = 20.0
-    hf_token: SecretStr | None = None
-    log_level: Literal["debug", "info", "warning"] = "info"
-    shutdown_timeout: DurationSetting = 10.0
-    # Peers (SO_PEERCRED) allowed on the socket; both empty = whoever can open the socket.
-    allow_uids: Annotated[list[int], NoDecode] = Field(default_factory=list)
-    allow_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
-    # Peers that may administer (pull, rm, import, pin, ...); other peers only *use*.
-    admin_uids: Annotated[list[int], NoDecode] = Field(default_factory=_default_admin_uids)
-    admin_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
-    # Opt-in TCP (``host:port``, normalised); listen_public comes first: listen's check reads it.
-    listen_public: bool = False
-    listen: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    api_keys_file: Path | None = None
-    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    # Bounds on what clients may send; docs/security.md says what each one protects.
-    max_body: SizeSetting = 64 * 1024**2
-    body_memory: SizeSetting = 256 * 1024**2
-    body_timeout: DurationSetting = 60.0
-    max_connections: int = Field(default=256, ge=1, le=65536)
-    header_timeout: DurationSetting = 10.0
-    idle_timeout: DurationSetting = 30.0
-    max_image_pixels: int = Field(default=40_000_000, ge=1)
-
-    @field_validator("memory_budget", "piece_size", "max_body", "body_memory", mode="before")
-    @classmethod
-    def _size(cls, v: Any) -> int:
-        return parse_size(v)
-
-    @field_validator("memory_budget", "piece_size", "max_body", "body_memory")
-    @classmethod
-    def _positive_size(cls, v: int) -> int:
-        if v <= 0:
-            raise ValueError("must be more than 0 bytes")
-        return v
-
-    @field_validator("disk_budget", mode="before")
-    @classmethod
-    def _optional_size(cls, v: Any) -> int | None:
-        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none")):
-            return None
-        return parse_size(v)
-
-    @field_validator("body_memory")
-    @classmethod
-    def _room_for_one_body(cls, v: int, info: ValidationInfo) -> int:
-        max_body = info.data.get("max_body")
-        if isinstance(max_body, int) and v < max_body:
-            raise ValueError(f"must be at least max_body ({max_body} bytes)")
-        return v
-
-    @field_validator(
-        "keep_alive",
-        "stall_timeout",
-        "shutdown_timeout",
-        "body_timeout",
-        "header_timeout",
-        "idle_timeout",
-        mode="before",
-    )
-    @classmethod
-    def _duration(cls, v: Any) -> float:
-        return parse_duration(v)
-
-    @field_validator(
-        "stall_timeout", "shutdown_timeout", "body_timeout", "header_timeout", "idle_timeout"
-    )
-    @classmethod
-    def _positive_duration(cls, v: float) -> float:
-        if v <= 0:
-            raise ValueError("must be a positive duration such as 30s")
-        return v
-
-    @field_validator("registry", mode="before")
-    @classmethod
-    def _paths(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            return [p for p in v.split(":") if p]
-        return v
-
-    @field_validator("allow_uids", "allow_gids", "admin_uids", "admin_gids", mode="before")
-    @classmethod
-    def _id_list(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            return [p.strip() for p in re.split(r"[:,]", v) if p.strip()]
-        return v
-
-    @field_validator("listen", "cors_origins", mode="before")
-    @classmethod
-    def _words(cls, v: Any) -> Any:
-        return _list_of_words(v)
-
-    @field_validator("listen")
-    @classmethod
-    def _addresses(cls, v: list[str], info: ValidationInfo) -> list[str]:
-        out = []
-        for text in v:
-            host, port = parse_address(text)
-            if not is_loopback(host) and not info.data.get("listen_public"):
-                raise ValueError(
-                    f"{host} is not a loopback address, so other hosts could reach the API, "
-                    "keys and prompts in clear text: put TLS in front (a reverse proxy) and "
-                    "set MODELD_LISTEN_PUBLIC=1 to confirm"
-                )
-            out.append(format_address(host, port))
-        return out
-
-    @field_validator("cors_origins")
-    @classmethod
-    def _origins(cls, v: list[str]) -> list[str]:
-        for origin in v:
-            if origin != "*" and not _ORIGIN_RE.fullmatch(origin):
-                raise ValueError(f"{origin!r} is not an origin such as https://app.example:8443")
-        return [o.lower() for o in v]
-
-    @field_validator("allow_uids", "allow_gids", "admin_uids", "admin_gids")
-    @classmethod
-    def _non_negative_ids(cls, v: list[int]) -> list[int]:
-        if any(i < 0 for i in v):
-            raise ValueError("ids are 0 or more")
-        return v
-
-    @field_validator("main_backend", "vision_backend", "log_level", mode="before")
-    @classmethod
-    def _lower(cls, v: Any) -> Any:
-        return v.strip().lower() if isinstance(v, str) else v
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _TomlSource(settings_cls, config_file_path()))
-
-    # --- derived paths ---------------------------------------------------------------
-
-    @property
-    def socket_path(self) -> Path:
-        """``MODELD_SOCKET``, else ``$XDG_RUNTIME_DIR/modeld.sock``, else the state dir's."""
-        if self.socket is not None:
-            return self.socket
-        runtime = os.environ.get("XDG_RUNTIME_DIR")
-        return Path(runtime) / "modeld.sock" if runtime else self.home / "modeld.sock"
-
-    @property
-    def listen_addresses(self) -> list[tuple[str, int]]:
-        """``MODELD_LISTEN`` as ``(ip, port)`` pairs."""
-        return [parse_address(a) for a in self.listen]
-
-    @property
-    def api_keys_path(self) -> Path:
-        """``MODELD_API_KEYS_FILE``, else ``$MODELD_HOME/api-keys``."""
-        return self.api_keys_file if self.api_keys_file is not None else self.home / "api-keys"
-
-    @property
-    def state_dir(self) -> StateDir:
-        """The paths under ``MODELD_HOME``."""
-        return StateDir(self.home)
-
-    @property
-    def db_path(self) -> Path:
-        return self.state_dir.db
-
-    @property
-    def blobs_dir(self) -> Path:
-        return self.state_dir.blobs
-
-    @property
-    def partial_dir(self) -> Path:
-        return self.state_dir.partial
-
-    @property
-    def cache_dir(self) -> Path:
-        return self.state_dir.cache
-
-    def effective(self) -> dict[str, Any]:
-        """The settings as shown by ``/api/status``: sizes in bytes, times in seconds."""
-        return {
-            "home": str(self.home),
-            "socket": str(self.socket_path),
-            "registry": [str(p) for p in self.registry],
-            "memory_budget": self.memory_budget,
-            "disk_budget": self.disk_budget,
-            "keep_alive": self.keep_alive,
-            "main_backend": self.main_backend,
-            "cpu_threads": self.cpu_threads,
-            "warm_up": self.warm_up,
-            "vision_backend": self.vision_backend,
-            "download_connections": self.download_connections,
-            "piece_size": self.piece_size,
-            "stall_timeout": self.stall_timeout,
-            "hf_token": "set" if self.hf_token else None,
-            "log_level": self.log_level,
-            "shutdown_timeout": self.shutdown_timeout,
-            "allow_uids": list(self.allow_uids),
-            "allow_gids": list(self.allow_gids),
-            "admin_uids": list(self.admin_uids),
-            "admin_gids": list(self.admin_gids),
-            "listen": list(self.listen),
-            "listen_public": self.listen_public,
-            "api_keys_file": str(self.api_keys_path),
-            "cors_origins": list(self.cors_origins),
-            "max_body": self.max_body,
-            "body_memory": self.body_memory,
-            "body_timeout": self.body_timeout,
-            "max_connections": self.max_connections,
-            "header_timeout": self.header_timeout,
-            "idle_timeout": self.idle_timeout,
-            "max_image_pixels": self.max_image_pixels,
-            "config_file": str(p) if (p := config_file_path()) else None,
-        }
-
-
-def _allowed(field: str) -> str:
-    allowed = {
-        "memory_budget": SIZE_HELP,
-        "disk_budget": SIZE_HELP,
-        "piece_size": SIZE_HELP,
-        "keep_alive": DURATION_HELP,
-        "stall_timeout": DURATION_HELP,
-        "shutdown_timeout": DURATION_HELP,
-        "max_body": SIZE_HELP,
-        "body_memory": SIZE_HELP + ", at least max_body",
-        "body_timeout": DURATION_HELP,
-        "header_timeout": DURATION_HELP,
-        "idle_timeout": DURATION_HELP,
-        "max_connections": "a whole number from 1 to 65536",
-        "max_image_pixels": "a whole number of pixels (width times height), 1 or more",
-        "main_backend": "gpu or cpu",
-        "vision_backend": "cpu or gpu",
-        "log_level": "debug, info or warning",
-        "download_connections": "a whole number from 1 to 64",
-        "cpu_threads": "a whole number from 1 to 256",
-        "warm_up": "1 or 0 (true or false)",
-        "registry": "directories separated by ':'",
-        "allow_uids": "numeric uids separated by ':' or ',' (a list in TOML)",
-        "allow_gids": "numeric gids separated by ':' or ',' (a list in TOML)",
-        "admin_uids": "numeric uids separated by ':' or ',' (a list in TOML)",
-        "admin_gids": "numeric gids separated by ':' or ',' (a list in TOML)",
-        "listen": "host:port pairs (IP or localhost; [::1]:PORT for IPv6) separated by ','",
-        "listen_public": "1 or 0 (true or false)",
-        "cors_origins": "origins such as https://app.example:8443 separated by ',', or *",
-    }
-    return allowed.get(field, "see the README's settings table")
-
-
-def load_settings(**overrides: Any) -> Settings:
-    """Read the settings, or raise SettingsError with one line naming key, value and rule."""
-    try:
-        return Settings(**overrides)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = str(err["loc"][0]) if err["loc"] else "?"
-        env_key = ENV_PREFIX + field.upper()
-        source = env_key if env_key in os.environ else f"{field} (config file)"
-        value = err.get("input")
-        if isinstance(value, list):
-            value = ",".join(str(v) for v in value)
-        reason = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        raise SettingsError(
-            f"{source}={value!s}: {reason}; allowed: {_allowed(field)}", key=field
-        ) from None
-
-
 SYSTEM_SOCKET = Path("/run/modeld/modeld.sock")
 
 
@@ -714,8 +406,20 @@ def _config_file_values() -> dict[str, Any]:
     path = config_file_path()
     if path is None:
         return {}
+    import tomllib  # here: only where a config file exists (it pulls in datetime)
+
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
         return {}
+
+
+def client_url() -> str | None:
+    """``MODELD_URL``: a daemon over TCP (``http://127.0.0.1:11500``) instead of the socket."""
+    return os.environ.get(ENV_PREFIX + "URL") or None
+
+
+def client_api_key() -> str | None:
+    """``MODELD_API_KEY``: the key a client sends over TCP (``Authorization: Bearer``)."""
+    return os.environ.get(ENV_PREFIX + "API_KEY") or None

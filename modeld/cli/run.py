@@ -1,0 +1,168 @@
+"""``run ID [PROMPT|-]``: one reply, or an interactive chat when no prompt is given on a terminal.
+
+The prompt comes from the argument, else from stdin (``-``, or any stdin that is not a
+terminal: ``echo hi | modeld run ID``). With neither, on a terminal, ``run`` opens a chat: the
+conversation so far goes with each turn, ``\"\"\"`` starts and ends a multi-line message, the
+arrow keys recall earlier lines (readline), and ``/bye`` or Ctrl-D ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from modeld.cli.common import call, client_of, complete_model, err_console, json_option
+from modeld.client import Client
+
+CHAT_HELP = (
+    'Chatting with {model}. /bye or Ctrl-D ends it; """ starts and ends a multi-line message; '
+    "/clear forgets the conversation."
+)
+
+
+def timings_line(final: dict[str, Any]) -> str:
+    t = final.get("timings") or {}
+    parts = []
+    if t.get("image_prepare"):
+        parts.append(f"image_prepare {t['image_prepare'] * 1000:.1f} ms")
+    for key in ("load", "queue", "prefill", "first_token", "total"):
+        if t.get(key) is not None:
+            parts.append(f"{key} {t[key] * 1000:.1f} ms")
+    if t.get("decode_tokens_per_second"):
+        parts.append(f"decode {t['decode_tokens_per_second']:.1f} tok/s")
+    return f"[{final.get('tokens')} tokens, {final.get('finish')}] " + ", ".join(parts)
+
+
+def _reply(records: Any, *, echo: bool) -> dict[str, Any]:
+    """Stream the tokens to stdout (when ``echo``); the final record with the whole text."""
+    text: list[str] = []
+    final: dict[str, Any] = {}
+    for rec in records:
+        if "token" in rec:
+            text.append(rec["token"])
+            if echo:
+                sys.stdout.write(rec["token"])
+                sys.stdout.flush()
+        elif rec.get("done"):
+            final = rec
+    return {"text": "".join(text), **final}
+
+
+def _read_message(first: str) -> str | None:
+    """The rest of a message that began with ``\"\"\"`` (None at Ctrl-D)."""
+    lines = [first[3:]] if first[3:] else []
+    while True:
+        try:
+            line = input("... ")
+        except EOFError:
+            return None
+        if line.rstrip().endswith('"""'):
+            lines.append(line.rstrip()[:-3])
+            return "\n".join(lines).strip("\n")
+        lines.append(line)
+
+
+def chat(client: Client, model_id: str, options: dict[str, Any]) -> None:
+    """The interactive loop: one turn per message, the whole conversation sent each time."""
+    import readline  # noqa: F401 (input() gains line editing and history)
+
+    err_console.print(CHAT_HELP.format(model=model_id), highlight=False)
+    messages: list[dict[str, str]] = []
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            sys.stdout.write("\n")
+            return
+        text: str | None = line
+        if line.strip() in ("/bye", "/exit", "/quit"):
+            return
+        if line.strip() == "/clear":
+            messages.clear()
+            err_console.print("conversation cleared")
+            continue
+        if line.lstrip().startswith('"""'):
+            text = _read_message(line.lstrip())
+            if text is None:
+                return
+        if not text or not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        try:
+            result = _reply(client.chat(model_id, messages, **options), echo=True)
+        except KeyboardInterrupt:
+            # Ctrl-C stops this reply only; the conversation goes on without it.
+            messages.pop()
+            sys.stdout.write("\n")
+            err_console.print("(reply stopped)")
+            continue
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": result["text"]})
+
+
+@click.command()
+@click.argument("model_id", shell_complete=complete_model)
+@click.argument("prompt", required=False)
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--system", help="A system prompt (the model's instructions).")
+@click.option("--format", "fmt", type=click.Choice(["json"]), help="Ask for a JSON answer.")
+@click.option("--max-tokens", type=click.IntRange(min=1), help="Cap the reply's length.")
+@click.option(
+    "--temperature", type=click.FloatRange(0, 100), help="Sampling temperature (0: greedy)."
+)
+@click.option("--seed", type=click.IntRange(0, 2**31 - 1), help="Sampling seed (repeatable).")
+@click.option("--keep-alive", help="Idle time before the engine stops: 30s, 5m, 0, -1.")
+@click.option("--allow-unverified", is_flag=True, help="Use a file no hash vouched for.")
+@json_option
+@click.pass_context
+def run(  # noqa: PLR0917 (click passes every option positionally by name)
+    ctx: click.Context,
+    model_id: str,
+    prompt: str | None,
+    images: tuple[str, ...],
+    system: str | None,
+    fmt: str | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    seed: int | None,
+    keep_alive: str | None,
+    allow_unverified: bool,
+    as_json: bool,
+) -> None:
+    """Generate a reply to PROMPT (or stdin: `-` or a pipe); with no prompt on a terminal,
+    chat. Tokens stream to stdout, phase timings go to stderr."""
+    options: dict[str, Any] = {
+        "system": system,
+        "format": fmt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "keep_alive": keep_alive,
+        "allow_unverified": allow_unverified,
+    }
+    if images:
+        # The CLI reads the files itself and sends their bytes (the CLI's contract).
+        options["images"] = [Path(p).read_bytes() for p in images]
+    if prompt is None and sys.stdin.isatty():
+        if as_json:
+            raise click.UsageError("--json needs a prompt (an argument, or `-` for stdin)")
+        with client_of(ctx) as client:
+            chat(client, model_id, options)
+        return
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise click.UsageError("the prompt read from stdin is empty")
+    text = prompt
+    result = call(ctx, lambda c: _reply(c.generate(model_id, text, **options), echo=not as_json))
+    if as_json:
+        sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        return
+    sys.stdout.write("\n")
+    if "json" in result:
+        err_console.print(f"json: {result['json']['status']}")
+    err_console.print(timings_line(result))

@@ -1,0 +1,116 @@
+"""``modeld run``: the prompt from stdin, and the interactive chat on a terminal (a real pty)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
+from modeld.client import Client
+from tests.cli.conftest import Tiny
+
+
+def _cli(tiny: Tiny, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "modeld", *args],
+        env=tiny.daemon.env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_prompt_comes_from_a_pipe_or_dash(tiny: Tiny) -> None:
+    """`echo hi | modeld run ID` and `modeld run ID -` read the prompt from stdin; the
+    sampling options reach the daemon (a seeded greedy reply is the same twice)."""
+    args = ("run", "tiny-text", "--max-tokens", "4", "--seed", "7", "--temperature", "0")
+    piped = _cli(tiny, *args, "--json", stdin="hello there\n")
+    dashed = _cli(tiny, *args, "-", "--json", "--system", "be brief", stdin="hello there\n")
+    assert piped.returncode == 0, piped.stderr
+    assert dashed.returncode == 0, dashed.stderr
+    first, second = json.loads(piped.stdout), json.loads(dashed.stdout)
+    assert first["done"] and second["done"]
+    again = json.loads(_cli(tiny, *args, "--json", stdin="hello there\n").stdout)
+    assert again["text"] == first["text"]
+    empty = _cli(tiny, "run", "tiny-text", stdin="")
+    assert empty.returncode == 2 and "empty" in empty.stderr
+
+
+def test_the_timing_line_is_one_line_on_a_pipe(tiny: Tiny) -> None:
+    """Not a terminal: stderr's timing line is never wrapped, and carries no markup."""
+    result = _cli(tiny, "run", "tiny-text", "hello", "--max-tokens", "3")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[") and "total" in lines[0]
+
+
+def _read_until(fd: int, needle: bytes | None, deadline: float) -> bytes:
+    """What the pty shows until ``needle`` (None: until the child closes it)."""
+    seen = b""
+    while needle is None or needle not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {needle!r} in {seen!r}"
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the child closed the pty
+                break
+            if not chunk:
+                break
+            seen += chunk
+    return seen
+
+
+def test_no_prompt_on_a_terminal_opens_a_chat(tiny: Tiny) -> None:
+    """On a pty: a chat opens; each turn is answered, a \"\"\" block is one message, /bye
+    ends it with exit status 0."""
+    with Client(tiny.socket) as c:
+        before = _requests(c)
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the CLI on the pty
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "modeld", "run", "tiny-text", "--max-tokens", "3"],
+            tiny.daemon.env,
+        )
+    deadline = time.monotonic() + 120
+    try:
+        banner = _read_until(fd, b">>> ", deadline)
+        assert b"/bye" in banner
+        os.write(fd, b"hello\n")
+        _read_until(fd, b">>> ", deadline)
+        os.write(fd, b'"""first line\nsecond line"""\n')
+        block = _read_until(fd, b">>> ", deadline)
+        assert b"... " in block
+        os.write(fd, b"/bye\n")
+        tail = _read_until(fd, None, deadline)
+        status = _wait(pid, deadline)
+    finally:
+        os.close(fd)
+    assert status == 0, tail
+    with Client(tiny.socket) as c:
+        assert _requests(c) == before + 2  # two turns answered; /bye sent nothing
+
+
+def _wait(pid: int, deadline: float) -> int | None:
+    """The child's exit status; None (and the child killed) if it is still running at
+    ``deadline``."""
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        select.select([], [], [], 0.05)  # a pause between polls, not a synchronisation
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return None
+
+
+def _requests(c: Client) -> int:
+    return sum(e["requests"] for e in c.engines()["engines"] if e["model"] == "tiny-text")
