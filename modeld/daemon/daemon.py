@@ -313,7 +313,12 @@ async def _preload(services: Services) -> None:
     for model_id in dict.fromkeys([*services.settings.preload, *marked]):
         try:
             view = await services.inference.load(
-                model_id, backends=None, keep_alive=-1, pin=False, allow_unverified=False
+                model_id,
+                backends=None,
+                keep_alive=-1,
+                pin=False,
+                allow_unverified=False,
+                preload=True,
             )
         except ModeldError as e:
             logs.event(

@@ -228,13 +228,20 @@ class Inference:
         pin: bool,
         allow_unverified: bool,
         warm_up: bool | None = None,
+        preload: bool = False,
     ) -> dict[str, Any]:
-        """Load an engine for ``model`` (a vision backend asked for loads the vision plan)."""
+        """Load an engine for ``model`` (a vision backend asked for loads the vision plan).
+
+        A preload, like a pinned load, is made for a quick first reply: it warms up unless
+        the entry or ``MODELD_WARM_UP=0`` says no (``Target.warm_up`` False).
+        """
         modalities = ["text"] + (["image"] if backends and backends.get("vision") else [])
         alive = validate_keep_alive(keep_alive)
         target = await self.engines.target(
             model, modalities=modalities, backends=backends, allow_unverified=allow_unverified
         )
+        if warm_up is None and preload:
+            warm_up = True if target.warm_up is None else target.warm_up
         return await self.pool.load(target, keep_alive=alive, pin=pin, warm_up=warm_up)
 
     async def unload(self, selector: str) -> list[dict[str, Any]]:

@@ -135,6 +135,8 @@ def test_preload_loads_the_named_models_and_the_marked_entries(short_tmp: Path) 
         models = sorted(e["model"] for e in ps["engines"])
         assert models == ["marked", "tiny-text"]
         assert all(e["keep_alive"] < 0 for e in ps["engines"])
+        # Preloads are for a quick first reply: each warmed up at load.
+        assert all(e["warm_up_seconds"] is not None for e in ps["engines"]), ps["engines"]
         assert "preload_failed model=nope code=model_not_found" in d.log()
         assert json.loads(d.cli("status", "--json").stdout)["settings"]["preload"] == [
             "tiny-text",
