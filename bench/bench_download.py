@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from modeld.config import format_size, parse_size  # noqa: E402
 from modeld.download import fetch  # noqa: E402
-from modeld.download.job import DownloadJob, Target, Tuning  # noqa: E402
+from modeld.download.job import DownloadJob, DownloadTarget, Tuning  # noqa: E402
 from modeld.download.journal import SqliteJournal  # noqa: E402
 from modeld.store.store import Store  # noqa: E402
 
@@ -106,7 +106,7 @@ async def modeld_pull(
     await store.open()
     try:
         job = DownloadJob(
-            target=Target("bench", urls, size, sha),
+            target=DownloadTarget("bench", urls, size, sha),
             partial=home / "partial" / "bench.partial",
             journal=SqliteJournal(store),
             installer=store.install,

@@ -35,6 +35,7 @@ from tests.support.faults import (
     Rig,
     check_state,
     finish_and_check,
+    journaled_blocks,
     kill9,
     kill_cycle,
     runner_pids,
@@ -42,6 +43,7 @@ from tests.support.faults import (
     wait_pull_progress,
 )
 from tests.support.unix import unix_http, unix_request
+from tests.support.wait import wait_sync
 
 
 def test_kill9_at_random_points_of_startup_recovers(short_tmp: Path) -> None:
@@ -52,7 +54,7 @@ def test_kill9_at_random_points_of_startup_recovers(short_tmp: Path) -> None:
     rng = random.Random(7)  # fixed seed: a failure can be replayed
     for _ in range(4):
         proc = spawn_daemon(env, home / "daemon.log")
-        time.sleep(rng.uniform(0.0, 1.5))
+        time.sleep(rng.uniform(0.0, 1.5))  # the point of the kill is what is tested
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     d = DaemonProcess(home=home, env=env)
@@ -101,7 +103,7 @@ def test_startup_after_kill9_recovers_partial_and_leaves_no_runner(rig: Rig) -> 
     assert all(ppid == d.proc.pid for ppid in runner_pids(rig.home).values())  # type: ignore[union-attr]
     assert unix_request(d.socket, "POST", "/api/models/m1/pull", {"detach": True})[0] == 200
     assert wait_pull_progress(d.socket, 1024 * 1024), "the pull made no progress"
-    time.sleep(0.3)  # the journal is flushed every 0.1 s
+    wait_sync(lambda: journaled_blocks(rig.home, "m1") >= 8, what="512 KiB journaled")
     kill9(d)
     assert not wait_no_runners(rig.home), "a runner of the killed daemon is still alive"
     state = check_state(rig.home)
@@ -186,7 +188,7 @@ def test_enospc_mid_pull_is_one_disk_full_error_and_daemon_serves_on(short_tmp: 
         )
         puller.start()
         wait_pull_progress(d.socket, 512 * 1024)
-        time.sleep(0.3)  # let the journal record what arrived
+        wait_sync(lambda: journaled_blocks(d.home, "m1") >= 1, what="a block journaled")
         fill_disk(d.home / "filler")
         puller.join(60)
         status, records = result[0]

@@ -157,7 +157,7 @@ async def test_queue_depth_and_create_decode_phases(pulled: Any) -> None:
         tasks = [asyncio.ensure_future(generate(c, max_tokens=64)) for _ in range(8)]
         while not all(t.done() for t in tasks):
             seen = max(seen, value(await scrape(sock), "modeld_queue_depth", model="tiny-text"))
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # sampling a gauge while the requests run, not waiting
         await asyncio.gather(*tasks)
     samples = await scrape(sock)
     assert seen >= 1

@@ -12,19 +12,20 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from modeld.catalog.catalog import ID_RE
 from modeld.errors import BadRequest
+from modeld.layout import MODEL_ID_PATTERN, MODEL_ID_RE
 from modeld.services.parts import Services
 
 # An engine id is ``<model id>:<main>[+vision-<b>][+audio-<b>]``; a model id selects all.
-ENGINE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}(?::[a-z0-9+_-]{1,64})?$")
+# A model id, then optionally ":" and a plan (``modeld ps`` shows engine ids so).
+ENGINE_RE = re.compile(MODEL_ID_PATTERN.removesuffix("$") + r"(?::[a-z0-9+_-]{1,64})?$")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def check_model_id(model_id: str) -> str:
     """``model_id`` if it is a valid id, else a 400 naming what an id may contain."""
-    if not ID_RE.fullmatch(model_id):
+    if not MODEL_ID_RE.fullmatch(model_id):
         raise BadRequest(
             f"{model_id[:60]!r} is not a valid model id: letters, digits, '.', '_' and '-', "
             "starting with a letter or digit, at most 128 characters; see `modeld list`"

@@ -26,9 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from modeld import logs
 from modeld.errors import ModelNotFound
 from modeld.hostinfo import VERSION_PATTERN
+from modeld.layout import MODEL_ID_PATTERN, MODEL_ID_RE
 
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-ID_RE = re.compile(ID_PATTERN)
+# One pattern for the whole package (``modeld.layout``); these names are kept for callers.
+ID_PATTERN = MODEL_ID_PATTERN
+ID_RE = MODEL_ID_RE
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 # watchfiles waits this long for more changes before it reports a batch; its default
 # (1.6 s) would break the promise that an edit shows within a second.

@@ -33,6 +33,7 @@ from modeld.config import (
     parse_size,
 )
 from modeld.errors import SettingsError
+from modeld.layout import StateDir
 
 
 class _TomlSource(PydanticBaseSettingsSource):
@@ -255,20 +256,25 @@ class Settings(BaseSettings):
         return self.api_keys_file if self.api_keys_file is not None else self.home / "api-keys"
 
     @property
+    def state_dir(self) -> StateDir:
+        """The paths under ``MODELD_HOME``."""
+        return StateDir(self.home)
+
+    @property
     def db_path(self) -> Path:
-        return self.home / "modeld.db"
+        return self.state_dir.db
 
     @property
     def blobs_dir(self) -> Path:
-        return self.home / "blobs"
+        return self.state_dir.blobs
 
     @property
     def partial_dir(self) -> Path:
-        return self.home / "partial"
+        return self.state_dir.partial
 
     @property
     def cache_dir(self) -> Path:
-        return self.home / "cache"
+        return self.state_dir.cache
 
     def effective(self) -> dict[str, Any]:
         """The settings as shown by ``/api/status``: sizes in bytes, times in seconds."""

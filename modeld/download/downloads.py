@@ -26,7 +26,7 @@ import aiofiles.os
 from modeld import logs
 from modeld.catalog.catalog import Catalog
 from modeld.config import Settings
-from modeld.download.job import DownloadJob, Installer, Target, Tuning
+from modeld.download.job import DownloadJob, DownloadState, DownloadTarget, Installer, Tuning
 from modeld.download.journal import Journal
 from modeld.errors import (
     BadRequest,
@@ -43,7 +43,7 @@ from modeld.metrics import Metrics
 from modeld.store.store import Store
 from modeld.store.vouches import MemoryVouches, VouchBook
 
-Resolve = Callable[[str], Target]
+Resolve = Callable[[str], DownloadTarget]
 # FICLONE from <linux/fs.h>: a copy-on-write clone of a whole file (btrfs, XFS, ...).
 _FICLONE = 0x40049409
 _COPY_CHUNK = 8 * 1024 * 1024
@@ -72,7 +72,7 @@ class Downloads:
         installer: Installer,
         metrics: Metrics | None = None,
         header_check: Callable[[Path, str, str], Any] | None = None,
-        find_by_file_name: Callable[[str], Target | None] | None = None,
+        find_by_file_name: Callable[[str], DownloadTarget | None] | None = None,
         vouches: VouchBook | None = None,
     ) -> None:
         self.settings = settings
@@ -100,7 +100,7 @@ class Downloads:
         target = self.resolve(model_id)
         job = DownloadJob(
             target=target,
-            partial=self.settings.partial_dir / f"{target.model_id}.partial",
+            partial=self.settings.state_dir.partial_for(target.model_id),
             journal=self.journal,
             installer=self.installer,
             tuning=Tuning.from_settings(self.settings),
@@ -164,7 +164,7 @@ class Downloads:
         problems = [
             f"{j.id}: {j.error.message}"
             for j in self.recent
-            if j.error is not None and j.state == "failed"
+            if j.error is not None and j.state is DownloadState.FAILED
         ]
         if active:
             parts = [
@@ -256,7 +256,9 @@ class Downloads:
             out = {**out, "linked": linked, "source": shown}
         return {"id": target.model_id, "installed": out}
 
-    async def _import_vouched_by(self, target: Target, path: str, digest: str) -> str | None:
+    async def _import_vouched_by(
+        self, target: DownloadTarget, path: str, digest: str
+    ) -> str | None:
         """Who vouches for an imported file's ``digest``: the entry's sha256, else the digest
         a hub vouched for earlier for the entry's pinned revision; a mismatch refuses it."""
         if target.sha256 is not None:
@@ -279,7 +281,7 @@ class Downloads:
             )
         return kept.verified_by
 
-    def _import_target(self, path: Path, model_id: str | None) -> Target:
+    def _import_target(self, path: Path, model_id: str | None) -> DownloadTarget:
         if model_id is not None:
             return self.resolve(model_id)
         if self.find_by_file_name is not None:
@@ -377,13 +379,13 @@ def daemon_downloads(
     """The daemon's ``Downloads``: targets from its catalog, journal and installs in its store."""
     from modeld.download.journal import SqliteJournal
 
-    def resolve(model_id: str) -> Target:
-        return Target.from_entry(catalog.get(model_id))
+    def resolve(model_id: str) -> DownloadTarget:
+        return DownloadTarget.from_entry(catalog.get(model_id))
 
-    def by_file_name(name: str) -> Target | None:
+    def by_file_name(name: str) -> DownloadTarget | None:
         for entry in catalog.entries():
             if entry.file_name == name:
-                return Target.from_entry(entry)
+                return DownloadTarget.from_entry(entry)
         return None
 
     return Downloads(

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import os
-import re
 import shutil
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,31 +36,49 @@ from modeld.download.mirrors import (
     Mirror,
     MirrorFailure,
     is_hf_host,
+    open_range,
     os_error_to_modeld,
     probe,
     request,
 )
-from modeld.download.repair import repair
 from modeld.errors import (
     BadRequest,
     DigestConflict,
     DiskFull,
     DownloadError,
+    IntegrityError,
     ModeldError,
 )
+from modeld.layout import MODEL_ID_RE, StateDir, blob_name
 from modeld.metrics import Metrics
 from modeld.store.store import place_blob
 from modeld.store.vouches import MemoryVouches, Vouch, VouchBook, pinned_revision
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Head-room kept free beyond the file itself (SQLite, logs, the rest of the system).
 DISK_MARGIN = 64 * 1024 * 1024
 
 Installer = Callable[[str, Path, str, int, str | None], Awaitable[Any]]
 
 
+class DownloadState(enum.StrEnum):
+    """Where a download is; the API and the log show the value (a plain string)."""
+
+    STARTING = "starting"  # created, its task not yet running
+    PROBING = "probing"  # free space, journaled blocks re-checked, mirrors probed
+    DOWNLOADING = "downloading"  # fetching the missing blocks
+    VERIFYING = "verifying"  # hashing the tail, comparing the sha256
+    REPAIRING = "repairing"  # re-fetching the blocks one lying mirror served
+    INSTALLING = "installing"  # fsync, rename into blobs/, the row
+    INSTALLED = "installed"  # done (final)
+    FAILED = "failed"  # ``error`` says why (final)
+    CANCELLED = "cancelled"  # the partial is kept for a resume (final)
+
+
+FINISHED = frozenset({DownloadState.INSTALLED, DownloadState.FAILED, DownloadState.CANCELLED})
+
+
 @dataclass(frozen=True)
-class Target:
+class DownloadTarget:
     """What to download: the catalog entry's fields the downloader needs."""
 
     model_id: str
@@ -68,7 +87,7 @@ class Target:
     sha256: str | None = None
 
     @classmethod
-    def from_entry(cls, entry: Any) -> Target:
+    def from_entry(cls, entry: Any) -> DownloadTarget:
         return cls(entry.id, list(entry.urls), int(entry.size), entry.sha256)
 
     @property
@@ -103,7 +122,7 @@ def local_installer(blobs_dir: Path) -> Installer:
 
     async def install(model_id: str, src: Path, digest: str, size: int, by: str | None) -> Any:
         def place() -> Path:
-            dest = blobs_dir / f"sha256-{digest}"
+            dest = blobs_dir / blob_name(digest)
             blobs_dir.mkdir(parents=True, exist_ok=True)
             place_blob(src, dest, size)
             return dest
@@ -138,7 +157,7 @@ def _crc_blocks(fd: int, size: int, block_size: int, blocks: dict[int, Block]) -
 class DownloadJob:
     """One model's download; several pulls of the same model share it."""
 
-    target: Target
+    target: DownloadTarget
     partial: Path
     journal: Journal
     installer: Installer
@@ -146,7 +165,7 @@ class DownloadJob:
     metrics: Metrics | None = None
     writer: Writer = os.pwrite
     vouches: VouchBook = field(default_factory=MemoryVouches)
-    state: str = "starting"
+    state: DownloadState = DownloadState.STARTING
     error: ModeldError | None = None
     result: Any = None
     started_at: float = field(default_factory=time.time)
@@ -172,14 +191,14 @@ class DownloadJob:
 
     @property
     def finished(self) -> bool:
-        return self.state in ("installed", "failed", "cancelled")
+        return self.state in FINISHED
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._main(), name=f"download-{self.id}")
 
-    def _set(self, state: str) -> None:
+    def _set(self, state: DownloadState) -> None:
         self.state = state
-        logs.event("download_state", model=self.id, state=state)
+        logs.event("download_state", model=self.id, state=state.value)
         self._notify()
 
     def _notify(self) -> None:
@@ -202,10 +221,10 @@ class DownloadJob:
         record: dict[str, Any] = {
             "id": self.id,
             "model": self.id,
-            "state": self.state,
+            "state": self.state.value,
             "size": self.target.size,
             "completed": done,
-            "verified": hashed if self.state != "installed" else self.target.size,
+            "verified": hashed if self.state is not DownloadState.INSTALLED else self.target.size,
             "received": f.received if f else 0,
             "resumed": self.resumed,
             "speed": round(speed),
@@ -213,7 +232,7 @@ class DownloadJob:
             "mirrors": [m.snapshot() for m in self.mirrors],
             "started_at": self.started_at,
         }
-        if self.state == "installed":
+        if self.state is DownloadState.INSTALLED:
             record.update(
                 digest=self._digest,
                 verified_by=self.verified_by,
@@ -257,17 +276,17 @@ class DownloadJob:
                 f"download of {self.id} cancelled; the partial is kept, pull again to resume"
             )
             self.error.code = "cancelled"  # type: ignore[misc]
-            self._set("cancelled")
+            self._set(DownloadState.CANCELLED)
         except ModeldError as e:
             self.error = await self._forget_if_empty(e)
-            self._set("failed")
+            self._set(DownloadState.FAILED)
         except OSError as e:
             self.error = os_error_to_modeld(e, str(self.partial))
-            self._set("failed")
+            self._set(DownloadState.FAILED)
         except Exception as e:
             logs.event("download_crashed", model=self.id, error=repr(e))
             self.error = DownloadError(f"download of {self.id} failed: {e!r}; see the log")
-            self._set("failed")
+            self._set(DownloadState.FAILED)
         if self.error is not None:
             logs.event(
                 "download_failed", model=self.id, code=self.error.code, reason=self.error.message
@@ -295,7 +314,7 @@ class DownloadJob:
 
     async def _run(self) -> None:
         t = self.target
-        if not _ID_RE.fullmatch(t.model_id):
+        if not MODEL_ID_RE.fullmatch(t.model_id):
             raise BadRequest(f"{t.model_id!r} is not a valid model id")
         self.partial.parent.mkdir(parents=True, exist_ok=True)
         state = await self.journal.load(t.model_id)
@@ -335,7 +354,7 @@ class DownloadJob:
     async def _prepare(self, fd: int, state: JournalState | None, block: int) -> None:
         t = self.target
         nblocks = -(-t.size // block)
-        self._set("probing")
+        self._set(DownloadState.PROBING)
         if state is not None and state.blocks:
             good = await asyncio.to_thread(_crc_blocks, fd, t.size, block, state.blocks)
             self._crcs = {i: state.blocks[i] for i in good}
@@ -502,24 +521,24 @@ class DownloadJob:
         try:
             f.hasher = PrefixHasher(fd, self.target.size)
             f.hasher.advance(min(self.target.size, f.prefix_blocks * block))
-            self._set("downloading")
+            self._set(DownloadState.DOWNLOADING)
             try:
                 await f.run()
             except BaseException:
                 f.hasher.stop()
                 raise
             last_byte = time.monotonic()
-            self._set("verifying")
+            self._set(DownloadState.VERIFYING)
             digest = await f.hasher.digest()
             self.timings["hash_tail"] = round(time.monotonic() - last_byte, 4)
             # Again: a hub may have answered only now (its probe had failed for a while).
             expected, by = self._expected()
             await self._keep_hub_answer()
             if expected is not None and digest != expected:
-                digest = await repair(self, fd, expected, digest, by)
+                digest = await self._repair(fd, expected, digest, by)
             stop.set()
             self._digest, self.verified_by = digest, by
-            self._set("installing")  # also wakes the flusher, which now drains and ends
+            self._set(DownloadState.INSTALLING)  # also wakes the flusher, which now drains and ends
             self.result = await self.installer(self.id, self.partial, digest, self.target.size, by)
             self.install_latency = round(time.monotonic() - last_byte, 4)
             await flusher  # no journal write may land after the clear
@@ -532,26 +551,128 @@ class DownloadJob:
                 latency=self.install_latency,
                 repaired=self.repaired,
             )
-            self._set("installed")
+            self._set(DownloadState.INSTALLED)
         finally:
             stop.set()
             with contextlib.suppress(Exception):
                 await asyncio.shield(flusher)
 
+    # --- repair, not re-download -----------------------------------------------------
+    # On a whole-file sha256 mismatch, the blocks each mirror served are re-fetched from
+    # another mirror, one mirror at a time (the one that served most first); blocks whose
+    # CRC-32 differs are rewritten, the mirror that sent them is banned, and the file is
+    # hashed again.
 
-def memory_job(target: Target, home: Path, tuning: Tuning, **kw: Any) -> DownloadJob:
+    async def _repair(self, fd: int, expected: str, digest: str, by: str | None = None) -> str:
+        """Re-fetch elsewhere the blocks each mirror served, fix those that differ, ban liars.
+
+        ``by`` names who vouches for ``expected`` (the failure message says so)."""
+        f = self.fetcher
+        assert f is not None
+        self._set(DownloadState.REPAIRING)
+        source = f" ({by})" if by else ""
+        by_mirror: dict[str, list[int]] = {}
+        for idx, label in f.sources.items():
+            by_mirror.setdefault(label, []).append(idx)
+        for label, blocks in sorted(by_mirror.items(), key=lambda kv: -len(kv[1])):
+            others = [m for m in self.mirrors if m.usable and m.ranges and m.label != label]
+            if not others:
+                continue
+            try:
+                fixed = await self._refetch(fd, sorted(blocks), others)
+            except DownloadError as e:
+                # The partial stays: a pull once another mirror answers can still repair it.
+                raise DownloadError(
+                    f"{self.id}: the downloaded file's sha256 is {digest}, expected "
+                    f"{expected}{source}; {e.message}, so the bad bytes could not be found "
+                    "(partial kept). Pull again once another of the entry's URLs answers, or "
+                    "add another mirror to the entry"
+                ) from e
+            if not fixed:
+                continue
+            self.repaired += len(fixed)
+            if self.metrics is not None:
+                self.metrics.download_repairs.inc(len(fixed))
+            for m in self.mirrors:
+                if m.label == label:
+                    m.state, m.reason = "banned", f"sent {len(fixed)} blocks with wrong bytes"
+            logs.event("mirror_banned", model=self.id, mirror=label, blocks=len(fixed))
+            hasher = PrefixHasher(fd, self.target.size)
+            digest = await hasher.digest()
+            if digest == expected:
+                return digest
+        unreached = [m.label for m in self.mirrors if m.state == "dropped" and not m.answered]
+        if unreached:
+            # Given up as unreachable for this pull, not proven wrong: one may answer later.
+            raise DownloadError(
+                f"{self.id}: the downloaded file's sha256 is {digest}, expected {expected}"
+                f"{source}; {', '.join(unreached)} could not be reached, so the bad bytes could "
+                "not be found (partial kept). Pull again once another of the entry's URLs "
+                "answers, or add another mirror to the entry"
+            )
+        self.partial.unlink(missing_ok=True)
+        await self.journal.clear(self.id)
+        raise IntegrityError(
+            f"{self.id}: the downloaded file's sha256 is {digest}, expected {expected}{source}, "
+            "and no mirror could repair it; the entry or every mirror is wrong (partial "
+            "discarded). Pull again once another of the entry's URLs answers, or add another "
+            "mirror to the entry"
+        )
+
+    async def _refetch(self, fd: int, blocks: list[int], others: list[Mirror]) -> list[int]:
+        f = self.fetcher
+        assert f is not None
+        sem = asyncio.Semaphore(self.tuning.connections)
+        fixed: list[int] = []
+
+        async def one(idx: int) -> None:
+            start, end = f.block_range(idx)
+            async with sem:
+                for m in others:
+                    if not m.usable:
+                        continue
+                    try:
+                        assert self._session is not None
+                        resp = await open_range(
+                            self._session, m, start, end, self.target.size, self.tuning.hf_token
+                        )
+                        try:
+                            data = await resp.content.readexactly(end - start)
+                        finally:
+                            resp.close()
+                    except (
+                        MirrorFailure,
+                        aiohttp.ClientError,
+                        asyncio.IncompleteReadError,
+                        TimeoutError,
+                    ):
+                        continue
+                    crc = zlib.crc32(data)
+                    if crc != self._crcs[idx].crc:
+                        os.pwrite(fd, data, start)
+                        self._crcs[idx] = Block(idx, crc, m.label)
+                        self._pending.append(self._crcs[idx])
+                        fixed.append(idx)
+                    return
+                raise DownloadError(f"no other mirror could serve block {idx}")
+
+        await asyncio.gather(*(one(i) for i in blocks if i in self._crcs))
+        return fixed
+
+
+def memory_job(target: DownloadTarget, home: Path, tuning: Tuning, **kw: Any) -> DownloadJob:
     """A job with an in-memory journal and the store-less installer (tests, the benchmark)."""
     return DownloadJob(
         target=target,
-        partial=home / "partial" / f"{target.model_id}.partial",
+        partial=StateDir(home).partial_for(target.model_id),
         journal=kw.pop("journal", None) or MemoryJournal(),
-        installer=kw.pop("installer", None) or local_installer(home / "blobs"),
+        installer=kw.pop("installer", None) or local_installer(StateDir(home).blobs),
         tuning=tuning,
         **kw,
     )
 
 
-async def hub_vouch(target: Target, tuning: Tuning) -> Vouch | None:
+async def hub_vouch(target: DownloadTarget, tuning: Tuning) -> Vouch | None:
     """Ask the Hugging Face host among the target's URLs which sha256 it vouches for.
 
     One ``Range: bytes=0-0`` request per hub URL, redirects followed by hand so that the

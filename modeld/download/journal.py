@@ -83,6 +83,18 @@ class MemoryJournal:
         self.states.pop(key, None)
 
 
+def journal_keys(conn: sqlite3.Connection) -> set[str]:
+    """The models with a journaled download, read inside the caller's transaction (``prune``
+    reads them with the ``installed`` rows, as one snapshot)."""
+    # The tables come with the schema migrations; a database not yet migrated has none.
+    exists = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'download_journal'"
+    ).fetchone()
+    if exists is None:
+        return set()
+    return {str(r[0]) for r in conn.execute("SELECT key FROM download_journal")}
+
+
 class _Store(Protocol):
     def write(self, fn: Callable[[sqlite3.Connection], T]) -> Awaitable[T]: ...
     def read(self, fn: Callable[[sqlite3.Connection], T]) -> Awaitable[T]: ...

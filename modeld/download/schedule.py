@@ -257,7 +257,7 @@ class Schedule:
             if not helpers:
                 continue
             mirror = max(helpers, key=lambda m: rates[id(m)])
-            rate_f = rates[id(mirror)]
+            rate_f = rates[id(mirror)]  # at least 1 B/s (``_rate``)
             rate_s = max(p.rate(), 1.0)
             t_slow = (p.end - p.pos) / rate_s
             cur_block_end = min(p.end, (p.pos // bs + 1) * bs)

@@ -33,6 +33,7 @@ from modeld.errors import (
 from modeld.hostinfo import RUNTIME_PACKAGE, at_least, runtime_version
 from modeld.modelfile.header import ModelInfo, read_header
 from modeld.modelfile.plan import Plan, Prefs, needs_probe, resolve
+from modeld.modelfile.runtime import CreateSpec
 from modeld.store.store import Installed, Store
 
 # (model id, digest) -> what can make that install verified (``services.verification``).
@@ -178,7 +179,7 @@ class LearnedMemory:
 
     async def offer(self, target: Target, pss: int) -> bool:
         """Learn ``pss`` for ``target``'s file and plan, unless it still needs confirming."""
-        key = (target.digest, str(target.plan["key"]), target.max_tokens)
+        key = (target.digest, target.plan.key, target.max_tokens)
         if pss > target.estimate * LEARN_CONFIRM_FACTOR:
             first = self._unconfirmed.get(key)
             if first is None or first[0] is target:
@@ -333,7 +334,7 @@ class Engines:
         return {b: bool(r["ok"]) for b, r in (await self._probe_rows(digest)).items()}
 
     async def _probe_gpu(
-        self, model_id: str, digest: str, spec: dict[str, Any]
+        self, model_id: str, digest: str, spec: CreateSpec
     ) -> dict[str, bool | None]:
         """Run the GPU probe for this file once (single-flight) and record it.
 
@@ -374,7 +375,7 @@ class Engines:
             task.add_done_callback(lambda _: self._probing.pop(digest, None))
         return await asyncio.shield(task)
 
-    async def _image_probe(self, digest: str, plan: Plan, spec: dict[str, Any]) -> dict[str, Any]:
+    async def _image_probe(self, digest: str, plan: Plan, spec: CreateSpec) -> dict[str, Any]:
         """This file's image probe row for ``plan``: the recorded one, else run once.
 
         Every plan with a vision backend is probed, not only vision=gpu: the first image
@@ -394,11 +395,11 @@ class Engines:
         if task is None:
 
             async def go() -> dict[str, Any]:
-                from modeld.modelfile.probe import IMAGE_KEY, probe_spec
+                from modeld.modelfile.probe import probe_spec
 
                 # The runner's own create spec, plus one image: same path, cache dir,
                 # max_tokens and max_images as the engine that will serve the requests.
-                result = await probe_spec({**spec, IMAGE_KEY: True}, IMAGE_PROBE_TIMEOUT)
+                result = await probe_spec(spec, IMAGE_PROBE_TIMEOUT, image=True)
                 await self.store.record_image_probe(
                     digest,
                     plan.key,
@@ -572,7 +573,8 @@ class Engines:
             probes = await self._probe_gpu(model_id, installed.digest, probe_spec)
             plan = self.plan(model_id, entry, info, modalities, probes=probes, backends=backends)
         spec, max_tokens = self._spec(entry, info, installed, plan)
-        base = self.pool.spare_reserved if self.pool.spare is not None else RUNNER_BASE
+        budget = self.pool.budget
+        base = budget.spare_reserved if budget.spare is not None else RUNNER_BASE
         learned = await self.memory.expected((installed.digest, plan.key, max_tokens))
         adapter = None
         if "gpu" in plan.backends():
@@ -586,7 +588,7 @@ class Engines:
         return Target(
             model_id=model_id,
             digest=installed.digest,
-            plan=plan.to_dict(),
+            plan=plan,
             spec=spec,
             estimate=estimate_memory(info, plan, max_tokens, base or RUNNER_BASE),
             max_tokens=max_tokens,
@@ -599,28 +601,28 @@ class Engines:
 
     def _spec(
         self, entry: Entry, info: ModelInfo, installed: Installed, plan: Plan
-    ) -> tuple[dict[str, Any], int]:
+    ) -> tuple[CreateSpec, int]:
         """The runner's ``create`` spec for ``plan`` (the GPU probe gets the same one)."""
         limits = entry.limits
         max_tokens = entry_max_tokens(entry, info, vision=plan.vision is not None)
         max_images = (
             (limits.max_images if limits.max_images is not None else 1) if plan.vision else None
         )
-        spec: dict[str, Any] = {
-            "path": str(self._runtime_path(installed.digest, installed.path)),
-            "backend": plan.main,
-            "vision": plan.vision,
-            "audio": plan.audio,
-            "max_tokens": max_tokens,
-            "max_images": max_images,
+        spec = CreateSpec(
+            path=str(self._runtime_path(installed.digest, installed.path)),
+            backend=plan.main,
+            vision=plan.vision,
+            audio=plan.audio,
+            max_tokens=max_tokens,
+            max_images=max_images,
             # Without it the runtime writes its xnnpack cache next to the blob.
-            "cache_dir": str(self.store.cache_dir_for(installed.digest)),
+            cache_dir=str(self.store.cache_dir_for(installed.digest)),
             # The entry's [limits] speculative_decoding as is: true and false reach the
             # runtime as True and False; absent (None) leaves it to the runtime's default.
-            "speculative": limits.speculative_decoding,
+            speculative=limits.speculative_decoding,
             # Always an explicit count: the runtime's own default ignores the machine.
-            "threads": entry.runtime.threads or self.settings.cpu_threads,
-        }
+            threads=entry.runtime.threads or self.settings.cpu_threads,
+        )
         return spec, max_tokens
 
     def _warm_up(self, entry: Entry, plan: Plan) -> bool | None:

@@ -2,8 +2,9 @@
 
 Every engine is keyed by ``(digest, plan key)``. N requests for a cold engine start one
 runner; a load whose waiters all left is cancelled. Memory admission, the spare runner and
-eviction are in ``modeld.engine.admission``; ``ps``/status views and the final record of a request
-in ``modeld.engine.views``; the data types in ``modeld.engine.types`` (all re-exported here).
+eviction are the pool's ``Budget`` (``modeld.engine.budget``); an engine's ``ps`` view and the
+final record of a request are in ``modeld.engine.views``; the data types in
+``modeld.engine.types`` (all re-exported here).
 
 Each engine's state (``State``) is changed only by ``Pool._set_state``, which checks the
 transition against ``ALLOWED``. Requests to one engine run one at a time in arrival order
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
@@ -22,7 +24,8 @@ from types import TracebackType
 from typing import Any, Self
 
 from modeld import logs
-from modeld.engine.admission import Admission
+from modeld.config import format_size
+from modeld.engine.budget import Budget
 from modeld.engine.runner.client import RunnerDied, RunnerError
 from modeld.engine.types import (
     ALLOWED,
@@ -37,7 +40,7 @@ from modeld.engine.types import (
     load_error,
     validate_keep_alive,
 )
-from modeld.engine.views import Views, engine_view
+from modeld.engine.views import EngineView, Phases, engine_view, final_record
 from modeld.errors import (
     BadRequest,
     Busy,
@@ -53,6 +56,7 @@ from modeld.metrics import Metrics
 __all__ = [
     "ALLOWED",
     "Engine",
+    "EngineView",
     "Journal",
     "Learned",
     "Pool",
@@ -70,7 +74,7 @@ __all__ = [
 LAST_RUNNERS = 16
 
 
-class Pool(Admission, Views):
+class Pool:
     """Owns every engine and runner of one daemon; see the module docstring."""
 
     def __init__(
@@ -86,10 +90,17 @@ class Pool(Admission, Views):
         self.journal = journal
         self.factory = runner_factory
         self.metrics = metrics
-        self.on_learned = on_learned
+        self.phases = Phases(metrics) if metrics is not None else None
         self.engines: dict[tuple[str, str], Engine] = {}
-        self.spare: RunnerLike | None = None
-        self.spare_reserved = 0
+        self.budget = Budget(
+            config,
+            self.engines,
+            runner_factory,
+            evict=self._stop_engine,
+            spawn=self._spawn,
+            metrics=metrics,
+            on_learned=on_learned,
+        )
         self.last_eviction: dict[tuple[str, str], str] = {}
         self.recent_evictions: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
         self.crashes: dict[tuple[str, str], collections.deque[float]] = {}
@@ -99,14 +110,10 @@ class Pool(Admission, Views):
             collections.OrderedDict()
         )
         self.held_until: dict[tuple[str, str], float] = {}
-        self.max_used = 0
         self.stopping = False
-        self._cond = asyncio.Condition()
-        self._capacity_waiters = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wake_reaper = asyncio.Event()
         self._reaper_due: float | None = None  # when the reaper wakes up by itself
-        self._spare_task: asyncio.Task[None] | None = None
 
     def _set_state(self, e: Engine, new: State) -> None:
         """The one place an engine's state changes."""
@@ -141,15 +148,8 @@ class Pool(Admission, Views):
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _notify(self) -> None:
-        async with self._cond:
-            self._cond.notify_all()
-
     def _wake(self, reaper: bool = True) -> None:
-        # Never notify inline: callers may hold the condition's lock already. A waiter
-        # counts itself under the lock before it looks, so none is missed when there are 0.
-        if self._capacity_waiters:
-            self._spawn(self._notify())
+        self.budget.wake()
         if reaper:
             self._wake_reaper.set()
 
@@ -165,25 +165,21 @@ class Pool(Admission, Views):
         await self.stop()
 
     async def start(self) -> None:
-        self._spawn(self._watch())
+        self._spawn(self.budget.watch())
         self._spawn(self._reaper())
         if self.config.spare:
-            self._refill_spare()
+            self.budget.refill_spare()
 
     async def stop(self) -> None:
         """Stop every runner (idempotent); in-flight generations end with an error."""
-        self.stopping = True
+        self.stopping = self.budget.stopping = True
         for task in list(self._tasks):
             task.cancel()
         engines = list(self.engines.values())
         await asyncio.gather(
             *(self._stop_engine(e, "daemon stopping") for e in engines), return_exceptions=True
         )
-        if self._spare_task is not None:
-            self._spare_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._spare_task
-        await self._drop_spare()
+        await self.budget.stop()
         while self._tasks:
             pending = list(self._tasks)
             for task in pending:
@@ -248,16 +244,18 @@ class Pool(Admission, Views):
         started = time.monotonic()
         t = e.target
         try:
-            runner = await self._take_spare()
+            runner = await self.budget.take_spare()
             if runner is not None:
                 # The spare's memory is already counted: it moves into this engine.
-                e.reserved, self.spare_reserved = self.spare_reserved, 0
-            await self._admit(e)
+                e.reserved, self.budget.spare_reserved = self.budget.spare_reserved, 0
+            await self.budget.admit(e)
             if runner is None:
                 runner = await self.factory()
             e.runner = runner
             self._note_runner(t, runner)
-            reply = await runner.create({**t.spec, "warm_up": True} if e.warm_up else t.spec)
+            reply = await runner.create(
+                dataclasses.replace(t.spec, warm_up=True) if e.warm_up else t.spec
+            )
         except BaseException as exc:
             err = load_error(t, exc)
             if not isinstance(exc, asyncio.CancelledError):
@@ -286,7 +284,7 @@ class Pool(Admission, Views):
         e.load_seconds = time.monotonic() - started
         e.measured = runner.memory()[0] or int(reply.get("pss", 0))
         e.reserved = max(e.measured, t.expected)
-        self._note_used()
+        self.budget.note_used()
         if e.state is not State.LOADING:
             # Unloaded while the engine was being created: the unload stops the runner.
             e.ready.set_exception(EngineError(f"model {t.model_id}: unloaded while loading"))
@@ -311,8 +309,8 @@ class Pool(Admission, Views):
             adapter=t.adapter,
         )
         # The estimate may have been low: real PSS counts, so make room now if needed.
-        await self._enforce_budget(keep=e)
-        self._refill_spare()
+        await self.budget.enforce(keep=e)
+        self.budget.refill_spare()
         self._wake()
 
     def _record(self, kind: str, **fields: Any) -> None:
@@ -367,7 +365,7 @@ class Pool(Admission, Views):
         if self.metrics:
             with contextlib.suppress(KeyError):
                 self.metrics.engine_pss.remove(e.target.engine_id)
-        self._note_used()
+        self.budget.note_used()
         self._wake()
 
     # --- crash and stop ------------------------------------------------------------------
@@ -470,7 +468,7 @@ class Pool(Admission, Views):
             await self._wait_ready(e)
         finally:
             self._release(e)
-        return engine_view(e, time.monotonic(), self.last_eviction.get(e.target.key))
+        return engine_view(e, time.monotonic(), self.last_eviction.get(e.target.key)).to_dict()
 
     async def generate(
         self,
@@ -480,7 +478,7 @@ class Pool(Admission, Views):
         keep_alive: float | None = None,
         image_prepare: float = 0.0,
     ) -> AsyncGenerator[dict[str, Any], None]:
-        """Token records, then a final record with phase timings; see ``runner_generate``.
+        """Token records, then a final record with phase timings (see the runner child).
 
         ``image_prepare`` is the time the caller spent preparing the job's images (it comes
         before the request reaches the pool); it is reported as its own phase.
@@ -539,9 +537,10 @@ class Pool(Admission, Views):
                 if first is None and ttft is not None:
                     # A non-streamed reply sends no token frames: the runner's own figure.
                     first = began + ttft
-                yield self._final(
+                yield final_record(
                     e,
                     rec,
+                    self.phases,
                     arrived=arrived,
                     loaded_at=loaded_at,
                     began=began,
@@ -549,7 +548,7 @@ class Pool(Admission, Views):
                     image_prepare=prepare,
                 )
         if not e.measured_at or time.monotonic() - e.measured_at >= self.config.watch_interval:
-            self._spawn(self._measure_after(e))
+            self._spawn(self.budget.measure_after(e))
 
     # --- unload, expiry, watching ----------------------------------------------------------
 
@@ -567,7 +566,7 @@ class Pool(Admission, Views):
         grace = self.config.unload_timeout if grace is None else grace
         views = []
         for e in engines:
-            views.append(engine_view(e, time.monotonic(), None))
+            views.append(engine_view(e, time.monotonic(), None).to_dict())
             was_loading = e.state is State.LOADING
             if e.state in (State.READY, State.BUSY, State.LOADING):
                 self._set_state(e, State.UNLOADING)
@@ -602,3 +601,38 @@ class Pool(Admission, Views):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(None if nxt is None else max(0.0, nxt - now)):
                     await self._wake_reaper.wait()
+
+    # --- views ---------------------------------------------------------------------------
+
+    def views(self) -> list[EngineView]:
+        """Every engine as ``ps`` shows it."""
+        now = time.monotonic()
+        return [engine_view(e, now, self.last_eviction.get(k)) for k, e in self.engines.items()]
+
+    def list(self) -> list[dict[str, Any]]:
+        """``views()`` in their JSON form."""
+        return [v.to_dict() for v in self.views()]
+
+    def status(self) -> dict[str, Any]:
+        """The ``engines`` section of ``/api/status``: the budget, the spare, evictions."""
+        used, budget = self.budget.used(), self.config.budget
+        problems = []
+        if used > budget:
+            problems.append(
+                f"engines use {format_size(used)}, over the budget {format_size(budget)}"
+            )
+        held = [k[0][:12] for k, until in self.held_until.items() if until > time.monotonic()]
+        if held:
+            problems.append(f"{len(held)} model file(s) held back after repeated crashes")
+        spare = self.budget.spare
+        return {
+            "summary": f"{len(self.engines)} engine(s), {format_size(used)} of "
+            f"{format_size(budget)} budget",
+            "problems": problems,
+            "loaded": len(self.engines),
+            "budget": budget,
+            "used": used,
+            "max_used": self.budget.max_used,
+            "spare": {"pid": spare.pid if spare else None, "pss": self.budget.spare_reserved},
+            "recent_evictions": list(self.recent_evictions),
+        }

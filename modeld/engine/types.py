@@ -23,6 +23,8 @@ from modeld.errors import (
     EngineError,
     ModeldError,
 )
+from modeld.modelfile.plan import Plan
+from modeld.modelfile.runtime import CreateSpec
 
 
 class RunnerLike(Protocol):
@@ -35,7 +37,7 @@ class RunnerLike(Protocol):
     @property
     def alive(self) -> bool: ...
     def stderr_text(self) -> str: ...
-    async def create(self, spec: dict[str, Any]) -> dict[str, Any]: ...
+    async def create(self, spec: CreateSpec) -> dict[str, Any]: ...
     def generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]: ...
     def memory(self) -> tuple[int, int]: ...
     async def wait_exit(self) -> RunnerDied: ...
@@ -72,8 +74,8 @@ class Target:
 
     model_id: str
     digest: str
-    plan: dict[str, Any]
-    spec: dict[str, Any]
+    plan: Plan
+    spec: CreateSpec
     estimate: int
     max_tokens: int
     learned: int | None = None  # measured peak PSS from earlier runs, if any
@@ -87,7 +89,7 @@ class Target:
 
     @property
     def key(self) -> tuple[str, str]:
-        return (self.digest, str(self.plan["key"]))
+        return (self.digest, self.plan.key)
 
     @property
     def expected(self) -> int:
@@ -96,13 +98,13 @@ class Target:
     @property
     def engine_id(self) -> str:
         p = self.plan
-        extra = "".join(f"+{m}-{p[m]}" for m in ("vision", "audio") if p.get(m))
-        return f"{self.model_id}:{p['main']}{extra}"
+        extra = "".join(f"+{m}-{b}" for m, b in (("vision", p.vision), ("audio", p.audio)) if b)
+        return f"{self.model_id}:{p.main}{extra}"
 
 
 @dataclass(eq=False)
 class Engine:
-    """One engine's bookkeeping; its views are in ``pool_views``."""
+    """One engine's bookkeeping; its view is ``modeld.engine.views.EngineView``."""
 
     target: Target
     state: State = State.LOADING
@@ -176,7 +178,7 @@ def load_error(t: Target, exc: BaseException) -> ModeldError:
         cls = BackendConstraint if exc.code == "backend_constraint" else EngineError
         return cls(
             f"model {t.model_id}: the runtime could not create its engine "
-            f"(plan {t.plan['key']}): {exc.message}",
+            f"(plan {t.plan.key}): {exc.message}",
             model=t.model_id,
         )
     if isinstance(exc, RunnerDied):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -33,6 +33,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from modeld.modelfile.runtime import CreateSpec, create_engine
+from modeld.proc import die_with_parent
 
 PROBE_PROMPT = "Hi"
 PROBE_MAX_TOKENS = 4
@@ -154,15 +157,9 @@ def child_argv(spec: dict[str, Any]) -> list[str]:
 
 def spec_for(
     path: Path, backend: str, cache_dir: Path, vision: str | None = None, audio: str | None = None
-) -> dict[str, Any]:
+) -> CreateSpec:
     """A minimal ``create`` spec: the file, the backends, the cache dir."""
-    return {
-        "path": str(path),
-        "backend": backend,
-        "vision": vision,
-        "audio": audio,
-        "cache_dir": str(cache_dir),
-    }
+    return CreateSpec(str(path), backend, vision, audio, cache_dir=str(cache_dir))
 
 
 async def probe(
@@ -180,28 +177,27 @@ async def probe(
     With ``image`` the child also sends one small image (it needs a ``vision`` backend).
     """
     spec = spec_for(path, backend, cache_dir, vision, audio)
-    if image:
-        spec[IMAGE_KEY] = True
-    return await probe_spec(spec, timeout)
+    return await probe_spec(spec, timeout, image=image)
 
 
 async def probe_spec(
-    spec: dict[str, Any],
+    spec: CreateSpec,
     timeout: float = 60,  # noqa: ASYNC109 - a timeout is a result (ok False), not an error
     *,
+    image: bool = False,
     env: dict[str, str] | None = None,
 ) -> ProbeResult:
-    """Create the engine of a runner ``create`` spec in a child, and ask it for a reply."""
-    backend = str(spec.get("backend") or "cpu")
-    vision, audio = spec.get("vision"), spec.get("audio")
-    image = bool(spec.get(IMAGE_KEY))
+    """Create the engine of a runner ``create`` spec in a child, and ask it for a reply.
+
+    With ``image`` the child also sends one small image (it needs a ``vision`` backend)."""
+    backend, vision, audio = spec.backend, spec.vision, spec.audio
     report: dict[str, Any] = {}
     start = time.monotonic()
     # Imported here: this module is also the child's main, which needs no settings.
     from modeld.config import child_environ
 
     proc = await asyncio.create_subprocess_exec(
-        *child_argv(spec),
+        *child_argv({**spec.to_json(), IMAGE_KEY: True} if image else spec.to_json()),
         close_fds=True,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
@@ -260,20 +256,6 @@ async def probe_spec(
 # --- the child ---------------------------------------------------------------------------
 
 
-def _die_with_parent(parent: int | None = None) -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
-    # A probe left running after the daemon died would hold GPU memory forever.
-    pr_set_pdeathsig = 1
-    expected = parent if parent is not None else os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    # The parent may have died before prctl took effect; comparing with its pid rather
-    # than with 1 keeps this right under a subreaper or when the daemon is PID 1.
-    if os.getppid() != expected:
-        os._exit(1)
-
-
 def _report(doc: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(doc) + "\n")
     sys.stdout.flush()
@@ -304,18 +286,17 @@ def _message(image: bool) -> Any:
     return {"role": "user", "content": content}
 
 
-def run_child(spec: dict[str, Any]) -> int:
+def run_child(doc: dict[str, Any]) -> int:
     """Create the spec's engine, a conversation and one short reply; print one JSON line."""
     start = time.monotonic()
-    image = bool(spec.get(IMAGE_KEY))
-    if image and not spec.get("max_images"):
+    image = bool(doc.get(IMAGE_KEY))
+    spec = CreateSpec.from_json(doc)
+    if image and not spec.max_images:
         # One image, as a runner for a vision plan gets by default.
-        spec = {**spec, "max_images": 1}
+        spec = dataclasses.replace(spec, max_images=1)
     stage = "engine"
     try:
         # The runner's own engine creation: same path, cache dir and options.
-        from modeld.modelfile.runtime import create_engine
-
         engine = create_engine(spec)
         conversation = engine.create_conversation(max_output_tokens=PROBE_MAX_TOKENS)
         stage = "image" if image else "reply"
@@ -342,18 +323,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", help="a runner create spec as JSON (what the daemon passes)")
     parser.add_argument("--parent", type=int, help="the pid that must stay our parent")
     args = parser.parse_args(argv)
+    doc: dict[str, Any]
     if args.spec is not None:
-        spec = json.loads(args.spec)
+        doc = json.loads(args.spec)
     elif args.path and args.backend and args.cache_dir:
-        spec = spec_for(
+        doc = spec_for(
             Path(args.path), args.backend, Path(args.cache_dir), args.vision, args.audio
-        )
+        ).to_json()
     else:
         parser.error("give --spec JSON, or PATH BACKEND CACHE_DIR")
     if args.image:
-        spec[IMAGE_KEY] = True
-    _die_with_parent(args.parent)
-    return run_child(spec)
+        doc[IMAGE_KEY] = True
+    die_with_parent(args.parent)
+    return run_child(doc)
 
 
 if __name__ == "__main__":

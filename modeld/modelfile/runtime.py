@@ -7,11 +7,45 @@ processes that never create an engine do not pay for the 131 MB runtime.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 
-def create_engine(spec: dict[str, Any]) -> Any:
+@dataclass(frozen=True)
+class CreateSpec:
+    """What an engine is created from: a runner's ``create`` op, and a probe child's spec.
+
+    ``to_json`` is the wire form (the ``create`` frame's fields, the probe's ``--spec``);
+    ``from_json`` reads it back and ignores the frame's other fields (``op``, ``id``).
+    """
+
+    path: str  # the ``.litertlm`` link: the runtime picks the format by extension
+    backend: str = "cpu"
+    vision: str | None = None  # None: no vision encoder is loaded
+    audio: str | None = None  # None: no audio encoder is loaded
+    max_tokens: int | None = None  # None leaves it to the file's metadata
+    max_images: int | None = None
+    cache_dir: str | None = None  # without it the runtime writes its cache next to the file
+    # The entry's [limits] speculative_decoding as is: None leaves it to the runtime.
+    speculative: bool | None = None
+    # CPU threads: the daemon always sends its chosen count; None leaves it to the runtime.
+    threads: int | None = None
+    # A runner's ``create`` only: one short generation after the engine is made.
+    warm_up: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> CreateSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in doc.items() if k in names})
+
+
+def create_engine(spec: CreateSpec) -> Any:
     """The ``litert_lm.Engine`` that a ``create`` spec describes.
 
     The runner's ``create`` op and the GPU probe child (``modeld.modelfile.probe``) both call this
@@ -21,7 +55,7 @@ def create_engine(spec: dict[str, Any]) -> Any:
     """
     import litert_lm
 
-    threads = spec.get("threads")
+    threads = spec.threads
 
     def backend(name: str | None) -> Any:
         if name is None:
@@ -33,18 +67,18 @@ def create_engine(spec: dict[str, Any]) -> Any:
         # None leaves it to the runtime; the daemon always sends its chosen count.
         return litert_lm.Backend.CPU(thread_count=None if threads is None else int(threads))
 
-    cache_dir = spec.get("cache_dir")
+    cache_dir = spec.cache_dir
     if cache_dir:
         # The runtime refuses a cache dir that does not exist yet.
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    speculative = spec.get("speculative")
+    speculative = spec.speculative
     return litert_lm.Engine(
-        str(spec["path"]),
-        backend=backend(spec.get("backend", "cpu")),
-        vision_backend=backend(spec.get("vision")),
-        audio_backend=backend(spec.get("audio")),
-        max_num_tokens=spec.get("max_tokens"),
-        max_num_images=spec.get("max_images"),
+        spec.path,
+        backend=backend(spec.backend),
+        vision_backend=backend(spec.vision),
+        audio_backend=backend(spec.audio),
+        max_num_tokens=spec.max_tokens,
+        max_num_images=spec.max_images,
         cache_dir=cache_dir,
         # Prefill/decode counts and speeds for the phase timings.
         enable_benchmark=True,

@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlsplit
 from modeld.catalog.catalog import Catalog, Entry, bundled_registry_dir, outdated
 from modeld.config import Settings
 from modeld.download.downloads import Downloads, result_dict
-from modeld.download.job import DownloadJob, Target
+from modeld.download.job import DownloadJob, DownloadTarget
 from modeld.engine.engines import Engines, error_brief
 from modeld.engine.pool import Pool
 from modeld.errors import ModeldError, ModelNotFound, ModelNotInstalled, NotEmbeddingModel
@@ -192,7 +192,7 @@ class Models:
             if outdated(entry, inst.digest, inst.size):
                 return None
         if entry is not None and not inst.verified and entry.sha256 is None:
-            rev = Target.from_entry(entry).revision
+            rev = DownloadTarget.from_entry(entry).revision
             kept = await self.store.vouched(model_id, rev) if rev else None
             if kept is not None and kept.sha256 != inst.digest:
                 return None

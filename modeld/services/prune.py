@@ -28,30 +28,27 @@ from pathlib import Path
 from typing import Any
 
 from modeld.config import format_duration, format_size
+from modeld.layout import BLOB_RE, DIGEST_RE, MODEL_ID_RE, PARTIAL_SUFFIX
 
 # How long a blob without a row is assumed to be an install in progress (its rename into
 # blobs/ updates its ctime; Store.install writes the row right after the rename).
 ORPHAN_GRACE = 60.0
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_BLOB_RE = re.compile(r"^sha256-([0-9a-f]{64})$")
-_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 _STAGING_RE = re.compile(r"\.(?:import|install)-(\d+)(?:-|$)")
-_PARTIAL_SUFFIX = ".partial"
 
 # Kinds of items, in the order they are listed and removed.
 KINDS = ("partial", "journal", "quarantined", "orphan_blob", "orphan_cache", "model")
 
 
 def valid_model_id(model_id: str) -> bool:
-    return bool(_ID_RE.fullmatch(model_id))
+    return bool(MODEL_ID_RE.fullmatch(model_id))
 
 
 def partial_model_id(name: str) -> str | None:
     """The model a file in ``partial/`` belongs to (``<id>.partial``, the downloader's name)."""
-    if name.endswith(_PARTIAL_SUFFIX):
-        stem = name[: -len(_PARTIAL_SUFFIX)]
-        if _ID_RE.fullmatch(stem):
+    if name.endswith(PARTIAL_SUFFIX):
+        stem = name[: -len(PARTIAL_SUFFIX)]
+        if MODEL_ID_RE.fullmatch(stem):
             return stem
     return None
 
@@ -271,7 +268,7 @@ def _plan_orphans(inv: Inventory, act: Activity, grace: float) -> tuple[list[Ite
         else:
             items.append(Item("orphan_blob", f.size, "not a blob name modeld writes", str(f.path)))
     for name, f in sorted(inv.caches.items()):
-        of = name if _DIGEST_RE.fullmatch(name) else None
+        of = name if DIGEST_RE.fullmatch(name) else None
         # A row's cache stays even while its blob is missing: the blob may come back.
         if of is not None and (
             of in act.loaded_digests or of in used or (of in inv.blobs and of not in gone)
@@ -392,7 +389,7 @@ def scan_files(inv: Inventory, blobs_dir: Path, partial_dir: Path, cache_dir: Pa
         info = _info(p)
         if info is None:
             continue
-        m = _BLOB_RE.fullmatch(p.name)
+        m = BLOB_RE.fullmatch(p.name)
         if m:
             inv.blobs[m.group(1)] = info
         elif ".FAILED" in p.name:

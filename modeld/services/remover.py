@@ -20,7 +20,7 @@ from typing import Any, Self, TypeVar
 from modeld import logs
 from modeld.config import Settings
 from modeld.download.downloads import Downloads
-from modeld.download.journal import SqliteJournal
+from modeld.download.journal import SqliteJournal, journal_keys
 from modeld.engine.pool import Pool
 from modeld.errors import (
     BadRequest,
@@ -51,16 +51,16 @@ T = TypeVar("T")
 
 
 def activity_of(pool: Pool | None, downloads: Downloads | None) -> Activity:
-    """Engines and downloads of the daemon right now (``pool.list()``, ``downloads.jobs``)."""
+    """Engines and downloads of the daemon right now (``pool.views()``, ``downloads.jobs``)."""
     loaded: set[str] = set()
     digests: set[str] = set()
     pinned: set[str] = set()
     if pool is not None:
-        for view in pool.list():
-            loaded.add(str(view["model"]))
-            digests.add(str(view["digest"]))
-            if view.get("pinned"):
-                pinned.add(str(view["model"]))
+        for view in pool.views():
+            loaded.add(view.model)
+            digests.add(view.digest)
+            if view.pinned:
+                pinned.add(view.model)
     downloading: set[str] = set()
     paths: set[str] = set()
     if downloads is not None:
@@ -78,16 +78,6 @@ def activity_of(pool: Pool | None, downloads: Downloads | None) -> Activity:
         frozenset(downloading),
         frozenset(paths),
     )
-
-
-def _journal_keys(conn: sqlite3.Connection) -> set[str]:
-    # The downloader creates its tables on first use; before that there is no journal.
-    exists = conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'download_journal'"
-    ).fetchone()
-    if exists is None:
-        return set()
-    return {str(r[0]) for r in conn.execute("SELECT key FROM download_journal")}
 
 
 def _rows(conn: sqlite3.Connection) -> list[Row]:
@@ -163,7 +153,7 @@ class Remover:
         store = self.store
 
         def read(conn: sqlite3.Connection) -> tuple[list[Row], set[str]]:
-            return _rows(conn), _journal_keys(conn)
+            return _rows(conn), journal_keys(conn)
 
         rows, keys = await store.read(read)
         inv = Inventory(
@@ -342,10 +332,10 @@ class Remover:
     def _in_use(self, model_id: str) -> list[str]:
         reasons: list[str] = []
         pool = self.pool
-        views = [v for v in (pool.list() if pool is not None else []) if v["model"] == model_id]
+        views = [v for v in (pool.views() if pool is not None else []) if v.model == model_id]
         if views:
-            engines = ", ".join(str(v["id"]) for v in views)
-            pinned = " (pinned)" if any(v.get("pinned") for v in views) else ""
+            engines = ", ".join(v.id for v in views)
+            pinned = " (pinned)" if any(v.pinned for v in views) else ""
             reasons.append(f"loaded in engine {engines}{pinned}")
         if model_id in self.activity().downloading:
             reasons.append("being downloaded")

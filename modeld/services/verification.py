@@ -14,7 +14,7 @@ from yarl import URL
 
 from modeld.catalog.catalog import Catalog, Entry, bundled_registry_dir
 from modeld.config import Settings
-from modeld.download.job import Target, Tuning, hub_vouch
+from modeld.download.job import DownloadTarget, Tuning, hub_vouch
 from modeld.download.mirrors import is_hf_host
 from modeld.store.store import Store
 from modeld.store.vouches import Vouch, pinned_revision
@@ -40,7 +40,7 @@ async def vouched_by(
     """
     if entry.sha256 is not None:
         return ("registry sha256" if entry.sha256 == digest else None), None
-    target = Target.from_entry(entry)
+    target = DownloadTarget.from_entry(entry)
     rev = target.revision
     kept: Vouch | None = await store.vouched(entry.id, rev) if rev else None
     if kept is not None:

@@ -6,16 +6,15 @@ Plain file-system work, run in a thread by :mod:`modeld.store.store`.
 from __future__ import annotations
 
 import hashlib
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modeld.layout import BLOB_RE, DIGEST_RE
+
 # 1 MiB reads: hashlib releases the GIL for large updates and the syscall count stays low.
 HASH_CHUNK = 1024 * 1024
-_BLOB_RE = re.compile(r"^sha256-([0-9a-f]{64})$")
-_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def sha256_file(path: Path, chunk: int = HASH_CHUNK) -> tuple[str, int]:
@@ -122,7 +121,7 @@ def scan_state_dir(
         except OSError:
             continue
     for entry in _listdir(cache):
-        if not (_DIGEST_RE.match(entry) and entry in present):
+        if not (DIGEST_RE.match(entry) and entry in present):
             report.orphan_caches.append(str(cache / entry))
     return report
 
@@ -136,7 +135,7 @@ def _scan_blobs(blobs: Path, digests: set[str], report: ScanReport) -> dict[str,
             size = _size_of(path)
         except OSError:
             continue
-        match = _BLOB_RE.match(entry)
+        match = BLOB_RE.match(entry)
         if match:
             present[match.group(1)] = size
             if match.group(1) not in digests:

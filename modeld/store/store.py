@@ -1,9 +1,7 @@
 """The state dir: content-addressed blobs on disk and the SQLite index that names them.
 
-Layout of ``MODELD_HOME``: ``blobs/sha256-<hex>`` (read-only model files), ``partial/``
-(downloads in progress), ``cache/<hex>/`` (the runtime's ``cache_dir`` per blob) and
-``modeld.db``. A digest is checked against ``DIGEST_RE`` before it becomes a path; a model
-id never becomes a path at all.
+The layout of ``MODELD_HOME`` is ``modeld.layout.StateDir``. A digest is checked against
+``DIGEST_RE`` before it becomes a path; a model id never becomes a path at all.
 
 SQLite runs in WAL mode with a busy timeout. Every write goes through one writer thread,
 one transaction at a time, each opened with ``BEGIN IMMEDIATE``: a deferred transaction
@@ -19,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import logging
 import queue
-import re
 import shutil
 import sqlite3
 import threading
@@ -31,9 +30,16 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from modeld import logs
-from modeld.errors import BadRequest, DatabaseUnusable, ModelNotInstalled, ReplacesVerified
+from modeld.errors import (
+    BadRequest,
+    DatabaseUnusable,
+    ModelNotInstalled,
+    ReplacesVerified,
+    disk_full,
+)
+from modeld.hostinfo import PROBE_METHOD, runtime_version
+from modeld.layout import DIGEST_RE, MODEL_ID_RE, StateDir
 from modeld.store.fsutil import fsync_dir, fsync_path, place_blob
-from modeld.store.records import StoreRecords
 from modeld.store.scan import ScanReport, scan_state_dir, sha256_file
 from modeld.store.schema import (
     BUSY_TIMEOUT_MS,
@@ -44,6 +50,7 @@ from modeld.store.schema import (
     installed_from,
     migrate,
 )
+from modeld.store.vouches import Vouch
 
 # Re-exported: callers import all of these from modeld.store.
 __all__ = [
@@ -62,22 +69,23 @@ __all__ = [
 
 T = TypeVar("T")
 
-DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
-_MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _FAILED = ".FAILED"
+# The events table keeps this many rows, the newest; older ones are deleted as new ones come.
+EVENTS_KEPT = 10_000
 
 _Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any], asyncio.AbstractEventLoop]
 
 
-class Store(StoreRecords):
+class Store:
     """Blobs, partials and caches under ``home``, indexed in ``home/modeld.db``."""
 
     def __init__(self, home: Path) -> None:
         self.home = Path(home)
-        self.db_path = self.home / "modeld.db"
-        self.blobs_dir = self.home / "blobs"
-        self.partial_dir = self.home / "partial"
-        self.cache_dir = self.home / "cache"
+        self.layout = StateDir(self.home)
+        self.db_path = self.layout.db
+        self.blobs_dir = self.layout.blobs
+        self.partial_dir = self.layout.partial
+        self.cache_dir = self.layout.cache
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._reader: sqlite3.Connection | None = None
@@ -228,12 +236,12 @@ class Store(StoreRecords):
     def blob_path(self, digest: str) -> Path:
         if not DIGEST_RE.fullmatch(digest):
             raise BadRequest(f"{digest!r} is not a sha256 digest (64 lowercase hex digits)")
-        return self.blobs_dir / f"sha256-{digest}"
+        return self.layout.blob(digest)
 
     def cache_dir_for(self, digest: str) -> Path:
         """``cache/<digest>/``: the runtime's cache_dir for this blob."""
         self.blob_path(digest)
-        return self.cache_dir / digest
+        return self.layout.cache_for(digest)
 
     # --- installed models ------------------------------------------------------------
 
@@ -245,7 +253,7 @@ class Store(StoreRecords):
         ``src`` should be on the state dir's file system (``partial/``); if not, it is
         copied first. The caller vouches for ``digest``; only the size is checked here.
         """
-        if not _MODEL_ID_RE.fullmatch(model_id):
+        if not MODEL_ID_RE.fullmatch(model_id):
             raise BadRequest(f"{model_id!r} is not a valid model id")
         dest = self.blob_path(digest)
         now = time.time()
@@ -493,3 +501,219 @@ class Store(StoreRecords):
         }
         doc["summary"] = f"{len(installed)} installed model(s), {total} bytes in {self.blobs_dir}"
         return doc
+
+    # --- records: measured memory, backend probes, kept digests, events ---------------
+    # These rows obey the same rules as ``installed``: every write goes through ``write``.
+
+    async def record_memory(self, digest: str, plan_key: str, max_tokens: int, pss: int) -> None:
+        now = time.time()
+        await self.write(
+            lambda c: c.execute(
+                "INSERT OR REPLACE INTO memory VALUES (?, ?, ?, ?, ?)",
+                (digest, plan_key, max_tokens, pss, now),
+            )
+        )
+
+    async def measured_memory(self, digest: str, plan_key: str, max_tokens: int) -> int | None:
+        row = await self.read(
+            lambda c: c.execute(
+                "SELECT pss FROM memory WHERE digest = ? AND plan_key = ? AND max_tokens = ?",
+                (digest, plan_key, max_tokens),
+            ).fetchone()
+        )
+        return int(row["pss"]) if row is not None else None
+
+    async def forget_memory(self, digest: str) -> int:
+        """Drop every measured peak of ``digest``; the next load starts from the estimate."""
+        cur = await self.write(
+            lambda c: c.execute("DELETE FROM memory WHERE digest = ?", (digest,))
+        )
+        return int(cur.rowcount)
+
+    async def record_probe(
+        self,
+        digest: str,
+        backend: str,
+        ok: bool,
+        reason: str | None,
+        *,
+        adapter: str | None = None,
+        log: str | None = None,
+        runtime: str | None = None,
+        method: int = PROBE_METHOD,
+    ) -> None:
+        """Keep a probe's result; ``runtime`` defaults to the installed runtime's version."""
+        now = time.time()
+        runtime = runtime or runtime_version()
+        await self.write(
+            lambda c: c.execute(
+                "INSERT OR REPLACE INTO probes (digest, backend, ok, reason, at, adapter, "
+                "runtime, method, log) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (digest, backend, int(ok), reason, now, adapter, runtime, method, log),
+            )
+        )
+
+    async def probes(self, digest: str, *, with_log: bool = False) -> dict[str, dict[str, Any]]:
+        """backend -> {"ok", "reason", "at", "adapter", "runtime", "current"} for this blob.
+
+        ``current`` is False for a result of an older probe method or another runtime
+        version: it is shown, but the file is probed again before it decides a plan.
+        ``with_log`` adds each probe child's stderr (``log``).
+        """
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT * FROM probes WHERE digest = ? ORDER BY backend", (digest,)
+            ).fetchall()
+        )
+        return {r["backend"]: _probe_row(r, with_log) for r in rows}
+
+    async def latest_adapter(self) -> dict[str, Any] | None:
+        """The host's GPU as the probes saw it: the newest current GPU probe that passed.
+
+        A file can fail on a GPU that works (float32 weights abort the runtime), so a
+        failure only stands for the host when no current GPU probe passed; then the
+        newest failure is returned (its reason says why). None if none ran.
+        """
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT * FROM probes WHERE backend = 'gpu' ORDER BY ok DESC, at DESC"
+            ).fetchall()
+        )
+        return next((row for r in rows if (row := _probe_row(r, False))["current"]), None)
+
+    async def record_image_probe(
+        self,
+        digest: str,
+        plan_key: str,
+        *,
+        ok: bool,
+        stage: str | None,
+        reason: str | None,
+        signal: str | None,
+        seconds: float,
+    ) -> None:
+        now = time.time()
+        await self.write(
+            lambda c: c.execute(
+                "INSERT OR REPLACE INTO image_probes "
+                "(digest, plan_key, ok, stage, reason, signal, seconds, at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (digest, plan_key, int(ok), stage, reason, signal, seconds, now),
+            )
+        )
+
+    async def image_probes(self, digest: str) -> dict[str, dict[str, Any]]:
+        """plan key -> {"ok", "stage", "reason", "signal", "seconds", "at"} for this blob."""
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT plan_key, ok, stage, reason, signal, seconds, at FROM image_probes "
+                "WHERE digest = ? ORDER BY plan_key",
+                (digest,),
+            ).fetchall()
+        )
+        return {
+            r["plan_key"]: {
+                "ok": bool(r["ok"]),
+                "stage": r["stage"],
+                "reason": r["reason"],
+                "signal": r["signal"],
+                "seconds": r["seconds"],
+                "at": r["at"],
+            }
+            for r in rows
+        }
+
+    async def probe_status(self) -> dict[str, Any]:
+        """The ``probes`` section of ``/api/status``: every backend probe result, by blob."""
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT p.*, group_concat(i.id) AS ids FROM probes p "
+                "LEFT JOIN installed i ON i.digest = p.digest "
+                "GROUP BY p.digest, p.backend ORDER BY p.digest, p.backend"
+            ).fetchall()
+        )
+        results = [
+            {
+                "digest": r["digest"],
+                "models": sorted(r["ids"].split(",")) if r["ids"] else [],
+                **_probe_row(r, False),
+            }
+            for r in rows
+        ]
+        failed = sum(1 for r in results if not r["ok"])
+        summary = (
+            f"{len(results)} result(s), {failed} failed" if results else "no backend probed yet"
+        )
+        return {"summary": summary, "results": results, "problems": []}
+
+    async def vouched(self, model_id: str, revision: str) -> Vouch | None:
+        """The sha256 a hub vouched for once for this entry's pinned revision, if any."""
+        row = await self.read(
+            lambda c: c.execute(
+                "SELECT sha256, size, source, at FROM vouched WHERE model_id = ? AND revision = ?",
+                (model_id, revision),
+            ).fetchone()
+        )
+        if row is None:
+            return None
+        return Vouch(row["sha256"], row["size"], row["source"], row["at"])
+
+    async def vouch(self, model_id: str, revision: str, vouch: Vouch) -> None:
+        """Keep a hub's answer; the first one stays (a different one later is a conflict)."""
+        await self.write(
+            lambda c: c.execute(
+                "INSERT OR IGNORE INTO vouched VALUES (?, ?, ?, ?, ?, ?)",
+                (model_id, revision, vouch.sha256, vouch.size, vouch.source, vouch.at),
+            )
+        )
+
+    async def event(self, kind: str, **fields: Any) -> None:
+        """Append one event to the ``events`` table (and the log); keep the last ``EVENTS_KEPT``.
+
+        An event is a record of something already done: a full disk loses the row (the log
+        line stays), never the outcome of the work it records.
+        """
+        logs.event(kind, **fields)
+        payload = json.dumps({k: v for k, v in fields.items() if v is not None}, default=str)
+        now = time.time()
+
+        def append(c: sqlite3.Connection) -> None:
+            seq = c.execute(
+                "INSERT INTO events (at, kind, fields) VALUES (?, ?, ?)", (now, kind, payload)
+            ).lastrowid
+            if seq is not None and seq > EVENTS_KEPT:
+                c.execute("DELETE FROM events WHERE seq <= ?", (seq - EVENTS_KEPT,))
+
+        try:
+            await self.write(append)
+        except sqlite3.OperationalError as e:
+            if disk_full(e) is None:
+                raise
+            logs.event("event_not_recorded", logging.WARNING, kind=kind, error=str(e))
+
+    async def events(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The latest events, newest first."""
+        rows = await self.read(
+            lambda c: c.execute(
+                "SELECT seq, at, kind, fields FROM events ORDER BY seq DESC LIMIT ?", (limit,)
+            ).fetchall()
+        )
+        return [
+            {"seq": r["seq"], "at": r["at"], "kind": r["kind"], "fields": json.loads(r["fields"])}
+            for r in rows
+        ]
+
+
+def _probe_row(r: sqlite3.Row, with_log: bool) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "backend": r["backend"],
+        "ok": bool(r["ok"]),
+        "reason": r["reason"],
+        "at": r["at"],
+        "adapter": r["adapter"],
+        "runtime": r["runtime"],
+        "current": r["method"] == PROBE_METHOD and r["runtime"] == runtime_version(),
+    }
+    if with_log:
+        row["log"] = r["log"]
+    return row

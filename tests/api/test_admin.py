@@ -19,7 +19,7 @@ from modeld.services import prune
 from tests.support.daemon import daemon_env, running_daemon
 from tests.support.mirror import Faults, Mirror
 from tests.support.state import MODELS, install_fixture, open_store, registry_settings, write_entry
-from tests.support.wait import until
+from tests.support.wait import until, wait_until
 
 TINY = MODELS / "tiny-text.litertlm"
 
@@ -251,10 +251,10 @@ async def test_downloading_model_is_kept_and_rm_force_cancels(clean_env: Path) -
 
 
 async def _journal_keys(home: Path) -> set[str]:
-    from modeld.services.remover import _journal_keys as keys
+    from modeld.download.journal import journal_keys
 
     async with open_store(home) as store:
-        return await store.read(keys)
+        return await store.read(journal_keys)
 
 
 async def test_loaded_model_is_kept_and_rm_force_unloads(clean_env: Path) -> None:
@@ -292,7 +292,14 @@ async def test_ctrl_c_exits_130_and_the_daemon_finishes(clean_env: Path) -> None
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
             )  # fmt: skip
-            await asyncio.sleep(2.0)  # the request is in the daemon, blocked on the lock
+            # The daemon runs in this process: its removal task is there, blocked on the lock.
+            await wait_until(
+                lambda: any(
+                    getattr(t.get_coro(), "__name__", "") == "_remove_model"
+                    for t in asyncio.all_tasks()
+                ),
+                30.0,
+            )
             assert proc.returncode is None
             proc.send_signal(signal.SIGINT)
             _, err = await asyncio.wait_for(proc.communicate(), 30)

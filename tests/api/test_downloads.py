@@ -27,6 +27,8 @@ from modeld.errors import (
 from tests.support.daemon import DaemonProcess, daemon_env
 from tests.support.mirror import Faults, Mirror, ThreadMirror
 from tests.support.state import MODELS
+from tests.support.unix import unix_request
+from tests.support.wait import until, wait_sync
 
 SIZE = 2 * 1024 * 1024 + 999
 DATA = random.Random(11).randbytes(SIZE)
@@ -127,10 +129,11 @@ async def test_client_leaving_does_not_stop_the_download(env: Env) -> None:
             assert record["state"] in ("starting", "probing", "downloading")
             break
     async with env.client() as c:
-        for _ in range(200):
-            if not (await c.request("GET", "/api/downloads"))["downloads"]:
-                break
-            await asyncio.sleep(0.05)
+
+        async def finished() -> bool:
+            return not (await c.request("GET", "/api/downloads"))["downloads"]
+
+        await until(finished)
         records = await pull_all(c, "m1")
     assert records[-1].get("already") is True
 
@@ -143,7 +146,12 @@ async def test_cancel_keeps_partial_and_pull_resumes(env: Env) -> None:
         assert first["id"] == "m1"
         listed = (await c.request("GET", "/api/downloads"))["downloads"]
         assert [d["id"] for d in listed] == ["m1"]
-        await asyncio.sleep(0.5)
+
+        async def started() -> bool:
+            listed = (await c.request("GET", "/api/downloads"))["downloads"]
+            return bool(listed) and listed[0]["completed"] > 0
+
+        await until(started)  # some bytes are in the partial, for the resume to keep
         cancelled = await c.request("DELETE", "/api/downloads/m1")
         assert cancelled["state"] == "cancelled"
         assert (env.home / "partial" / "m1.partial").exists()
@@ -229,7 +237,7 @@ def test_cli_pull_survives_kill_9_and_resumes(proc_env: tuple[DaemonProcess, Thr
     rnd = random.Random(5)
     for _ in range(3):
         assert d.cli("pull", "m1", "--detach").returncode == 0
-        time.sleep(rnd.uniform(0.2, 0.6))
+        time.sleep(rnd.uniform(0.2, 0.6))  # the point of the kill is what is tested
         d.stop(signal.SIGKILL)
         d.start()
     tm.mirror.faults.throttle = None
@@ -246,10 +254,17 @@ def test_cli_cancel_detach_and_import(
     proc_env: tuple[DaemonProcess, ThreadMirror], short_tmp: Path
 ) -> None:
     """--detach returns at once, --cancel stops it with the partial kept; errors exit 1."""
-    d, _ = proc_env
+    d, tm = proc_env
+    # Slow enough that the pull is still running when the `--cancel` command has started.
+    tm.mirror.faults.throttle = 20_000
     out = d.cli("pull", "m1", "--detach")
     assert out.returncode == 0 and "--cancel" in out.stdout
-    time.sleep(0.3)
+
+    def under_way() -> bool:
+        listed = unix_request(d.socket, "GET", "/api/downloads")[1]["downloads"]
+        return any(x["completed"] > 0 for x in listed)
+
+    wait_sync(under_way, what="the detached pull under way")
     cancelled = d.cli_json("pull", "m1", "--cancel")
     assert cancelled["state"] == "cancelled"
     assert (d.home / "partial" / "m1.partial").exists()

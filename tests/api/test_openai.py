@@ -19,7 +19,7 @@ from pydantic import BaseModel, SecretStr
 
 from modeld.api.openai import _Reply
 from modeld.config import load_settings
-from modeld.engine.runner.generate import _calls_of
+from modeld.engine.runner.generate import calls_of
 from tests.support.daemon import InProcessDaemon, running_daemon
 from tests.support.state import MODELS, install_fixture
 
@@ -591,7 +591,7 @@ def test_runtime_tool_calls_take_openai_shape() -> None:
             ],
         }
     )
-    final = {"finish": "stop", "tokens": 9, "prompt_tokens": 4, "tool_calls": _calls_of(message)}
+    final = {"finish": "stop", "tokens": 9, "prompt_tokens": 4, "tool_calls": calls_of(message)}
     reply = _Reply("m", chat=True)
     doc = reply.completion("", dict(final))
     choice = doc["choices"][0]

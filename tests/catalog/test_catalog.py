@@ -4,10 +4,7 @@ reload.
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from modeld.catalog.catalog import (
 )
 from modeld.errors import ModelNotFound
 from tests.support.state import write_entry
+from tests.support.wait import wait_until
 
 GOOD = """
 id = "m1"
@@ -263,15 +261,6 @@ def test_reload_reports_changes_to_listeners(tmp_path: Path) -> None:
     assert not cat.reload()
 
 
-async def _until(cond: Callable[[], bool], limit: float = 10.0) -> float:
-    started = time.monotonic()
-    while not cond():
-        if time.monotonic() - started > limit:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - started
-
-
 async def test_live_reload_add_change_remove_and_bad_file(tmp_path: Path) -> None:
     """With the watcher running, file edits show in the catalog without a reload call."""
     write_entry(tmp_path, "a", size=1)
@@ -280,16 +269,16 @@ async def test_live_reload_add_change_remove_and_bad_file(tmp_path: Path) -> Non
     try:
         assert cat.status()["watching"]
         write_entry(tmp_path, "b", size=5)
-        await _until(lambda: "b" in cat)
+        await wait_until(lambda: "b" in cat)
         write_entry(tmp_path, "b", size=6)
-        await _until(lambda: "b" in cat and cat.get("b").size == 6)
+        await wait_until(lambda: "b" in cat and cat.get("b").size == 6)
         (tmp_path / "a.toml").unlink()
-        await _until(lambda: "a" not in cat)
+        await wait_until(lambda: "a" not in cat)
         _write(tmp_path, "bad.toml", "size = [")
-        await _until(lambda: bool(cat.problems))
+        await wait_until(lambda: bool(cat.problems))
         assert "b" in cat
         (tmp_path / "bad.toml").unlink()
-        await _until(lambda: not cat.problems)
+        await wait_until(lambda: not cat.problems)
     finally:
         await cat.stop()
         await cat.stop()  # idempotent

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from modeld.services.models import revision_of
 from modeld.store.store import sha256_file
 from tests.support.daemon import DaemonProcess, default_backend_env
 from tests.support.state import MODELS, write_entry
+from tests.support.wait import wait_sync
 
 TINY = MODELS / "tiny-text.litertlm"
 REVISION = "6e5c4f1e395deb959c494953478fa5cec4b8008f"
@@ -103,10 +103,7 @@ def test_bug_report_keeps_a_dead_runners_stderr(
     d = used_daemon
     pid = d.cli_json("ps")["engines"][0]["pid"]
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while d.cli_json("ps")["engines"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert d.cli_json("ps")["engines"] == []
+    wait_sync(lambda: d.cli_json("ps")["engines"] == [], 30.0, "the dead engine gone from ps")
     out = short_tmp / "report.md"
     path, text = _report(d, "--output", str(out), cwd=short_tmp)
     assert path == out.resolve()

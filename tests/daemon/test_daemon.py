@@ -36,7 +36,13 @@ def test_stale_socket_is_replaced(short_tmp: Path) -> None:
     dead.bind(str(path))
     dead.close()  # file stays, nobody listens
     sock = bind_socket(path)
-    sock.close()
+    try:
+        client = socket.socket(socket.AF_UNIX)
+        client.connect(str(path))  # the new socket answers at the old path
+        client.close()
+        assert path.is_socket()
+    finally:
+        sock.close()
 
 
 def test_live_socket_is_not_replaced(short_tmp: Path) -> None:

@@ -22,7 +22,7 @@ from tests.support.daemon import daemon_env, spawn_daemon, stop_process, wait_lo
 from tests.support.unix import unix_http
 
 OTHER_UID = 12345
-# The events table's stated bound (modeld.store_records.EVENTS_KEPT).
+# The events table's stated bound (modeld.store.store.EVENTS_KEPT).
 EVENTS_KEPT = 10_000
 
 
@@ -192,9 +192,9 @@ def test_socket_mode_is_never_set_through_a_symlink(
 
 def test_events_table_keeps_the_last_rows(short_tmp: Path) -> None:
     """The events table keeps the newest 10,000 rows: older ones go as new ones come."""
-    from modeld.store import records as store_records
+    from modeld.store import store as store_mod
 
-    assert store_records.EVENTS_KEPT == EVENTS_KEPT
+    assert store_mod.EVENTS_KEPT == EVENTS_KEPT
     home = short_tmp / "home"
     db = _make_db(home)
     with sqlite3.connect(db) as conn:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import hashlib
 import os
@@ -17,12 +16,13 @@ from yarl import URL
 
 from modeld.download import mirrors as mirrors_mod
 from modeld.download.fetch import Fetcher
-from modeld.download.job import DownloadJob, Target, Tuning, memory_job
+from modeld.download.job import DownloadJob, DownloadTarget, Tuning, memory_job
 from modeld.download.journal import MemoryJournal
 from modeld.download.mirrors import MirrorFailure, check_url
 from modeld.errors import DigestConflict, DiskFull, DownloadError, IntegrityError
 from modeld.store.vouches import MemoryVouches, Vouch
 from tests.support.mirror import COMMIT, Faults, Mirror, hub, pinned_path, start_mirrors
+from tests.support.wait import wait_until
 
 SIZE = 3 * 1024 * 1024 + 12345  # not a multiple of the block size: a short last block
 PIECE = 64 * 1024
@@ -57,7 +57,7 @@ async def run_pull(
     **kw: Any,
 ) -> DownloadJob:
     stop_later.extend(mirrors)
-    target = Target("m1", [m.url for m in mirrors], size, sha)
+    target = DownloadTarget("m1", [m.url for m in mirrors], size, sha)
     job = memory_job(target, home, kw.pop("tuning", None) or tuning(), **kw)
     job.start()
     await job.wait()
@@ -260,7 +260,10 @@ async def test_kept_answer_verifies_a_pull_from_the_mirror_alone(
     await the_hub.stop()
     before = mirror.sent
     second = memory_job(
-        Target("m1", [the_hub.url, mirror.url], SIZE, None), short_tmp / "b", tuning(), vouches=book
+        DownloadTarget("m1", [the_hub.url, mirror.url], SIZE, None),
+        short_tmp / "b",
+        tuning(),
+        vouches=book,
     )
     second.start()
     await second.wait()
@@ -282,7 +285,7 @@ async def test_mirror_bytes_other_than_the_kept_answer_fail(
     liar = await Mirror(data, Faults(flip_byte=5), path=pinned_path()).start()
     dead = f"http://localhost:9{pinned_path()}"
     stop_later.append(liar)
-    target = Target("m1", [dead, liar.url], SIZE, None)
+    target = DownloadTarget("m1", [dead, liar.url], SIZE, None)
     job = memory_job(target, short_tmp, tuning(), vouches=book)
     job.start()
     # No other mirror can show which bytes are wrong: the partial stays for a later pull.
@@ -350,16 +353,15 @@ def test_url_rules() -> None:
 
 async def cancelled_pull(
     home: Path, data: bytes, stop_later: list[Mirror], after: int
-) -> tuple[list[Mirror], Target, MemoryJournal]:
+) -> tuple[list[Mirror], DownloadTarget, MemoryJournal]:
     """A throttled pull into a fresh journal, cancelled once ``after`` bytes arrived."""
     ms = await start_mirrors(data, Faults(throttle=1_000_000))
     stop_later.extend(ms)
     journal = MemoryJournal()
-    target = Target("m1", [ms[0].url], SIZE, hashlib.sha256(data).hexdigest())
+    target = DownloadTarget("m1", [ms[0].url], SIZE, hashlib.sha256(data).hexdigest())
     job = memory_job(target, home, tuning(connections=2), journal=journal)
     job.start()
-    while job.fetcher is None or job.fetcher.done_bytes < after:  # noqa: ASYNC110 (a count to poll)
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: job.fetcher is not None and job.fetcher.done_bytes >= after)
     job.cancel()
     with pytest.raises(DownloadError, match="cancelled"):
         await job.wait()

@@ -17,7 +17,7 @@ import pytest
 from yarl import URL
 
 from modeld.download import mirrors as m
-from modeld.download.job import DownloadJob, Target, Tuning, memory_job
+from modeld.download.job import DownloadJob, DownloadTarget, Tuning, memory_job
 from modeld.errors import DownloadError
 from tests.support.mirror import Faults, Mirror
 
@@ -29,7 +29,7 @@ SHA = hashlib.sha256(DATA).hexdigest()
 async def pull(home: Path, urls: list[str], **kw: Any) -> DownloadJob:
     base: dict[str, Any] = {"connections": 2, "piece_size": 256 * 1024, "stall_timeout": 1.0}
     base.update(kw)
-    job = memory_job(Target("m1", urls, SIZE, SHA), home, Tuning(**base))
+    job = memory_job(DownloadTarget("m1", urls, SIZE, SHA), home, Tuning(**base))
     job.start()
     await job.wait()
     return job

@@ -21,11 +21,12 @@ import pytest
 from yarl import URL
 
 from modeld.download import fetch
-from modeld.download.job import DownloadJob, Target, Tuning, memory_job
+from modeld.download.job import DownloadJob, DownloadTarget, Tuning, memory_job
 from modeld.download.mirrors import MirrorFailure
 from modeld.download.rangeio import RangeClient, RangeFallback
 from modeld.errors import IntegrityError
 from tests.support.mirror import Faults, Mirror, start_mirrors
+from tests.support.wait import wait_until
 
 SIZE = 3 * 1024 * 1024 + 12345
 PIECE = 256 * 1024
@@ -44,7 +45,9 @@ async def stop_later() -> AsyncIterator[list[Mirror]]:
 async def pull(home: Path, mirrors: list[Mirror], **kw: Any) -> DownloadJob:
     base: dict[str, Any] = {"connections": 4, "piece_size": PIECE, "stall_timeout": 1.0}
     base.update(kw)
-    job = memory_job(Target("m1", [m.url for m in mirrors], SIZE, SHA), home, Tuning(**base))
+    job = memory_job(
+        DownloadTarget("m1", [m.url for m in mirrors], SIZE, SHA), home, Tuning(**base)
+    )
     job.start()
     await job.wait()
     return job
@@ -265,11 +268,13 @@ async def test_reader_cancel_closes_the_connection(stop_later: list[Mirror]) -> 
     stop_later.append(m)
     client = RangeClient(connect_timeout=5, stall_timeout=30)
     task = asyncio.create_task(client.fetch(URL(m.url), {}, 0, SIZE, SIZE, Collect()))
-    await asyncio.sleep(0.3)
+    await wait_until(lambda: m.sent > 0)  # the body is flowing
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     sent = m.sent
+    # A time in which the throttled mirror would go on sending were the connection still
+    # open: that nothing more comes is what is tested, so there is no state to wait for.
     await asyncio.sleep(0.4)
     assert m.sent - sent < 200_000  # the server noticed the close within a chunk or two
     assert not client._idle.get(("http", "127.0.0.1", m.port))
@@ -395,7 +400,7 @@ def nginx(short_tmp: Path) -> Iterator[tuple[str, str]]:
 async def test_raw_reader_against_nginx(short_tmp: Path, nginx: tuple[str, str]) -> None:
     """Against a real nginx (fast + rate-limited): every piece raw, kept alive, verified."""
     fast, slow = nginx
-    target = Target("m1", [fast, slow], SIZE, SHA)
+    target = DownloadTarget("m1", [fast, slow], SIZE, SHA)
     job = memory_job(target, short_tmp / "h", Tuning(4, PIECE, 5.0))
     job.start()
     await job.wait()
@@ -421,7 +426,7 @@ async def scripted(replies: list[list[bytes]]) -> tuple[asyncio.Server, int]:
                 for part in parts:
                     writer.write(part)
                     await writer.drain()
-                    await asyncio.sleep(0.02)
+                    await asyncio.sleep(0.02)  # heads split across reads: the case tested
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

@@ -248,12 +248,15 @@ async def test_a_peak_far_above_the_estimate_counts_once_confirmed(short_tmp: Pa
     when a second engine (not the same one again) measures it too, as the smaller of both."""
     from modeld.engine.engines import LEARN_CONFIRM_FACTOR, LearnedMemory
     from modeld.engine.pool import Target
+    from modeld.modelfile.plan import Plan
+    from modeld.modelfile.runtime import CreateSpec
 
     def engine_target() -> Target:
-        plan = {"main": "cpu", "key": "main=cpu"}
-        return Target("m", "ab" * 32, plan, {}, estimate=100, max_tokens=256)
+        plan = Plan(main="cpu")
+        spec = CreateSpec(path="/fake/m.litertlm")
+        return Target("m", "ab" * 32, plan, spec, estimate=100, max_tokens=256)
 
-    key = ("ab" * 32, "main=cpu", 256)
+    key = ("ab" * 32, Plan(main="cpu").key, 256)
     high = int(100 * LEARN_CONFIRM_FACTOR) + 1
     async with open_store(short_tmp / "home") as store:
         memory = LearnedMemory(store)

@@ -18,6 +18,7 @@ from modeld.engine.runner.client import Runner
 from modeld.hostinfo import runtime_version
 from modeld.modelfile import probe as probe_mod
 from modeld.modelfile.probe import ProbeResult
+from modeld.modelfile.runtime import CreateSpec
 from modeld.store.store import sha256_file
 from tests.support.daemon import DaemonProcess, default_backend_env, running_daemon
 from tests.support.state import MODELS, install_fixture, open_store, registry_settings, write_entry
@@ -109,12 +110,12 @@ async def test_probe_child_gets_the_runners_create_spec(
     created: list[dict[str, Any]] = []
     real_probe, real_create = probe_mod.probe_spec, Runner.create
 
-    async def probe_spec(spec: dict[str, Any], *args: Any, **kwargs: Any) -> ProbeResult:
-        probed.append(dict(spec))
+    async def probe_spec(spec: CreateSpec, *args: Any, **kwargs: Any) -> ProbeResult:
+        probed.append(spec.to_json())
         return await real_probe(spec, *args, **kwargs)
 
-    async def create(self: Runner, spec: dict[str, Any]) -> dict[str, Any]:
-        created.append(dict(spec))
+    async def create(self: Runner, spec: CreateSpec) -> dict[str, Any]:
+        created.append(spec.to_json())
         return await real_create(self, spec)
 
     monkeypatch.setattr(probe_mod, "probe_spec", probe_spec)

@@ -14,16 +14,19 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from modeld.engine.pool import Pool, PoolConfig, State, Target
 from modeld.errors import BadRequest, Busy, EngineCrashed, EngineError, HeldBack, OverBudget
+from modeld.modelfile.plan import Plan
+from modeld.modelfile.runtime import CreateSpec
 from tests.support.fake_runner import FakeFactory
 from tests.support.wait import wait_until
 
-PLAN = {"main": "cpu", "vision": None, "audio": None, "key": "main=cpu,vision=none,audio=none"}
+PLAN = Plan(main="cpu")
 
 
-def target(name: str, estimate: int = 100, **spec: Any) -> Target:
+def target(name: str, estimate: int = 100) -> Target:
     digest = (name.encode().hex() * 64)[:64]
+    spec = CreateSpec(path=f"/fake/{name}.litertlm")
     return Target(
-        model_id=name, digest=digest, plan=PLAN, spec=dict(spec), estimate=estimate, max_tokens=256
+        model_id=name, digest=digest, plan=PLAN, spec=spec, estimate=estimate, max_tokens=256
     )
 
 
@@ -39,9 +42,9 @@ async def make_pool(factory: FakeFactory, budget: int = 1000, **kw: Any) -> Pool
 
 async def test_cold_burst_creates_one_engine() -> None:
     """Fifty concurrent requests for a cold model start exactly one engine, and all succeed."""
-    factory = FakeFactory()
+    factory = FakeFactory(create_seconds=0.05)
     pool = await make_pool(factory)
-    t = target("m", fake_create_seconds=0.05)
+    t = target("m")
     results = await asyncio.gather(*(consume(pool, t) for _ in range(50)))
     assert factory.creates == 1
     assert all(r[-1]["done"] and r[-1]["finish"] == "stop" for r in results)
@@ -60,7 +63,7 @@ async def test_lru_idle_engine_is_evicted_when_budget_is_full() -> None:
     await consume(pool, c)
     assert sorted(e["model"] for e in pool.list()) == ["a", "c"]
     assert pool.last_eviction[b.key].startswith("evicted to load c")
-    assert pool.max_used <= 250
+    assert pool.budget.max_used <= 250
     await pool.stop()
 
 
@@ -94,7 +97,7 @@ async def test_low_estimate_is_corrected_by_measured_pss() -> None:
     await consume(pool, target("a", estimate=50))
     await consume(pool, target("b", estimate=50))
     await consume(pool, target("c", estimate=50))
-    assert pool.used() <= 250
+    assert pool.budget.used() <= 250
     assert sum(r.memory()[0] for r in factory.alive()) <= 250
     assert len(pool.list()) == 2
     await pool.stop()
@@ -146,9 +149,9 @@ async def test_crash_mid_request_then_reload_then_held_back() -> None:
 
 async def test_load_cancelled_when_every_waiter_leaves() -> None:
     """A load whose only waiter is cancelled stops its runner instead of finishing."""
-    factory = FakeFactory()
+    factory = FakeFactory(create_seconds=1.0)
     pool = await make_pool(factory)
-    task = asyncio.create_task(consume(pool, target("m", fake_create_seconds=1.0)))
+    task = asyncio.create_task(consume(pool, target("m")))
     await wait_until(lambda: factory.creates == 1)  # the runner is creating the engine
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -178,11 +181,11 @@ async def test_unload_waits_for_in_flight_request() -> None:
 
 async def test_failed_create_reports_runtime_reason() -> None:
     """The runtime's reason for a failed create reaches the caller as engine_error."""
-    pool = await make_pool(FakeFactory())
+    pool = await make_pool(FakeFactory(fail="NOT_FOUND: tf_lite_prefill_decode not found"))
     with pytest.raises(EngineError) as info:
-        await consume(pool, target("m", fake_fail="NOT_FOUND: tf_lite_prefill_decode not found"))
+        await consume(pool, target("m"))
     assert "tf_lite_prefill_decode" in info.value.message
-    assert pool.used() == 0
+    assert pool.budget.used() == 0
     await pool.stop()
 
 
@@ -190,13 +193,13 @@ async def test_spare_runner_is_counted_and_used() -> None:
     """The spare runner counts in the budget and becomes the next engine's runner."""
     factory = FakeFactory(spare_pss=10)
     pool = await make_pool(factory, spare=True, spare_estimate=10)
-    await wait_until(lambda: pool.spare is not None)
-    assert pool.spare is not None and pool.used() == 10
-    spare_pid = pool.spare.pid
+    await wait_until(lambda: pool.budget.spare is not None)
+    assert pool.budget.spare is not None and pool.budget.used() == 10
+    spare_pid = pool.budget.spare.pid
     await consume(pool, target("m"))
     assert pool.list()[0]["pid"] == spare_pid
     # A new spare is started for the next engine.
-    await wait_until(lambda: pool.spare is not None and pool.spare.pid != spare_pid)
+    await wait_until(lambda: pool.budget.spare is not None and pool.budget.spare.pid != spare_pid)
     await pool.stop()
 
 
@@ -218,7 +221,13 @@ class PoolMachine(RuleBasedStateMachine):
         self.targets = [target(f"m{i}", estimate=100 + 10 * i) for i in range(4)]
 
     def settle(self) -> None:
-        self.loop.run_until_complete(asyncio.sleep(0.01))
+        """Let every task that can run do so (a few loop turns, not a length of time)."""
+
+        async def turns() -> None:
+            for _ in range(50):
+                await asyncio.sleep(0)
+
+        self.loop.run_until_complete(turns())
 
     @rule(i=st.integers(0, 3), keep=st.sampled_from([None, 0, -1, 30]))
     def request(self, i: int, keep: float | None) -> None:
@@ -255,7 +264,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def within_budget(self) -> None:
-        assert self.pool.used() <= self.budget
+        assert self.pool.budget.used() <= self.budget
         assert sum(r.memory()[0] for r in self.factory.alive()) <= self.budget
         for key, e in self.pool.engines.items():
             assert key == e.target.key
@@ -271,7 +280,7 @@ class PoolMachine(RuleBasedStateMachine):
             t.cancel()
         with contextlib.suppress(BaseException):
             self.loop.run_until_complete(asyncio.gather(*self.tasks, return_exceptions=True))
-        assert self.pool.max_used <= self.budget
+        assert self.pool.budget.max_used <= self.budget
         self.loop.close()
 
 

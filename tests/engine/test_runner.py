@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,15 @@ import pytest
 
 from modeld.engine.runner.client import Runner, RunnerDied, RunnerError, StderrLog, crash_reason
 from modeld.engine.runner.generate import classify_json
+from modeld.modelfile.runtime import CreateSpec
 from tests.support.state import MODELS
+from tests.support.wait import process_gone, wait_sync, wait_until
 
 TINY = MODELS / "tiny-text.litertlm"
 
 
-def spec(tmp: Path, path: Path = TINY, **extra: Any) -> dict[str, Any]:
-    return {"path": str(path), "backend": "cpu", "cache_dir": str(tmp / "cache"), **extra}
+def spec(tmp: Path, path: Path = TINY, **extra: Any) -> CreateSpec:
+    return CreateSpec(path=str(path), backend="cpu", cache_dir=str(tmp / "cache"), **extra)
 
 
 def ask(text: str = "hello", **extra: Any) -> dict[str, Any]:
@@ -128,6 +129,7 @@ async def test_leaving_a_non_streamed_reply_cancels_it(short_tmp: Path) -> None:
         await runner.create(spec(short_tmp, max_tokens=4000))
         for delay in (0.0, 0.002, 0.005):
             task = asyncio.ensure_future(collect(runner, ask(max_tokens=3000, stream=False)))
+            # The delay is what is tested: leaving before the reply starts, and while it runs.
             await asyncio.sleep(delay)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -175,7 +177,7 @@ async def test_signal_mid_request_is_noticed(short_tmp: Path, sig: signal.Signal
         await runner.create(spec(short_tmp))
         os.kill(runner.pid, signal.SIGSTOP)  # the request is surely in flight when it dies
         task = asyncio.ensure_future(collect(runner, ask(max_tokens=50)))
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: bool(runner._pending))  # the request is sent (or queued)
         os.kill(runner.pid, sig)
         os.kill(runner.pid, signal.SIGCONT)
         with pytest.raises(RunnerDied) as info:
@@ -205,18 +207,7 @@ def test_runner_dies_with_its_parent(short_tmp: Path) -> None:
     parent.kill()
     parent.wait()
     parent.stdout.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _alive(pid):
-        time.sleep(0.05)
-    assert not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    wait_sync(lambda: process_gone(pid), 10.0, "the orphaned runner gone")
 
 
 @pytest.mark.parametrize(

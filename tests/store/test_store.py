@@ -166,7 +166,7 @@ async def test_writes_are_serialized(store: Store) -> None:
 
     def bump(c: sqlite3.Connection) -> None:
         v = c.execute("SELECT v FROM n").fetchone()[0]
-        time.sleep(0.001)
+        time.sleep(0.001)  # widens the read-modify-write window a second writer would hit
         c.execute("UPDATE n SET v = ?", (v + 1,))
 
     await asyncio.gather(*(store.write(bump) for _ in range(50)))

@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from modeld.engine.runner.client import RunnerDied, RunnerError
+from modeld.modelfile.runtime import CreateSpec
 
 _PIDS = itertools.count(100_000)
 
@@ -24,7 +25,7 @@ class FakeRunner:
         self.pid = next(_PIDS)
         self.closing = False
         self.pss = factory.spare_pss
-        self.spec: dict[str, Any] | None = None
+        self.spec: CreateSpec | None = None
         self.died: RunnerDied | None = None
         self._exited = asyncio.Event()
 
@@ -32,15 +33,16 @@ class FakeRunner:
     def alive(self) -> bool:
         return not self._exited.is_set()
 
-    async def create(self, spec: dict[str, Any]) -> dict[str, Any]:
+    async def create(self, spec: CreateSpec) -> dict[str, Any]:
         self.factory.creates += 1
-        await asyncio.sleep(float(spec.get("fake_create_seconds", 0.0)))
+        # The time a real create takes, simulated (what the tests around it wait through).
+        await asyncio.sleep(self.factory.create_seconds)
         if self.died is not None:
             raise self.died
-        if spec.get("fake_fail"):
-            raise RunnerError("engine_error", str(spec["fake_fail"]))
+        if self.factory.fail:
+            raise RunnerError("engine_error", self.factory.fail)
         self.spec = spec
-        self.pss = int(spec.get("fake_pss", self.factory.engine_pss))
+        self.pss = self.factory.engine_pss
         return {"ok": True, "seconds": 0.0, "pss": self.pss, "rss": self.pss}
 
     async def generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
@@ -93,9 +95,22 @@ class FakeRunner:
 
 
 class FakeFactory:
-    """Makes FakeRunners and remembers them; ``hold=True`` keeps generations open."""
+    """Makes FakeRunners and remembers them; ``hold=True`` keeps generations open.
 
-    def __init__(self, *, engine_pss: int = 100, spare_pss: int = 10, hold: bool = False) -> None:
+    ``create_seconds`` is how long each engine creation takes; with ``fail`` every creation
+    fails with that runtime reason."""
+
+    def __init__(
+        self,
+        *,
+        engine_pss: int = 100,
+        spare_pss: int = 10,
+        hold: bool = False,
+        create_seconds: float = 0.0,
+        fail: str | None = None,
+    ) -> None:
+        self.create_seconds = create_seconds
+        self.fail = fail
         self.engine_pss = engine_pss
         self.spare_pss = spare_pss
         self.hold = hold

@@ -269,3 +269,20 @@ def finish_and_check(rig: Rig) -> list[dict[str, Any]]:
     assert not wait_no_runners(rig.home)
     check_state(rig.home)
     return records  # type: ignore[no-any-return]
+
+
+def journaled_blocks(home: Path, model_id: str) -> int:
+    """Blocks of ``model_id``'s download journaled so far (read while the daemon runs)."""
+    db_path = home / "modeld.db"
+    if not db_path.exists():
+        return 0
+    db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
+    try:
+        row = db.execute(
+            "SELECT count(*) FROM download_blocks WHERE key = ?", (model_id,)
+        ).fetchone()
+    except sqlite3.OperationalError:  # the downloader has not created its tables yet
+        return 0
+    finally:
+        db.close()
+    return int(row[0])

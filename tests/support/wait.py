@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -24,3 +25,22 @@ async def wait_until(cond: Callable[[], bool], limit: float = 10.0) -> None:
         if time.monotonic() - started > limit:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.005)
+
+
+def wait_sync(cond: Callable[[], bool], limit: float = 10.0, what: str = "condition") -> None:
+    """Block until the plain ``cond`` is true; fail after ``limit`` seconds (sync tests)."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met in {limit:g} s")
+        time.sleep(0.05)
+
+
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` no longer runs (gone, or a zombie waiting to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    # The state follows the command name in parentheses, which may itself hold spaces.
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")

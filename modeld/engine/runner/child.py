@@ -33,7 +33,8 @@ A failure answers ``{"id", "error": {"code", "message"}}`` where the message car
 runtime's own reason (``litert_lm_get_last_error_message`` read on the failing thread; the
 runtime prints it only to fd 2 and Python raises a generic RuntimeError).
 
-This module imports nothing from modeld at module level, so a spare runner starts fast.
+At module level this imports nothing from modeld but ``modeld.proc`` (the standard library
+only), so a spare runner starts fast.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ import time
 from typing import Any
 
 import psutil
+
+from modeld.proc import die_with_parent
 
 _HEADER = struct.Struct(">I")
 _RID = struct.Struct(">I")
@@ -128,17 +131,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
             return None
         buf += chunk
     return bytes(buf)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    # PR_SET_PDEATHSIG: a daemon killed with -9 must not leave engines holding memory.
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    # The parent may have died before prctl took effect.
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 # Tokens that come within this long of the last token frame wait and leave together (the
@@ -286,9 +278,9 @@ class _Child:
         self.clear_error()
         speculative = msg.get("speculative")
         try:
-            from modeld.modelfile.runtime import create_engine
+            from modeld.modelfile.runtime import CreateSpec, create_engine
 
-            self.engine = create_engine(msg)
+            self.engine = create_engine(CreateSpec.from_json(msg))
         except Exception as e:
             reason = self.runtime_reason(e)
             if speculative:
@@ -384,14 +376,180 @@ class _Child:
                     self.current = None
                 self.cancelled.discard(rid)
 
-    def _generate(self, job: dict[str, Any]) -> None:
-        from modeld.engine.runner.generate import run_generation
+    # --- one generation, on the generate thread ---------------------------------------
+    # ``send_message_async`` is a blocking generator over a queue filled by the runtime's
+    # thread, so driving it from this thread keeps the socket reader free for ``cancel``.
 
-        run_generation(self, job)
+    def _open(self, rid: int, kwargs: dict[str, Any], constrained: bool) -> tuple[Any, bool]:
+        """A new conversation for ``rid``, registered so that ``cancel`` can reach it."""
+        try:
+            conversation = self.engine.create_conversation(**kwargs)
+        except RuntimeError:
+            if not constrained:
+                raise
+            # Constrained decoding needs the model's tokenizer support; fall back to plain.
+            kwargs.pop("constrained_decoding_config")
+            constrained = False
+            conversation = self.engine.create_conversation(**kwargs)
+        with self.current_lock:
+            self.current = (rid, conversation)
+        if rid in self.cancelled:
+            conversation.cancel_process()
+        return conversation, constrained
+
+    def _whole_reply(self, rid: int, conversation: Any, last: Any, **kw: Any) -> Any:
+        """The reply message in one blocking call, or None when the runtime refused it.
+
+        ``send_message`` is ~1 ms cheaper than ``send_message_async`` per request (no callback
+        queue and no message object per token): what a non-streamed request costs, since its
+        client sees nothing before the end anyway.
+        """
+        if rid in self.cancelled:
+            return {"content": ""}
+        try:
+            return conversation.send_message(last, **kw)
+        except RuntimeError:
+            # Cancelled (the client left): nobody reads the text. Any other failure is retried
+            # by the streaming path, which carries the runtime's own reason in its exception.
+            return {"content": ""} if rid in self.cancelled else None
+
+    def _generate(self, job: dict[str, Any]) -> None:  # noqa: PLR0912, PLR0915
+        """Stream one reply for ``job`` to the parent, then a final record with timings.
+
+        With ``"stream": false`` no token frame is sent: the final record carries the whole
+        ``text`` (one frame, one wake-up of the daemon), and without stop strings the reply is
+        made by one blocking call.
+        """
+        import litert_lm
+
+        from modeld.engine.runner.generate import (
+            FINISH_CANCELLED,
+            FINISH_LENGTH,
+            FINISH_STOP,
+            StopFilter,
+            calls_of,
+            classify_json,
+            conversation_args,
+            text_of,
+        )
+
+        rid = job["id"]
+        streamed = job.get("stream", True) is not False
+        started = time.perf_counter()
+        self.clear_error()
+        kwargs, last, constrained, send_kwargs = conversation_args(job)
+        conversation, constrained = self._open(rid, kwargs, constrained)
+        if constrained:
+            schema = job.get("schema") or {"type": "object"}
+            send_kwargs["response_format"] = litert_lm.ResponseFormat.json(schema)
+        stops = StopFilter([str(s) for s in job.get("stop") or []])
+        first_at: float | None = None
+        chunks = 0
+        text_parts: list[str] = []
+        tool_calls: list[dict[str, Any]] = []
+        whole = None
+        asked = time.perf_counter()
+        if not streamed and not stops.stops:
+            whole = self._whole_reply(rid, conversation, last, **send_kwargs)
+            if whole is None:
+                conversation.close()
+                self.clear_error()
+                conversation, constrained = self._open(rid, kwargs, constrained)
+        if whole is not None:
+            text_parts.append(text_of(whole))
+            tool_calls += calls_of(whole)
+        else:
+            for message in conversation.send_message_async(last, **send_kwargs):
+                now = time.perf_counter()
+                if first_at is None:
+                    first_at = now
+                chunks += 1
+                tool_calls += calls_of(message)
+                piece = stops.feed(text_of(message))
+                if piece:
+                    text_parts.append(piece)
+                    if streamed:
+                        self.send_token(rid, piece)
+                if stops.hit:
+                    conversation.cancel_process()
+                    break
+        tail = stops.flush()
+        if tail:
+            text_parts.append(tail)
+            if streamed:
+                self.send_token(rid, tail)
+        ended = time.perf_counter()
+        cancelled = rid in self.cancelled and not stops.hit
+        info = None
+        try:
+            info = conversation.get_benchmark_info()
+        except RuntimeError:
+            info = None
+        prefill_tokens = info.last_prefill_token_count if info else 0
+        decode_tokens = info.last_decode_token_count if info else chunks
+        max_out = job.get("max_tokens")
+        window = self.max_tokens
+        if cancelled:
+            finish = FINISH_CANCELLED
+        elif stops.hit:
+            finish = FINISH_STOP
+        elif (max_out and decode_tokens >= int(max_out)) or (
+            window and prefill_tokens + decode_tokens >= int(window)
+        ):
+            finish = FINISH_LENGTH
+        else:
+            finish = FINISH_STOP
+        ttft = (first_at - started) if first_at is not None else None
+        decode_seconds = (ended - first_at) if first_at is not None else 0.0
+        prefill = (
+            prefill_tokens / info.last_prefill_tokens_per_second
+            if info and info.last_prefill_tokens_per_second
+            else None
+        )
+        if (
+            whole is not None
+            and prefill is not None
+            and info
+            and info.last_decode_tokens_per_second
+        ):
+            # One blocking call shows no first token: setup, prefill and one decode step.
+            ttft = (asked - started) + prefill + 1 / info.last_decode_tokens_per_second
+        timings = {
+            "prefill": prefill,
+            "first_token": ttft,
+            "decode_tokens_per_second": (
+                info.last_decode_tokens_per_second
+                if info and info.last_decode_tokens_per_second
+                else ((chunks - 1) / decode_seconds if chunks > 1 and decode_seconds > 0 else None)
+            ),
+            "generate": ended - started,
+        }
+        # No PSS here: reading smaps_rollup costs ~2.4 ms on this process, so the daemon
+        # measures it from /proc off the request path.
+        final: dict[str, Any] = {
+            "id": rid,
+            "done": True,
+            "finish": finish,
+            "prompt_tokens": prefill_tokens,
+            "tokens": decode_tokens,
+            "timings": timings,
+            "constrained": constrained,
+        }
+        if not streamed:
+            final["text"] = "".join(text_parts)
+        if tool_calls:
+            final["tool_calls"] = tool_calls
+        if job.get("format") == "json" or job.get("schema") is not None:
+            strict = job.get("schema") if job.get("strict") else None
+            final["json"] = classify_json("".join(text_parts), finish, strict)
+        self.send(final)
+        # After the final record, not before: closing is the runner's business, not the
+        # client's wait (the next job runs on this same thread, so it starts on a closed one).
+        conversation.close()
 
 
 def child_main(fd: int, parent_pid: int) -> int:  # noqa: PLR0912 (one branch per op)
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     # A terminal's Ctrl-C goes to the daemon, which stops runners in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)

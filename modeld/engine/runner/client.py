@@ -24,6 +24,7 @@ from typing import Any
 
 from modeld.config import child_environ
 from modeld.engine.runner.child import ProtocolError, encode_frame, read_memory, split_frames
+from modeld.modelfile.runtime import CreateSpec
 
 _STDERR_LINES = 200
 # A runner's whole stderr is kept up to this many characters (a bug report quotes it);
@@ -305,8 +306,8 @@ class Runner:
             raise RunnerError(str(err.get("code", "engine_error")), str(err.get("message", "")))
         return reply
 
-    async def create(self, spec: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("create", **spec)
+    async def create(self, spec: CreateSpec) -> dict[str, Any]:
+        return await self.call("create", **spec.to_json())
 
     async def generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """Token records, then the final ``done`` record; leaving early cancels in the child."""

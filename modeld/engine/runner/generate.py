@@ -1,19 +1,14 @@
-"""One generation inside a runner: conversation, streamed tokens, stop strings, timings.
+"""The pieces of one generation that need no runner: its arguments, stop strings, JSON checks,
+tool calls.
 
-Runs on the runner's generate thread. ``send_message_async`` is a blocking generator over a
-queue filled by the runtime's thread, so driving it from this thread keeps the runner's
-socket reader free to receive ``cancel``. Like ``runner.py`` it imports nothing heavy at
-module level.
+The runner child (``modeld.engine.runner.child``) drives the generation itself with them.
+Like the child it imports nothing heavy at module level.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from modeld.engine.runner.child import _Child
+from typing import Any
 
 FINISH_STOP = "stop"  # the model ended its reply (or a stop string matched)
 FINISH_LENGTH = "length"  # max_tokens or the engine's token window ran out
@@ -51,7 +46,7 @@ def classify_json(text: str, finish: str, schema: dict[str, Any] | None = None) 
     return {"status": "complete", "raw": text, "error": None}
 
 
-def _calls_of(message: Any) -> list[dict[str, Any]]:
+def calls_of(message: Any) -> list[dict[str, Any]]:
     """The tool calls in a runtime message, as ``{"name", "arguments"}`` (an object)."""
     data = message.to_json() if hasattr(message, "to_json") else message
     calls = data.get("tool_calls") if isinstance(data, dict) else None
@@ -93,7 +88,7 @@ RAW_TEMPLATE = (
 )
 
 
-def _text_of(message: Any) -> str:
+def text_of(message: Any) -> str:
     data = message.to_json() if hasattr(message, "to_json") else message
     content = data.get("content", "") if isinstance(data, dict) else str(data)
     if isinstance(content, str):
@@ -103,7 +98,7 @@ def _text_of(message: Any) -> str:
     )
 
 
-class _StopFilter:
+class StopFilter:
     """Holds back text that could still become a stop string; cuts at the first match."""
 
     def __init__(self, stops: list[str]) -> None:
@@ -133,9 +128,7 @@ class _StopFilter:
         return out
 
 
-def _conversation_args(
-    child: _Child, job: dict[str, Any]
-) -> tuple[dict[str, Any], Any, bool, dict[str, Any]]:
+def conversation_args(job: dict[str, Any]) -> tuple[dict[str, Any], Any, bool, dict[str, Any]]:
     """``create_conversation`` kwargs, the message to send, constrained, ``send`` kwargs."""
     import litert_lm
 
@@ -181,157 +174,3 @@ def _conversation_args(
             enable=True, provider=litert_lm.LiteRtLmConstraintProviderType.LL_GUIDANCE
         )
     return kwargs, last, constrained, send
-
-
-def _open(child: _Child, rid: int, kwargs: dict[str, Any], constrained: bool) -> tuple[Any, bool]:
-    """A new conversation for ``rid``, registered so that ``cancel`` can reach it."""
-    try:
-        conversation = child.engine.create_conversation(**kwargs)
-    except RuntimeError:
-        if not constrained:
-            raise
-        # Constrained decoding needs the model's tokenizer support; fall back to plain.
-        kwargs.pop("constrained_decoding_config")
-        constrained = False
-        conversation = child.engine.create_conversation(**kwargs)
-    with child.current_lock:
-        child.current = (rid, conversation)
-    if rid in child.cancelled:
-        conversation.cancel_process()
-    return conversation, constrained
-
-
-def _whole_reply(child: _Child, rid: int, conversation: Any, last: Any, **kw: Any) -> Any:
-    """The reply message in one blocking call, or None when the runtime refused it.
-
-    ``send_message`` is ~1 ms cheaper than ``send_message_async`` per request (no callback
-    queue and no message object per token): what a non-streamed request costs, since its
-    client sees nothing before the end anyway.
-    """
-    if rid in child.cancelled:
-        return {"content": ""}
-    try:
-        return conversation.send_message(last, **kw)
-    except RuntimeError:
-        # Cancelled (the client left): nobody reads the text. Any other failure is retried
-        # by the streaming path, which carries the runtime's own reason in its exception.
-        return {"content": ""} if rid in child.cancelled else None
-
-
-def run_generation(child: _Child, job: dict[str, Any]) -> None:  # noqa: PLR0912, PLR0915
-    """Stream one reply for ``job`` to the parent, then a final record with timings.
-
-    With ``"stream": false`` no token frame is sent: the final record carries the whole
-    ``text`` (one frame, one wake-up of the daemon), and without stop strings the reply is
-    made by one blocking call.
-    """
-    import litert_lm
-
-    rid = job["id"]
-    streamed = job.get("stream", True) is not False
-    started = time.perf_counter()
-    child.clear_error()
-    kwargs, last, constrained, send_kwargs = _conversation_args(child, job)
-    conversation, constrained = _open(child, rid, kwargs, constrained)
-    if constrained:
-        schema = job.get("schema") or {"type": "object"}
-        send_kwargs["response_format"] = litert_lm.ResponseFormat.json(schema)
-    stops = _StopFilter([str(s) for s in job.get("stop") or []])
-    first_at: float | None = None
-    chunks = 0
-    text_parts: list[str] = []
-    tool_calls: list[dict[str, Any]] = []
-    whole = None
-    asked = time.perf_counter()
-    if not streamed and not stops.stops:
-        whole = _whole_reply(child, rid, conversation, last, **send_kwargs)
-        if whole is None:
-            conversation.close()
-            child.clear_error()
-            conversation, constrained = _open(child, rid, kwargs, constrained)
-    if whole is not None:
-        text_parts.append(_text_of(whole))
-        tool_calls += _calls_of(whole)
-    else:
-        for message in conversation.send_message_async(last, **send_kwargs):
-            now = time.perf_counter()
-            if first_at is None:
-                first_at = now
-            chunks += 1
-            tool_calls += _calls_of(message)
-            piece = stops.feed(_text_of(message))
-            if piece:
-                text_parts.append(piece)
-                if streamed:
-                    child.send_token(rid, piece)
-            if stops.hit:
-                conversation.cancel_process()
-                break
-    tail = stops.flush()
-    if tail:
-        text_parts.append(tail)
-        if streamed:
-            child.send_token(rid, tail)
-    ended = time.perf_counter()
-    cancelled = rid in child.cancelled and not stops.hit
-    info = None
-    try:
-        info = conversation.get_benchmark_info()
-    except RuntimeError:
-        info = None
-    prefill_tokens = info.last_prefill_token_count if info else 0
-    decode_tokens = info.last_decode_token_count if info else chunks
-    max_out = job.get("max_tokens")
-    window = child.max_tokens
-    if cancelled:
-        finish = FINISH_CANCELLED
-    elif stops.hit:
-        finish = FINISH_STOP
-    elif (max_out and decode_tokens >= int(max_out)) or (
-        window and prefill_tokens + decode_tokens >= int(window)
-    ):
-        finish = FINISH_LENGTH
-    else:
-        finish = FINISH_STOP
-    ttft = (first_at - started) if first_at is not None else None
-    decode_seconds = (ended - first_at) if first_at is not None else 0.0
-    prefill = (
-        prefill_tokens / info.last_prefill_tokens_per_second
-        if info and info.last_prefill_tokens_per_second
-        else None
-    )
-    if whole is not None and prefill is not None and info and info.last_decode_tokens_per_second:
-        # One blocking call shows no first token: setup, prefill and one decode step.
-        ttft = (asked - started) + prefill + 1 / info.last_decode_tokens_per_second
-    timings = {
-        "prefill": prefill,
-        "first_token": ttft,
-        "decode_tokens_per_second": (
-            info.last_decode_tokens_per_second
-            if info and info.last_decode_tokens_per_second
-            else ((chunks - 1) / decode_seconds if chunks > 1 and decode_seconds > 0 else None)
-        ),
-        "generate": ended - started,
-    }
-    # No PSS here: reading smaps_rollup costs ~2.4 ms on this process, so the daemon
-    # measures it from /proc off the request path.
-    final: dict[str, Any] = {
-        "id": rid,
-        "done": True,
-        "finish": finish,
-        "prompt_tokens": prefill_tokens,
-        "tokens": decode_tokens,
-        "timings": timings,
-        "constrained": constrained,
-    }
-    if not streamed:
-        final["text"] = "".join(text_parts)
-    if tool_calls:
-        final["tool_calls"] = tool_calls
-    if job.get("format") == "json" or job.get("schema") is not None:
-        strict = job.get("schema") if job.get("strict") else None
-        final["json"] = classify_json("".join(text_parts), finish, strict)
-    child.send(final)
-    # After the final record, not before: closing is the runner's business, not the
-    # client's wait (the next job runs on this same thread, so it starts on a closed one).
-    conversation.close()

@@ -1,4 +1,4 @@
-"""Admission to the memory budget: reservations, the spare runner, eviction, PSS watching.
+"""The memory budget: reservations, admission, the spare runner, eviction, PSS watching.
 
 The budget is the sum of the runners' PSS, the spare runner included. A new engine
 reserves its expected size (the learned peak for that digest/plan/max_tokens, else the
@@ -8,7 +8,8 @@ bounded queue (then ``Busy``), and if the engine could never fit it refuses at o
 (``OverBudget``). A watcher re-reads real PSS and evicts idle engines when the sum passes
 the budget; the peak it sees is handed to ``on_learned`` (SQLite) for the next admission.
 
-``Admission`` is a mixin of ``modeld.engine.pool.Pool``; it never changes an engine's state.
+``Budget`` is owned by ``modeld.engine.pool.Pool``, which hands it the engines it keeps and
+the one way to stop one (``evict``); it never changes an engine's state itself.
 """
 
 from __future__ import annotations
@@ -30,40 +31,70 @@ from modeld.metrics import Metrics
 LEARN_STEP = 0.02
 
 
-class Admission:
-    """Budget bookkeeping for ``Pool``; see the module docstring."""
+class Budget:
+    """The pool's memory accounting and admission; see the module docstring."""
 
-    config: PoolConfig
-    factory: RunnerFactory
-    metrics: Metrics | None
-    on_learned: Learned | None
-    engines: dict[tuple[str, str], Engine]
-    spare: RunnerLike | None
-    spare_reserved: int
-    max_used: int
-    stopping: bool
-    _cond: asyncio.Condition
-    _capacity_waiters: int
-    _spare_task: asyncio.Task[None] | None
-
-    # Provided by Pool, the class this mixin is part of.
-    _spawn: Callable[[Awaitable[Any]], asyncio.Task[Any]]
-    _stop_engine: Callable[[Engine, str], Awaitable[None]]
+    def __init__(
+        self,
+        config: PoolConfig,
+        engines: dict[tuple[str, str], Engine],
+        factory: RunnerFactory,
+        *,
+        evict: Callable[[Engine, str], Awaitable[None]],
+        spawn: Callable[[Awaitable[Any]], asyncio.Task[Any]],
+        metrics: Metrics | None = None,
+        on_learned: Learned | None = None,
+    ) -> None:
+        self.config = config
+        self.engines = engines  # the pool's own dict: the budget reads it, never changes it
+        self.factory = factory
+        self.metrics = metrics
+        self.on_learned = on_learned
+        self._evict = evict
+        self._spawn = spawn
+        self.spare: RunnerLike | None = None  # a runner with the runtime loaded, no engine
+        self.spare_reserved = 0
+        self.max_used = 0
+        self.stopping = False
+        self._cond = asyncio.Condition()
+        self._capacity_waiters = 0
+        self._spare_task: asyncio.Task[None] | None = None
 
     # --- bookkeeping ---------------------------------------------------------------------
 
     def used(self) -> int:
         return sum(e.reserved for e in self.engines.values()) + self.spare_reserved
 
-    def _note_used(self) -> None:
+    def note_used(self) -> None:
         used = self.used()
         self.max_used = max(self.max_used, used)
         if self.metrics:
             self.metrics.budget_used.set(used)
 
+    def wake(self) -> None:
+        """Let loads waiting for memory look again (never inline: the caller may hold the lock).
+
+        A waiter counts itself under the lock before it looks, so none is missed when there
+        are 0."""
+        if self._capacity_waiters:
+            self._spawn(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+    async def stop(self) -> None:
+        """No spare runner any more: stop the one there is (or the one starting)."""
+        self.stopping = True
+        if self._spare_task is not None:
+            self._spare_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._spare_task
+        await self.drop_spare()
+
     # --- the spare runner --------------------------------------------------------------
 
-    def _refill_spare(self) -> None:
+    def refill_spare(self) -> None:
         if not self.config.spare or self.stopping or self.spare is not None:
             return
         if self._spare_task is not None and not self._spare_task.done():
@@ -86,9 +117,9 @@ class Admission:
             self.spare, self.spare_reserved = None, 0
             await runner.kill()
             return
-        self._note_used()
+        self.note_used()
 
-    async def _take_spare(self) -> RunnerLike | None:
+    async def take_spare(self) -> RunnerLike | None:
         if self._spare_task is not None and not self._spare_task.done():
             # A spare half started is still faster than a new one.
             with contextlib.suppress(BaseException):
@@ -98,7 +129,7 @@ class Admission:
             runner = None
         return runner
 
-    async def _drop_spare(self) -> None:
+    async def drop_spare(self) -> None:
         if self._spare_task is not None and not self._spare_task.done():
             self._spare_task.cancel()
             with contextlib.suppress(BaseException):
@@ -118,7 +149,7 @@ class Admission:
         ]
         return min(idle, key=lambda e: e.last_used, default=None)
 
-    async def _admit(self, e: Engine) -> None:
+    async def admit(self, e: Engine) -> None:
         """Grow ``e.reserved`` to its expected size, evicting idle engines or waiting."""
         need = e.target.expected
         budget = self.config.budget
@@ -140,14 +171,14 @@ class Admission:
                 while True:
                     if self.used() - e.reserved + need <= budget:
                         e.reserved = max(e.reserved, need)
-                        self._note_used()
+                        self.note_used()
                         return
                     if self.spare is not None or self.spare_reserved:
-                        await self._drop_spare()
+                        await self.drop_spare()
                         continue
                     victim = self._victim(e)
                     if victim is not None:
-                        await self._stop_engine(victim, f"evicted to load {e.target.model_id}")
+                        await self._evict(victim, f"evicted to load {e.target.model_id}")
                         continue
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -164,18 +195,18 @@ class Admission:
             finally:
                 self._capacity_waiters -= 1
 
-    async def _enforce_budget(self, keep: Engine | None = None) -> None:
+    async def enforce(self, keep: Engine | None = None) -> None:
         while self.used() > self.config.budget:
             if self.spare is not None:
-                await self._drop_spare()
+                await self.drop_spare()
                 continue
             victim = self._victim(exclude=keep)
             if victim is None:
                 logs.event("over_budget", used=self.used(), budget=self.config.budget)
                 return
-            await self._stop_engine(victim, "budget: measured PSS over the estimate")
+            await self._evict(victim, "budget: measured PSS over the estimate")
 
-    async def _measure_after(self, e: Engine) -> None:
+    async def measure_after(self, e: Engine) -> None:
         """Measure an engine's PSS after a request, at most once per watch interval.
 
         The first request after a load is always measured (its KV cache and arenas are now
@@ -192,13 +223,13 @@ class Admission:
         pss = (await asyncio.to_thread(e.runner.memory))[0]
         self.measure({pid: pss}, only=e)
 
-    async def _watch(self) -> None:
+    async def watch(self) -> None:
         while True:
             await asyncio.sleep(self.config.watch_interval)
             # smaps_rollup reads take milliseconds each: keep them off the event loop.
             readings = await asyncio.to_thread(self._read_all)
             self.measure(readings)
-            await self._enforce_budget()
+            await self.enforce()
 
     def _read_all(self) -> dict[int, int]:
         runners = [e.runner for e in list(self.engines.values()) if e.runner is not None]
@@ -222,7 +253,7 @@ class Admission:
                     self._learn(e)
         if only is None and self.spare is not None and self.spare.pid in readings:
             self.spare_reserved = max(readings[self.spare.pid], 1) if self.spare.alive else 0
-        self._note_used()
+        self.note_used()
 
     def _learn(self, e: Engine) -> None:
         """Hand a grown peak to ``on_learned`` (SQLite) for the next admission of this file."""

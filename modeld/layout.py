@@ -1,0 +1,57 @@
+"""Names on disk: which model ids are valid, and where the state dir keeps what.
+
+Layout of ``MODELD_HOME``: ``blobs/sha256-<hex>`` (read-only model files), ``partial/<id>.partial``
+(downloads in progress), ``cache/<hex>/`` (the runtime's ``cache_dir`` per blob) and
+``modeld.db`` (the SQLite index). A model id is checked against ``MODEL_ID_RE`` before it becomes
+part of a file name, and a digest against ``DIGEST_RE`` before it becomes a path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# A registry entry's id: it names a partial file, so no "/" and no leading dot.
+MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+MODEL_ID_RE = re.compile(MODEL_ID_PATTERN)
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+BLOB_RE = re.compile(r"^sha256-([0-9a-f]{64})$")
+PARTIAL_SUFFIX = ".partial"
+
+
+def blob_name(digest: str) -> str:
+    """The file name of the blob with sha256 ``digest`` in ``blobs/``."""
+    return f"sha256-{digest}"
+
+
+@dataclass(frozen=True)
+class StateDir:
+    """The paths under one ``MODELD_HOME``."""
+
+    home: Path
+
+    @property
+    def db(self) -> Path:
+        return self.home / "modeld.db"
+
+    @property
+    def blobs(self) -> Path:
+        return self.home / "blobs"
+
+    @property
+    def partial(self) -> Path:
+        return self.home / "partial"
+
+    @property
+    def cache(self) -> Path:
+        return self.home / "cache"
+
+    def blob(self, digest: str) -> Path:
+        return self.blobs / blob_name(digest)
+
+    def cache_for(self, digest: str) -> Path:
+        return self.cache / digest
+
+    def partial_for(self, model_id: str) -> Path:
+        return self.partial / f"{model_id}{PARTIAL_SUFFIX}"
