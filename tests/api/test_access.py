@@ -7,10 +7,7 @@ stdlib HTTP from a forked child that dropped to that uid).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,15 +20,9 @@ from modeld.api.peers import Peer, is_admin
 from modeld.config import load_settings
 from modeld.daemon.root import Root
 from tests.support.daemon import DaemonProcess, daemon_env
+from tests.support.peer import PEER_GID, PEER_UID, needs_root, peer_cli, requests_as_peer
 from tests.support.state import MODELS, install_fixture
 from tests.support.unix import unix_request
-
-PEER_UID = PEER_GID = 4242
-
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("setpriv") is None,
-    reason="a second uid needs root and setpriv",
-)
 
 
 def test_every_route_has_a_role(clean_env: Path) -> None:
@@ -62,38 +53,6 @@ def test_admin_rules(clean_env: Path) -> None:
     assert not is_admin(defaults, None)
 
 
-def as_peer(*argv: str) -> list[str]:
-    return ["setpriv", f"--reuid={PEER_UID}", f"--regid={PEER_GID}", "--clear-groups", *argv]
-
-
-def requests_as_peer(sock: Path, requests: list[tuple[str, str, Any]]) -> list[tuple[int, Any]]:
-    """Send ``requests`` from a forked child running as the peer uid; their (status, body)."""
-    import json
-
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: drop to the peer's identity, then talk HTTP with the stdlib only
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setresgid(PEER_GID, PEER_GID, PEER_GID)
-            os.setresuid(PEER_UID, PEER_UID, PEER_UID)
-            out: Any = [unix_request(sock, m, t, b) for m, t, b in requests]
-        except BaseException as e:
-            out = repr(e)
-        try:
-            os.write(w, json.dumps(out).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        raw = f.read()
-    os.waitpid(pid, 0)
-    answers = json.loads(raw)
-    assert isinstance(answers, list), answers
-    return [(status, body) for status, body in answers]
-
-
 @pytest.fixture
 def shared_daemon(short_tmp: Path) -> Iterator[tuple[DaemonProcess, Path]]:
     """A root daemon with tiny-text installed; its socket's group is the peer's (as a
@@ -118,17 +77,6 @@ def shared_daemon(short_tmp: Path) -> Iterator[tuple[DaemonProcess, Path]]:
         yield d, config
     finally:
         d.stop()
-
-
-def peer_cli(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        as_peer(sys.executable, "-m", "modeld", *args),
-        env=d.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def _path(canonical: str) -> str:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +15,8 @@ import pytest
 
 from modeld.client import _send_with_fd
 from modeld.store.store import sha256_file
-from tests.api.test_access import PEER_GID, PEER_UID, as_peer, needs_root, requests_as_peer
 from tests.support.daemon import DaemonProcess, daemon_env
+from tests.support.peer import PEER_GID, PEER_UID, needs_root, peer_cli, requests_as_peer
 from tests.support.state import MODELS, install_fixture, write_entry
 from tests.support.unix import unix_http, unix_request
 
@@ -54,17 +52,6 @@ def daemon(short_tmp: Path) -> Iterator[DaemonProcess]:
         yield d
     finally:
         d.stop()
-
-
-def peer_cli(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        as_peer(sys.executable, "-m", "modeld", *args),
-        env=d.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def no_partials(d: DaemonProcess) -> bool:
