@@ -22,6 +22,7 @@ from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_fixed
 
 from modeld import logs
 from modeld.errors import ModelNotFound
@@ -37,6 +38,7 @@ SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 WATCH_DEBOUNCE_MS = 150
 WATCH_STEP_MS = 50
 WATCH_IDLE_MS = 500
+WATCH_RESTART_S = 1.0
 
 Backend = Literal["cpu", "gpu"]
 
@@ -361,34 +363,46 @@ class Catalog:
         return [d for d in self.dirs if d.is_dir()]
 
     async def _watch(self, stop: asyncio.Event) -> None:
+        # A failed watch (a watched dir vanished, inotify limits) never stops the catalog:
+        # it reloads what is on disk now and watches again after a second, for as long
+        # as the daemon runs.
+        watching = AsyncRetrying(
+            retry=retry_if_exception_type(Exception),
+            wait=wait_fixed(WATCH_RESTART_S),
+            before_sleep=self._watch_failed,
+        )
+        async for attempt in watching:
+            with attempt:
+                await self._watch_once(stop)
+
+    def _watch_failed(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        logs.event("catalog_watch_failed", error=f"{type(exc).__name__}: {exc}")
+        self.reload()
+
+    async def _watch_once(self, stop: asyncio.Event) -> None:
         from watchfiles import awatch
 
-        while not stop.is_set():
-            paths = self._watched()
-            if not paths:
-                return
-            caught_up = False
-            try:
-                async for changes in awatch(
-                    *paths,
-                    stop_event=stop,
-                    debounce=WATCH_DEBOUNCE_MS,
-                    step=WATCH_STEP_MS,
-                    watch_filter=_toml_filter,
-                    recursive=False,
-                    # An empty batch every WATCH_IDLE_MS tells that the watcher is live:
-                    # the first one triggers a catch-up reload for edits made while it
-                    # was being set up.
-                    yield_on_timeout=True,
-                    rust_timeout=WATCH_IDLE_MS,
-                ):
-                    if changes or not caught_up:
-                        caught_up = True
-                        self.reload()
-            except Exception as e:  # a watched dir vanished, inotify limits: keep serving
-                logs.event("catalog_watch_failed", error=f"{type(e).__name__}: {e}")
+        paths = self._watched()
+        if not paths or stop.is_set():
+            return
+        caught_up = False
+        async for changes in awatch(
+            *paths,
+            stop_event=stop,
+            debounce=WATCH_DEBOUNCE_MS,
+            step=WATCH_STEP_MS,
+            watch_filter=_toml_filter,
+            recursive=False,
+            # An empty batch every WATCH_IDLE_MS tells that the watcher is live:
+            # the first one triggers a catch-up reload for edits made while it
+            # was being set up.
+            yield_on_timeout=True,
+            rust_timeout=WATCH_IDLE_MS,
+        ):
+            if changes or not caught_up:
+                caught_up = True
                 self.reload()
-                await asyncio.sleep(1.0)
 
 
 def _toml_filter(_change: Any, path: str) -> bool:

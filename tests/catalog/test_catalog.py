@@ -285,6 +285,38 @@ async def test_live_reload_add_change_remove_and_bad_file(tmp_path: Path) -> Non
     assert not cat.status()["watching"]
 
 
+async def test_watcher_that_fails_watches_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watch that fails (here: a dir gone between the listing and the watch, so watchfiles
+    raises) is logged, the catalog reloads, and live reload works again after the restart."""
+    write_entry(tmp_path, "a", size=1)
+    cat = Catalog([tmp_path])
+    real = cat._watched
+    calls: list[int] = []
+
+    def vanished_once() -> list[Path]:
+        calls.append(1)
+        return [tmp_path / "gone", *real()] if len(calls) == 1 else real()
+
+    monkeypatch.setattr(cat, "_watched", vanished_once)
+    monkeypatch.setattr("modeld.catalog.catalog.WATCH_RESTART_S", 0.05)
+    failed: list[str] = []
+    monkeypatch.setattr(
+        "modeld.catalog.catalog.logs.event",
+        lambda name, *a, **kw: failed.append(str(kw.get("error"))) if "watch" in name else None,
+    )
+    await cat.start()
+    try:
+        await wait_until(lambda: len(calls) >= 2)
+        assert failed and "gone" in failed[0]
+        write_entry(tmp_path, "b", size=5)
+        await wait_until(lambda: "b" in cat)
+        assert cat.status()["watching"]
+    finally:
+        await cat.stop()
+
+
 def test_non_utf8_file_is_a_problem_not_a_crash(tmp_path: Path) -> None:
     """A registry file that is not UTF-8 is reported and skipped; the good entries stay."""
     write_entry(tmp_path, "good", size=10)
