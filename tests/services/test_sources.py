@@ -24,6 +24,7 @@ from modeld.client import AsyncClient
 from modeld.config import Settings
 from modeld.errors import (
     BadRequest,
+    DigestConflict,
     EntryExists,
     EntryNotRemovable,
     HubAccessDenied,
@@ -336,3 +337,18 @@ async def test_cli_pulls_from_hf_endpoint(
         rc, out, err = await _cli(env, "rm", "tm", "--entry")
         assert rc == 0 and "removed its entry" in out, err
     assert not (settings.home / "registry" / "tm.toml").exists()
+
+
+async def test_hub_vouch_contradicting_the_entry_fails_naming_both(
+    clean_env: Path, the_hub: Hub
+) -> None:
+    """The HF_ENDPOINT host is a hub: its X-Linked-Etag on the download is checked against the
+    entry it wrote; a hub that later vouches for other bytes fails the pull naming both."""
+    async with running_daemon(_settings(clean_env, the_hub)) as d, d.client() as c:
+        await _pull(c, "hf://org/tiny/m.litertlm")
+        await c.remove("tiny-m")
+        the_hub.faults.linked_sha256 = "e" * 64
+        with pytest.raises(DigestConflict) as exc:
+            _ = [r async for r in c.stream("POST", "/api/models/tiny-m/pull", {})]
+    assert sha(TINY_B) in exc.value.message and "e" * 64 in exc.value.message
+    assert f"127.0.0.1:{the_hub.port}" in exc.value.message
