@@ -183,13 +183,14 @@ def pull(  # noqa: PLR0917 (click passes every option positionally by name)
         doc = call(ctx, lambda c: c.pull_detached(model_id, force=force, as_id=as_id))
 
         def human(d: dict[str, Any]) -> None:
-            _print_entry(d)
             _print_choice(d)
             got = d["id"]
+            if d.get("already") or d.get("adopted"):
+                _print_done(d)  # its entry line too
+                return
+            _print_entry(d)
             console.print(
-                f"{got} is already installed"
-                if d.get("already")
-                else f"pulling {got} in the daemon; follow it with `modeld pull {got}`"
+                f"pulling {got} in the daemon; follow it with `modeld pull {got}`"
                 f", cancel it with `modeld pull {got} --cancel`"
             )
 

@@ -318,7 +318,8 @@ async def test_cli_pulls_from_hf_endpoint(
     clean_env: Path, the_hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CLI as a subprocess, the daemon's HF_ENDPOINT the stand-in hub on 127.0.0.1:
-    ``pull hf://``, ``list``, ``show``, then ``rm --entry``."""
+    ``pull hf://``, ``list``, ``show``, ``rm --entry``, then ``pull --detach`` of a file in
+    the HF cache (adopted: the CDN never sends it)."""
     monkeypatch.setenv("HF_ENDPOINT", the_hub.endpoint)
     settings = _settings(clean_env)
     assert settings.hf_endpoint == the_hub.endpoint
@@ -336,7 +337,12 @@ async def test_cli_pulls_from_hf_endpoint(
         assert rc == 1 and "bundled" in err
         rc, out, err = await _cli(env, "rm", "tm", "--entry")
         assert rc == 0 and "removed its entry" in out, err
-    assert not (settings.home / "registry" / "tm.toml").exists()
+        assert not (settings.home / "registry" / "tm.toml").exists()
+        _hf_cache(settings.hub_cache, "org/tiny", C2, "m.litertlm", TINY_B)
+        rc, out, err = await _cli(env, "pull", "hf://org/tiny/m.litertlm", "--detach")
+        assert rc == 0, err
+        assert f"at commit {C2}" in out and "from the Hugging Face cache" in out
+    assert _cdn(the_hub) == [r for r in _cdn(the_hub) if sha(TINY) in r["path"]]
 
 
 async def test_hub_vouch_contradicting_the_entry_fails_naming_both(
