@@ -110,6 +110,20 @@ def _path(model_id: str) -> str:
 # --- request bodies, shared by both clients ------------------------------------------------
 
 
+def _pull_route(model: str, as_id: str | None, body: dict[str, Any]) -> tuple[str, Any]:
+    """Path and body of a pull: ``/api/models/{id}/pull``, or ``/api/models/pull`` for a Hub
+    file (``hf://...`` or a URL)."""
+    body = {k: v for k, v in body.items() if v}
+    if "://" in model:
+        return "/api/models/pull", {"source": model, **({"id": as_id} if as_id else {}), **body}
+    return f"/api/models/{_path(model)}/pull", body
+
+
+def _rm_path(model_id: str, force: bool, entry: bool) -> str:
+    query = "&".join(q for q, on in (("force=1", force), ("entry=1", entry)) if on)
+    return f"/api/models/{_path(model_id)}" + (f"?{query}" if query else "")
+
+
 def load_body(
     model: str,
     *,
@@ -431,10 +445,10 @@ class Client:
         result: dict[str, Any] = self.request("POST", f"/api/models/{_path(model_id)}/verify")
         return result
 
-    def remove(self, model_id: str, *, force: bool = False) -> dict[str, Any]:
-        """``DELETE /api/models/{id}``: remove the install and its partial (``force`` unloads)."""
-        path = f"/api/models/{_path(model_id)}" + ("?force=1" if force else "")
-        result: dict[str, Any] = self.request("DELETE", path)
+    def remove(self, model_id: str, *, force: bool = False, entry: bool = False) -> dict[str, Any]:
+        """``DELETE /api/models/{id}``: remove the install and its partial (``force`` unloads;
+        ``entry``: also the entry modeld wrote for it, by ``pull hf://`` or ``import``)."""
+        result: dict[str, Any] = self.request("DELETE", _rm_path(model_id, force, entry))
         return result
 
     def prune(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -442,18 +456,23 @@ class Client:
         result: dict[str, Any] = self.request("POST", "/api/prune", body or {})
         return result
 
-    def pull(self, model_id: str, *, force: bool = False) -> Iterator[dict[str, Any]]:
+    def pull(
+        self, model_id: str, *, force: bool = False, as_id: str | None = None
+    ) -> Iterator[dict[str, Any]]:
         """Download a model; yields progress records (``state``, ``completed``, ``size``,
         ``mirrors``) until the last one, whose ``state`` is ``installed`` (with
-        ``already`` when there was nothing to download)."""
-        body = {"force": True} if force else {}
-        return self.stream("POST", f"/api/models/{_path(model_id)}/pull", body)
+        ``already`` when there was nothing to download). ``model_id`` may be a Hub file
+        (``hf://ORG/REPO/FILE[@REV]`` or its resolve URL): its entry is made first, under
+        ``as_id`` or an id from REPO/FILE."""
+        return self.stream("POST", *_pull_route(model_id, as_id, {"force": force}))
 
-    def pull_detached(self, model_id: str, *, force: bool = False) -> dict[str, Any]:
+    def pull_detached(
+        self, model_id: str, *, force: bool = False, as_id: str | None = None
+    ) -> dict[str, Any]:
         """Start (or join) a download in the daemon and return at once (``force``: even a
         model that can never fit the memory budget)."""
-        body = {"detach": True, **({"force": True} if force else {})}
-        result: dict[str, Any] = self.request("POST", f"/api/models/{_path(model_id)}/pull", body)
+        route = _pull_route(model_id, as_id, {"detach": True, "force": force})
+        result: dict[str, Any] = self.request("POST", *route)
         return result
 
     def cancel_pull(self, model_id: str) -> dict[str, Any]:
@@ -674,17 +693,18 @@ class AsyncClient:
         result: dict[str, Any] = await self.request("POST", f"/api/models/{_path(model_id)}/verify")
         return result
 
-    async def remove(self, model_id: str, *, force: bool = False) -> dict[str, Any]:
-        path = f"/api/models/{_path(model_id)}" + ("?force=1" if force else "")
-        result: dict[str, Any] = await self.request("DELETE", path)
+    async def remove(
+        self, model_id: str, *, force: bool = False, entry: bool = False
+    ) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request("DELETE", _rm_path(model_id, force, entry))
         return result
 
     async def prune(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
         result: dict[str, Any] = await self.request("POST", "/api/prune", body or {})
         return result
 
-    def pull(self, model_id: str) -> AsyncIterator[dict[str, Any]]:
-        return self.stream("POST", f"/api/models/{_path(model_id)}/pull", {})
+    def pull(self, model_id: str, *, as_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        return self.stream("POST", *_pull_route(model_id, as_id, {}))
 
     async def import_file(self, path: Path | str, model_id: str | None = None) -> dict[str, Any]:
         """As ``Client.import_file``; the blocking send runs in a thread."""

@@ -81,6 +81,12 @@ class DownloadNotFound(NotFound):
     code = "download_not_found"
 
 
+class HubFileNotFound(NotFound):
+    """The Hub has no such repository, revision or file (``pull hf://...``)."""
+
+    code = "hub_file_not_found"
+
+
 class EngineNotFound(NotFound):
     code = "engine_not_found"
 
@@ -97,6 +103,12 @@ class Conflict(ModeldError):
 
 class ModelInUse(Conflict):
     code = "model_in_use"
+
+
+class EntryExists(Conflict):
+    """A model id that ``pull hf://`` or ``import`` would write is another entry's."""
+
+    code = "entry_exists"
 
 
 class ReplacesVerified(Conflict):
@@ -185,6 +197,30 @@ class DigestConflict(IntegrityError):
     """Two sources vouch for different sha256s for the same file (entry, hub, kept answer)."""
 
     code = "digest_conflict"
+
+
+class HubAccessDenied(Refused):
+    """The Hub refused the file without a token, or with this one (gated or private repo)."""
+
+    code = "hub_access_denied"
+
+
+class Offline(Refused):
+    """``HF_HUB_OFFLINE=1``: modeld does not touch the network."""
+
+    code = "offline"
+
+
+class LocalEntry(Refused):
+    """A local entry (an imported file) has no URL: there is nothing to pull it from."""
+
+    code = "local_entry"
+
+
+class EntryNotRemovable(Refused):
+    """``rm --entry`` of an entry modeld did not write (bundled, or in a MODELD_REGISTRY dir)."""
+
+    code = "entry_not_removable"
 
 
 class HeldBack(Refused):

@@ -18,6 +18,14 @@ MODEL_ID_RE = re.compile(MODEL_ID_PATTERN)
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 BLOB_RE = re.compile(r"^sha256-([0-9a-f]{64})$")
 PARTIAL_SUFFIX = ".partial"
+_NOT_IN_ID = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def model_id_from(name: str) -> str | None:
+    """A model id made from a name (a file's stem, a repository's): runs of other characters
+    become ``-``, the ends are trimmed, at most 128 characters; None if nothing is left."""
+    made = _NOT_IN_ID.sub("-", name).strip("-._")[:128].rstrip("-._")
+    return made if MODEL_ID_RE.fullmatch(made) else None
 
 
 def blob_name(digest: str) -> str:

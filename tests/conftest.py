@@ -27,10 +27,12 @@ def short_tmp() -> Iterator[Path]:
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch, short_tmp: Path) -> Path:
-    """No MODELD_* variable or config file from the developer's machine leaks into a test."""
+    """No MODELD_* or HF_* variable, config file or Hugging Face token or cache from the
+    developer's machine leaks into a test."""
     for key in list(os.environ):
-        if key.startswith("MODELD_"):
+        if key.startswith(("MODELD_", "HF_", "HUGGINGFACE_")):
             monkeypatch.delenv(key)
+    monkeypatch.setenv("HF_HOME", str(short_tmp / "hf-home"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(short_tmp / "xdg-config"))
     monkeypatch.setenv("XDG_DATA_HOME", str(short_tmp / "xdg-data"))
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)

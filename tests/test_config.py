@@ -249,3 +249,37 @@ def test_cpu_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SettingsError) as info:
         load_settings()
     assert "MODELD_CPU_THREADS=0" in str(info.value) and "1 to 256" in str(info.value)
+
+
+def test_hugging_face_conventions(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MODELD_HF_TOKEN, else HF_TOKEN, else the token file (HF_TOKEN_PATH, default
+    HF_HOME/token); HF_ENDPOINT (its host is a hub host), HF_HUB_OFFLINE, HF_HUB_CACHE."""
+    home = clean_env / "hf-home"
+    home.mkdir()
+    assert load_settings(home=clean_env).hf_token is None
+    (home / "token").write_text("hf_from_file\n")
+    settings = load_settings(home=clean_env)
+    assert settings.hf_token is not None
+    assert settings.hf_token.get_secret_value() == "hf_from_file"
+    assert settings.hf_endpoint == "https://huggingface.co"
+    assert settings.hub_cache == home / "hub"
+    assert settings.hf_hub_offline is False
+    monkeypatch.setenv("HF_TOKEN", "hf_from_env")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:8123/")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(clean_env / "cache"))
+    settings = load_settings(home=clean_env)
+    assert settings.hf_token is not None
+    assert settings.hf_token.get_secret_value() == "hf_from_env"
+    assert settings.hf_endpoint == "http://127.0.0.1:8123"
+    assert settings.hub_hosts == ("127.0.0.1",)
+    assert settings.hf_hub_offline is True
+    assert settings.hub_cache == clean_env / "cache"
+    assert settings.effective()["hf_token"] == "set"
+    monkeypatch.setenv("MODELD_HF_TOKEN", "hf_modeld")
+    settings = load_settings(home=clean_env)
+    assert settings.hf_token is not None
+    assert settings.hf_token.get_secret_value() == "hf_modeld"
+    monkeypatch.setenv("HF_ENDPOINT", "ftp://mirror")
+    with pytest.raises(SettingsError, match=r"HF_ENDPOINT|hf_endpoint"):
+        load_settings(home=clean_env)

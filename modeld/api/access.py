@@ -81,6 +81,7 @@ ROUTES: dict[tuple[str, str], Rule] = {
     ("POST", "/v1/completions"): Rule(Role.USE, "complete", ("allow_unverified",)),
     ("POST", "/v1/embeddings"): Rule(Role.USE, "embed"),
     ("POST", "/api/models/{id}/pull"): Rule(Role.ADMIN, "pull"),
+    ("POST", "/api/models/pull"): Rule(Role.ADMIN, "pull"),
     ("POST", "/api/models/import"): Rule(Role.ADMIN, "import"),
     ("POST", "/api/models/{id}/verify"): Rule(Role.ADMIN, "verify"),
     ("DELETE", "/api/models/{id}"): Rule(Role.ADMIN, "rm"),

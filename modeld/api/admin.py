@@ -27,6 +27,7 @@ _HINTS = {
     "orphans": _BOOL,
     "to_budget": _BOOL,
     "force": _BOOL,
+    "entry": _BOOL,
     "partials": 'true (all), false, or an age such as "7d" (only partials older than that)',
     "unused_for": 'a duration such as "30d", "12h" or a number of seconds',
 }
@@ -52,6 +53,8 @@ class RmBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     force: StrictBool = False
+    # Also remove the entry modeld wrote for it (``pull hf://``, ``import`` of a bare file).
+    entry: StrictBool = False
 
 
 def _validation_message(e: ValidationError, fields: list[str]) -> str:
@@ -104,17 +107,18 @@ def selection_of(body: PruneBody) -> Selection:
     return sel
 
 
-def _force(request: web.Request, body: dict[str, Any]) -> bool:
+def _flag(request: web.Request, body: dict[str, Any], name: str) -> bool:
+    """``force`` or ``entry`` of a removal: in the body or the query (either one sets it)."""
     try:
-        from_body = RmBody.model_validate(body).force
+        from_body = bool(getattr(RmBody.model_validate(body), name))
     except ValidationError as e:
-        raise BadRequest(_validation_message(e, ["force"])) from None
-    raw = request.query.get("force")
+        raise BadRequest(_validation_message(e, ["force", "entry"])) from None
+    raw = request.query.get(name)
     if raw is None:
         return from_body
     value = raw.strip().lower()
     if value not in _TRUE | _FALSE:
-        raise BadRequest(f"force={raw[:20]!r}: use force=1 or force=0")
+        raise BadRequest(f"{name}={raw[:20]!r}: use {name}=1 or {name}=0")
     return from_body or value in _TRUE
 
 
@@ -123,7 +127,11 @@ def add_routes(app: web.Application, services: Services) -> None:
 
     async def remove(request: web.Request) -> web.Response:
         model_id = request.match_info["id"]
-        force = _force(request, await read_json(request, optional=True))
+        body = await read_json(request, optional=True)
+        force = _flag(request, body, "force")
+        if _flag(request, body, "entry"):
+            doc = await services.sources.remove_entry(model_id, force=force)
+            return web.json_response(doc)
         return web.json_response(await remover.remove_model(model_id, force=force))
 
     async def prune(request: web.Request) -> web.Response:

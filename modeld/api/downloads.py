@@ -1,5 +1,5 @@
-"""``POST /api/models/{id}/pull``, ``GET /api/downloads``, ``DELETE /api/downloads/{id}``,
-``POST /api/models/import``."""
+"""``POST /api/models/{id}/pull``, ``POST /api/models/pull`` (a Hub file),
+``GET /api/downloads``, ``DELETE /api/downloads/{id}``, ``POST /api/models/import``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from aiohttp import web
 
 from modeld.api.access import on_unix_socket
 from modeld.api.peers import peer_credentials
-from modeld.api.requests import ImportBody, PullBody, read_body
+from modeld.api.requests import ImportBody, PullBody, PullSourceBody, read_body
 from modeld.api.stream import ndjson
 from modeld.errors import BadRequest, Forbidden
 from modeld.services.parts import Services
@@ -105,6 +105,15 @@ def add_routes(app: web.Application, services: Services) -> None:
             return web.json_response(started.snapshot())
         return await ndjson(request, started.records())
 
+    async def pull_source(request: web.Request) -> web.StreamResponse:
+        body = await read_body(request, PullSourceBody)
+        started = await services.sources.pull_source(
+            body.source, model_id=body.id, force=body.force
+        )
+        if body.detach or body.stream is False:
+            return web.json_response(started.snapshot())
+        return await ndjson(request, started.records())
+
     async def index(_: web.Request) -> web.Response:
         return web.json_response({"downloads": downloads.list()})
 
@@ -127,6 +136,7 @@ def add_routes(app: web.Application, services: Services) -> None:
         return response
 
     app.router.add_post("/api/models/import", import_)
+    app.router.add_post("/api/models/pull", pull_source)
     app.router.add_post("/api/models/{id}/pull", pull)
     app.router.add_get("/api/downloads", index)
     app.router.add_delete("/api/downloads/{id}", cancel)

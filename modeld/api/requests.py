@@ -111,6 +111,14 @@ class PullBody(Strict):
     force: StrictBool = False
 
 
+class PullSourceBody(PullBody):
+    """``POST /api/models/pull``: a Hub file (``hf://ORG/REPO/FILE[@REV]`` or its resolve
+    URL) made into an entry and pulled; ``id`` names the entry (else one from REPO/FILE)."""
+
+    source: Annotated[StrictStr, Field(min_length=6, max_length=2048)]
+    id: ModelId | None = None
+
+
 class ImportBody(Strict):
     """``POST /api/models/import``: a ``path`` the daemon opens, or ``fd: true`` and the
     file's ``name``, the descriptor following over the socket (``SCM_RIGHTS``)."""

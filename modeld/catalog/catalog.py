@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import re
 import tomllib
 from collections.abc import Callable, Sequence
@@ -21,11 +23,18 @@ from types import TracebackType
 from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_fixed
 
 from modeld import logs
-from modeld.errors import ModelNotFound
+from modeld.errors import ModelNotFound, RegistryError
 from modeld.hostinfo import VERSION_PATTERN
 from modeld.layout import MODEL_ID_PATTERN, MODEL_ID_RE
 
@@ -80,7 +89,10 @@ class Entry(_Strict):
     id: str = Field(pattern=ID_PATTERN)
     display_name: str = Field(min_length=1, max_length=200)
     file_name: str = Field(min_length=1, max_length=255)
-    urls: list[str] = Field(min_length=1)
+    # A file adopted from disk (``modeld import PATH`` without an entry): it has no URL, so
+    # nothing to pull it from; its sha256 is the imported file's.
+    local: bool = False
+    urls: list[str] = Field(default_factory=list, validate_default=True)
     size: int = Field(gt=0)
     sha256: str | None = Field(default=None, pattern=SHA256_RE.pattern)
     # The oldest litert-lm release that can run this file (e.g. a newer model type);
@@ -113,7 +125,12 @@ class Entry(_Strict):
 
     @field_validator("urls")
     @classmethod
-    def _http_urls(cls, v: list[str]) -> list[str]:
+    def _http_urls(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        local = info.data.get("local") is True
+        if not v and not local:
+            raise ValueError("at least one URL is required (local = true: an imported file)")
+        if v and local:
+            raise ValueError("a local entry (local = true) has no URLs; drop one or the other")
         for url in v:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -195,7 +212,7 @@ def load_file(path: Path) -> tuple[Entry | None, list[Problem]]:
             elif err["type"] == "missing":
                 msg = "required key is missing"
             else:
-                msg = err["msg"]
+                msg = str(err["msg"]).removeprefix("Value error, ")
             problems.append(Problem(path, key, msg))
         return None, problems
     if path.name != f"{entry.id}.toml":
@@ -244,10 +261,16 @@ def load_dir(directory: Path) -> tuple[dict[str, tuple[Entry, Path]], list[Probl
 
 
 class Catalog:
-    """The merged, validated registry; ``get`` never sees a bad entry."""
+    """The merged, validated registry; ``get`` never sees a bad entry.
 
-    def __init__(self, dirs: Sequence[Path]) -> None:
+    ``own`` is the dir modeld writes entries into (``$MODELD_HOME/registry``: ``pull hf://``,
+    ``import`` of a file without an entry); it is one of ``dirs``, made at ``start``, and its
+    absence before then is no problem.
+    """
+
+    def __init__(self, dirs: Sequence[Path], *, own: Path | None = None) -> None:
         self.dirs = [Path(d) for d in dirs]
+        self.own = own
         self._entries: dict[str, Entry] = {}
         self._sources: dict[str, Path] = {}
         self.problems: list[Problem] = []
@@ -289,6 +312,8 @@ class Catalog:
         sources: dict[str, Path] = {}
         problems: list[Problem] = []
         for directory in self.dirs:
+            if directory == self.own and not directory.is_dir():
+                continue
             found, errs = load_dir(directory)
             problems += errs
             for model_id, (entry, path) in found.items():
@@ -332,6 +357,35 @@ class Catalog:
             "problem_details": [p.to_dict() for p in self.problems],
         }
 
+    # --- modeld's own entries --------------------------------------------------------
+
+    def is_own(self, model_id: str) -> bool:
+        """Whether the entry in effect for ``model_id`` is a file of the ``own`` dir."""
+        source = self._sources.get(model_id)
+        return self.own is not None and source is not None and source.parent == self.own
+
+    def write_entry(self, entry: Entry, comment: str) -> Path:
+        """Write ``entry`` as ``own/<id>.toml`` (atomically: a reader sees the old file or the
+        new one) and reload; ``comment`` heads the file. Returns the file's path."""
+        if self.own is None:
+            raise RegistryError("this catalog has no registry dir of its own to write to")
+        self.own.mkdir(parents=True, exist_ok=True)
+        path = self.own / f"{entry.id}.toml"
+        text = "".join(f"# {line}\n" for line in comment.splitlines()) + entry_toml(entry)
+        atomic_write(path, text)
+        self.reload()
+        return path
+
+    def remove_entry(self, model_id: str) -> Path:
+        """Delete ``own/<id>.toml`` and reload (``is_own`` must hold); returns its path."""
+        path = self._sources.get(model_id)
+        if path is None or not self.is_own(model_id):
+            raise RegistryError(f"the entry of {model_id} is not one modeld wrote")
+        path.unlink(missing_ok=True)
+        fsync_dir(path.parent)
+        self.reload()
+        return path
+
     # --- live reload -----------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
@@ -344,7 +398,9 @@ class Catalog:
         await self.stop()
 
     async def start(self) -> None:
-        """Start watching the registry dirs."""
+        """Start watching the registry dirs (``own`` made first, so it is watched too)."""
+        if self.own is not None:
+            self.own.mkdir(parents=True, exist_ok=True)
         if self._watcher is None or self._watcher.done():
             self._stop = asyncio.Event()
             self._watcher = asyncio.create_task(self._watch(self._stop), name="catalog-watch")
@@ -403,6 +459,58 @@ class Catalog:
             if changes or not caught_up:
                 caught_up = True
                 self.reload()
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string (ASCII, escaped) is a TOML basic string
+    if isinstance(value, list):
+        if not value:
+            return "[]"
+        return "[\n" + "".join(f"  {_toml_value(v)},\n" for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def entry_toml(entry: Entry) -> str:
+    """The registry file of ``entry`` (the format of docs/design.md), defaults left out."""
+    doc = entry.model_dump(mode="json", exclude_defaults=True)
+    doc = {"id": entry.id, **doc}  # id first, as in the bundled files
+    lines: list[str] = []
+    tables: list[str] = []
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            if value:
+                body = "".join(f"{k} = {_toml_value(v)}\n" for k, v in value.items())
+                tables.append(f"\n[{key}]\n{body}")
+            continue
+        lines.append(f"{key} = {_toml_value(value)}\n")
+    return "".join(lines) + "".join(tables)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a hidden temp file, fsync'd and renamed over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
 
 
 def _toml_filter(_change: Any, path: str) -> bool:

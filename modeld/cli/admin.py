@@ -98,11 +98,19 @@ def _check_duration(name: str, value: str | None) -> None:
 @click.command(name="rm")
 @click.argument("model_id", metavar="ID", shell_complete=complete_installed)
 @click.option("--force", is_flag=True, help="Unload the model or cancel its download first.")
+@click.option(
+    "--entry",
+    is_flag=True,
+    help="Also remove the entry modeld wrote for it (pull hf://, import of a bare file).",
+)
 @json_option
 @click.pass_context
-def rm(ctx: click.Context, model_id: str, force: bool, as_json: bool) -> None:
-    """Remove an installed model (and its partial download); refused while in use."""
-    doc = call(ctx, lambda c: c.remove(model_id, force=force))
+def rm(ctx: click.Context, model_id: str, force: bool, entry: bool, as_json: bool) -> None:
+    """Remove an installed model (and its partial download); refused while in use.
+
+    With --entry, also its entry in $MODELD_HOME/registry (a bundled entry is never removed).
+    """
+    doc = call(ctx, lambda c: c.remove(model_id, force=force, entry=entry))
 
     def human(d: dict[str, Any]) -> None:
         done = []
@@ -112,6 +120,8 @@ def rm(ctx: click.Context, model_id: str, force: bool, as_json: bool) -> None:
             done.append("unloaded " + ", ".join(d["unloaded"]))
         kinds = ", ".join(sorted({i["kind"] for i in d["removed"]})) or "nothing"
         line = f"removed {escape(d['id'])} ({kinds}), freed {format_size(d['freed'])}"
+        if d.get("entry_removed"):
+            done.append(f"removed its entry {escape(d['entry_removed'])}")
         console.print(line + (f"; {'; '.join(done)}" if done else ""))
 
     emit(as_json, doc, human)

@@ -41,10 +41,26 @@ def _mirror_table(record: dict[str, Any]) -> Table:
     return t
 
 
+def _print_entry(record: dict[str, Any]) -> None:
+    entry = record.get("entry")
+    if entry:
+        console.print(
+            f"entry {escape(entry['path'])}: {escape(entry['source'])} at commit {entry['commit']}"
+        )
+
+
 def _print_done(record: dict[str, Any]) -> None:
     inst = record.get("installed") or {}
+    _print_entry(record)
     if record.get("already"):
         console.print(f"{record['id']} is already installed ({inst.get('path', '')})")
+        return
+    if record.get("adopted"):
+        console.print(
+            f"[green]installed[/] {record['id']} from the Hugging Face cache "
+            f"({escape(record['adopted'])}, {format_size(inst.get('size', 0))}), sha256 "
+            f"{inst.get('digest')}, verified by {inst.get('verified_by')}"
+        )
         return
     verified = record.get("verified_by") or (
         f"[yellow]unverified[/] (no source vouched for it; `modeld verify {record['id']}` "
@@ -72,8 +88,10 @@ def _print_choice(record: dict[str, Any]) -> None:
         )
 
 
-def _follow(client: Client, model_id: str, as_json: bool, force: bool) -> dict[str, Any]:
-    records = client.pull(model_id, force=force)
+def _follow(
+    client: Client, model_id: str, as_json: bool, force: bool, as_id: str | None
+) -> dict[str, Any]:
+    records = client.pull(model_id, force=force, as_id=as_id)
     last: dict[str, Any] = next(records, {})  # the request has reached the daemon
     if not as_json:
         _print_choice(last)
@@ -108,7 +126,7 @@ def _follow(client: Client, model_id: str, as_json: bool, force: bool) -> dict[s
         record = last
         while record:
             last = record
-            if record.get("already") or "size" not in record:
+            if record.get("already") or record.get("adopted") or "size" not in record:
                 break
             progress.update(
                 task, total=record["size"], completed=record["completed"], state=record["state"]
@@ -119,20 +137,37 @@ def _follow(client: Client, model_id: str, as_json: bool, force: bool) -> dict[s
 
 
 @click.command()
-@click.argument("model_id", metavar="ID", shell_complete=complete_model)
+@click.argument("model_id", metavar="ID|hf://ORG/REPO/FILE[@REV]", shell_complete=complete_model)
 @click.option("--detach", is_flag=True, help="Start (or join) the download and return at once.")
 @click.option("--cancel", is_flag=True, help="Cancel the running download (the partial stays).")
 @click.option("--force", is_flag=True, help="Download even a model that can never fit the budget.")
+@click.option(
+    "--id", "as_id", metavar="ID", default=None, help="The id of the entry a Hub file gets."
+)
 @json_option
 @click.pass_context
 def pull(  # noqa: PLR0917 (click passes every option positionally by name)
-    ctx: click.Context, model_id: str, detach: bool, cancel: bool, force: bool, as_json: bool
+    ctx: click.Context,
+    model_id: str,
+    detach: bool,
+    cancel: bool,
+    force: bool,
+    as_id: str | None,
+    as_json: bool,
 ) -> None:
     """Download a model from its mirrors, verified, resuming what is already there.
 
     A model that can never fit the memory budget is refused before any byte is fetched;
-    with variants in its entry, the best one that fits is taken instead.
+    with variants in its entry, the best one that fits is taken instead. A Hub file
+    (hf://ORG/REPO/FILE.litertlm[@REVISION], or its https://.../resolve/... URL) gets an
+    entry pinned to the revision's commit in $MODELD_HOME/registry first, then is pulled;
+    a copy in the Hugging Face cache is adopted, verified, instead of downloaded.
     """
+    is_source = "://" in model_id
+    if as_id is not None and not is_source:
+        raise click.UsageError("--id names the entry of a Hub file (hf://...); not of an ID")
+    if cancel and is_source:
+        raise click.UsageError("cancel a download by its model id (`modeld pull ID --cancel`)")
     if cancel:
         doc = call(ctx, lambda c: c.cancel_pull(model_id))
         emit(
@@ -145,22 +180,24 @@ def pull(  # noqa: PLR0917 (click passes every option positionally by name)
         )
         return
     if detach:
-        doc = call(ctx, lambda c: c.pull_detached(model_id, force=force))
+        doc = call(ctx, lambda c: c.pull_detached(model_id, force=force, as_id=as_id))
 
         def human(d: dict[str, Any]) -> None:
             _print_choice(d)
             got = d["id"]
+            if d.get("already") or d.get("adopted"):
+                _print_done(d)  # its entry line too
+                return
+            _print_entry(d)
             console.print(
-                f"{got} is already installed"
-                if d.get("already")
-                else f"pulling {got} in the daemon; follow it with `modeld pull {got}`"
+                f"pulling {got} in the daemon; follow it with `modeld pull {got}`"
                 f", cancel it with `modeld pull {got} --cancel`"
             )
 
         emit(as_json, doc, human)
         return
     try:
-        record = call(ctx, lambda c: _follow(c, model_id, as_json, force))
+        record = call(ctx, lambda c: _follow(c, model_id, as_json, force, as_id))
     except KeyboardInterrupt:
         err_console.print(
             f"left the progress view; the download goes on in the daemon. "

@@ -226,6 +226,51 @@ def _default_home() -> Path:
     return data / "modeld"
 
 
+# Hugging Face's own conventions, honoured as its tools do (huggingface_hub's constants).
+HF_DEFAULT_ENDPOINT = "https://huggingface.co"
+_TRUE_WORDS = ("1", "on", "yes", "true")
+
+
+def hf_home() -> Path:
+    """``$HF_HOME``, else ``$XDG_CACHE_HOME/huggingface``, else ``~/.cache/huggingface``."""
+    explicit = os.environ.get("HF_HOME")
+    if explicit:
+        return Path(explicit)
+    cache = _xdg("XDG_CACHE_HOME", ".cache")
+    return (cache if cache is not None else Path("/nonexistent")) / "huggingface"
+
+
+def hf_hub_cache(home: Path) -> Path:
+    """The Hub's download cache: ``$HF_HUB_CACHE``, else ``HF_HOME/hub``."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    return Path(explicit) if explicit else home / "hub"
+
+
+def hf_endpoint() -> str:
+    """``$HF_ENDPOINT`` (a mirror of the Hub), else huggingface.co."""
+    return os.environ.get("HF_ENDPOINT") or HF_DEFAULT_ENDPOINT
+
+
+def hf_offline() -> bool:
+    """``HF_HUB_OFFLINE=1``: no network at all."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE_WORDS
+
+
+def hf_token_fallback(home: Path) -> str | None:
+    """The token Hugging Face's tools use when ``MODELD_HF_TOKEN`` is unset: ``$HF_TOKEN``,
+    else the file ``$HF_TOKEN_PATH`` (default ``HF_HOME/token``, what ``hf auth login``
+    writes)."""
+    token = os.environ.get("HF_TOKEN", "").strip()
+    if token:
+        return token
+    path = Path(os.environ.get("HF_TOKEN_PATH") or home / "token")
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return token or None
+
+
 def memory_total_bytes() -> int:
     """The smaller of MemTotal (psutil) and this process's cgroup memory limit (which psutil
     does not read)."""

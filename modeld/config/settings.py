@@ -26,6 +26,11 @@ from modeld.config import (
     config_file_path,
     default_cpu_threads,
     format_address,
+    hf_endpoint,
+    hf_home,
+    hf_hub_cache,
+    hf_offline,
+    hf_token_fallback,
     is_loopback,
     memory_total_bytes,
     parse_address,
@@ -96,6 +101,12 @@ class Settings(BaseSettings):
     download_connections: int = Field(default=8, ge=1, le=64)
     piece_size: SizeSetting = 16 * 1024**2
     stall_timeout: DurationSetting = 20.0
+    # Hugging Face's conventions: HF_HOME, HF_HUB_CACHE, HF_ENDPOINT, HF_HUB_OFFLINE, and
+    # HF_TOKEN or HF_HOME/token when MODELD_HF_TOKEN is unset (``modeld.config``).
+    hf_home: Path = Field(default_factory=hf_home)
+    hf_hub_cache: Path | None = None
+    hf_endpoint: str = Field(default_factory=hf_endpoint)
+    hf_hub_offline: bool = Field(default_factory=hf_offline)
     hf_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning"] = "info"
     shutdown_timeout: DurationSetting = 10.0
@@ -177,6 +188,29 @@ class Settings(BaseSettings):
             return [p for p in v.split(":") if p]
         return v
 
+    @field_validator("hf_hub_cache")
+    @classmethod
+    def _hub_cache(cls, v: Path | None, info: ValidationInfo) -> Path:
+        home = info.data.get("hf_home")
+        return v if v is not None else hf_hub_cache(home if isinstance(home, Path) else Path())
+
+    @field_validator("hf_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        text = v.strip().rstrip("/")
+        if not re.fullmatch(r"https?://[^/\s?#]+", text):
+            raise ValueError(f"{v!r} is not an http(s) URL of a host (https://huggingface.co)")
+        return text
+
+    @field_validator("hf_token")
+    @classmethod
+    def _token_fallbacks(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        if v is not None and v.get_secret_value().strip():
+            return v
+        home = info.data.get("hf_home")
+        token = hf_token_fallback(home) if isinstance(home, Path) else None
+        return SecretStr(token) if token else None
+
     @field_validator("allow_uids", "allow_gids", "admin_uids", "admin_gids", mode="before")
     @classmethod
     def _id_list(cls, v: Any) -> Any:
@@ -246,6 +280,28 @@ class Settings(BaseSettings):
         return Path(runtime) / "modeld.sock" if runtime else self.home / "modeld.sock"
 
     @property
+    def hub_hosts(self) -> tuple[str, ...]:
+        """The host of ``HF_ENDPOINT``: a hub (token, X-Linked-Etag) as huggingface.co is."""
+        host = self.hf_endpoint.split("://", 1)[1].rsplit("@", 1)[-1]
+        host = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        return (host.strip("[]").lower(),)
+
+    @property
+    def hub_cache(self) -> Path:
+        """The Hugging Face Hub's cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``)."""
+        return self.hf_hub_cache if self.hf_hub_cache is not None else self.hf_home / "hub"
+
+    @property
+    def registry_dirs(self) -> list[Path]:
+        """The catalog's dirs, in order: bundled (given), ``own_registry``, MODELD_REGISTRY."""
+        return [self.own_registry, *self.registry]
+
+    @property
+    def own_registry(self) -> Path:
+        """``$MODELD_HOME/registry``: the entries modeld writes (``pull hf://``, ``import``)."""
+        return self.home / "registry"
+
+    @property
     def listen_addresses(self) -> list[tuple[str, int]]:
         """``MODELD_LISTEN`` as ``(ip, port)`` pairs."""
         return [parse_address(a) for a in self.listen]
@@ -293,6 +349,10 @@ class Settings(BaseSettings):
             "piece_size": self.piece_size,
             "stall_timeout": self.stall_timeout,
             "hf_token": "set" if self.hf_token else None,
+            "hf_endpoint": self.hf_endpoint,
+            "hf_home": str(self.hf_home),
+            "hf_hub_cache": str(self.hf_hub_cache),
+            "hf_hub_offline": self.hf_hub_offline,
             "log_level": self.log_level,
             "shutdown_timeout": self.shutdown_timeout,
             "allow_uids": list(self.allow_uids),
@@ -345,6 +405,8 @@ def _allowed(field: str) -> str:
         "listen_public": "1 or 0 (true or false)",
         "cors_origins": "origins such as https://app.example:8443 separated by ',', or *",
         "preload": "model ids separated by ','",
+        "hf_endpoint": "an http(s) URL of a host, such as https://huggingface.co",
+        "hf_hub_offline": "1 or 0 (true or false)",
     }
     return allowed.get(field, "see the README's settings table")
 

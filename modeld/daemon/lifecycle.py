@@ -63,7 +63,7 @@ async def reload_settings(
     catalog_ok = True
     catalog = services.catalog
     if "registry" in changed:
-        await _point_catalog_at(catalog, current.registry)
+        await _point_catalog_at(catalog, current.registry_dirs)
     # Always re-read: registry files may have changed even where the dirs did not.
     try:
         catalog.reload()

@@ -35,6 +35,7 @@ from modeld.services.inference import Inference
 from modeld.services.models import Models
 from modeld.services.parts import Services
 from modeld.services.remover import Remover
+from modeld.services.sources import Sources
 from modeld.services.verification import verification_hint
 from modeld.store.store import Store
 
@@ -53,7 +54,9 @@ class Root:
         self._stack: AsyncExitStack | None = None
         metrics = Metrics()
         store = self._part(Store(settings.home))
-        catalog = self._part(Catalog([bundled_registry_dir(), *settings.registry]))
+        catalog = self._part(
+            Catalog([bundled_registry_dir(), *settings.registry_dirs], own=settings.own_registry)
+        )
         downloads = self._part(daemon_downloads(settings, catalog, store, metrics))
         memory = LearnedMemory(store)
         pool = self._part(
@@ -82,6 +85,15 @@ class Root:
             )
         )
         remover = self._part(Remover(settings, metrics, store, pool, downloads))
+        models = Models(
+            settings,
+            catalog,
+            store,
+            engines=engines,
+            pool=pool,
+            downloads=downloads,
+            fits=Fits(settings, catalog, store, engines),
+        )
         self.services = Services(
             settings=settings,
             metrics=metrics,
@@ -91,16 +103,9 @@ class Root:
             pool=pool,
             engines=engines,
             remover=remover,
-            models=Models(
-                settings,
-                catalog,
-                store,
-                engines=engines,
-                pool=pool,
-                downloads=downloads,
-                fits=Fits(settings, catalog, store, engines),
-            ),
+            models=models,
             inference=Inference(settings, engines, pool),
+            sources=Sources(settings, catalog, models, remover),
         )
         self.keys = KeyRing(settings.api_keys_path)
         metrics.up_since.set(self.services.started_at)

@@ -16,7 +16,7 @@ import os
 import stat
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -24,7 +24,7 @@ from typing import Any, Self
 import aiofiles.os
 
 from modeld import logs
-from modeld.catalog.catalog import Catalog
+from modeld.catalog.catalog import Catalog, Entry
 from modeld.config import Settings
 from modeld.download.job import DownloadJob, DownloadState, DownloadTarget, Installer, Tuning
 from modeld.download.journal import Journal
@@ -36,14 +36,21 @@ from modeld.errors import (
     DiskFull,
     DownloadNotFound,
     IntegrityError,
+    LocalEntry,
     ModelNotFound,
+    Offline,
     ShuttingDown,
 )
+from modeld.layout import MODEL_ID_RE, model_id_from
 from modeld.metrics import Metrics
 from modeld.store.store import Store
 from modeld.store.vouches import MemoryVouches, VouchBook
 
 Resolve = Callable[[str], DownloadTarget]
+# (model id, the staged copy, the file's name, size, sha256): the entry of an imported file.
+LocalEntryWriter = Callable[[str, Path, str, int, str], Awaitable[None]]
+# How an install checked against the local entry made from it at import is marked.
+LOCAL_VOUCH = "local entry (sha256 taken at import)"
 # FICLONE from <linux/fs.h>: a copy-on-write clone of a whole file (btrfs, XFS, ...).
 _FICLONE = 0x40049409
 _COPY_CHUNK = 8 * 1024 * 1024
@@ -74,6 +81,7 @@ class Downloads:
         header_check: Callable[[Path, str, str], Any] | None = None,
         find_by_file_name: Callable[[str], DownloadTarget | None] | None = None,
         vouches: VouchBook | None = None,
+        local_entry: LocalEntryWriter | None = None,
     ) -> None:
         self.settings = settings
         self.resolve = resolve
@@ -82,6 +90,8 @@ class Downloads:
         self.metrics = metrics
         self.header_check = header_check
         self.find_by_file_name = find_by_file_name
+        # Writes the local entry of an imported file no entry names (the daemon's catalog).
+        self.local_entry = local_entry
         # What hubs vouched for once, per (entry, pinned revision): the store in the daemon.
         self.vouches: VouchBook = vouches if vouches is not None else MemoryVouches()
         self.jobs: dict[str, DownloadJob] = {}
@@ -98,6 +108,17 @@ class Downloads:
         if self._stopping:
             raise ShuttingDown("the daemon is stopping; pull again once it is back", 5.0)
         target = self.resolve(model_id)
+        if not target.urls:
+            raise LocalEntry(
+                f"{model_id} is a local entry (made by `modeld import` from a file): it has no "
+                f"URL to pull it from; import the file again (`modeld import PATH {model_id}`)"
+            )
+        if self.settings.hf_hub_offline:
+            raise Offline(
+                f"{model_id} is not installed, and HF_HUB_OFFLINE is set: modeld does not touch "
+                "the network. Unset HF_HUB_OFFLINE to download it, or import the file "
+                f"(`modeld import PATH {model_id}`)"
+            )
         job = DownloadJob(
             target=target,
             partial=self.settings.state_dir.partial_for(target.model_id),
@@ -212,15 +233,15 @@ class Downloads:
         ``name`` is the file's name (for the id); ``shown`` how messages name the file. Only
         a regular file is read, from that descriptor, after a free-space check, and only
         when its size is the entry's. Without an id, the id is the catalog entry whose
-        ``file_name`` is ``name``, else its stem. An id without a catalog entry is refused:
-        the entry carries the limits and backends an install needs (add it to a registry
-        dir first).
+        ``file_name`` is ``name``, else its stem. A file no entry names gets a local entry
+        (``local = true``, its size and sha256, no URL) written by ``local_entry``.
         """
         shown = shown or name
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise BadRequest(f"{shown} is not a regular file; import reads model files only")
-        target = self._import_target(Path(name), model_id)
+        found = self._import_target(Path(name), model_id)
+        target = found or self._local_target(Path(name), model_id, st.st_size)
         running = self.jobs.get(target.model_id)
         if running is not None and not running.finished:
             raise Conflict(
@@ -246,7 +267,11 @@ class Downloads:
             digest, linked = await asyncio.to_thread(_link_or_copy, fd, tmp, target.size, shown)
             if self.header_check is not None:
                 await asyncio.to_thread(self.header_check, tmp, target.model_id, shown)
-            by = await self._import_vouched_by(target, shown, digest)
+            by: str | None = LOCAL_VOUCH
+            if found is None:
+                await self._write_local_entry(target.model_id, tmp, name, target.size, digest)
+            else:
+                by = await self._import_vouched_by(target, shown, digest)
             result = await self.installer(target.model_id, tmp, digest, target.size, by)
         finally:
             tmp.unlink(missing_ok=True)
@@ -281,20 +306,40 @@ class Downloads:
             )
         return kept.verified_by
 
-    def _import_target(self, path: Path, model_id: str | None) -> DownloadTarget:
-        if model_id is not None:
-            return self.resolve(model_id)
-        if self.find_by_file_name is not None:
+    def _import_target(self, path: Path, model_id: str | None) -> DownloadTarget | None:
+        """The entry's target for an import, or None when no entry names the file."""
+        if model_id is None and self.find_by_file_name is not None:
             found = self.find_by_file_name(path.name)
             if found is not None:
                 return found
         try:
-            return self.resolve(path.name.removesuffix(".litertlm"))
+            return self.resolve(model_id or path.name.removesuffix(".litertlm"))
         except ModelNotFound:
-            raise ModelNotFound(
-                f"no catalog entry for {path.name}; pass its id (`modeld import {path} ID`) "
-                "or add a registry entry for it first"
-            ) from None
+            if self.local_entry is None:
+                raise ModelNotFound(
+                    f"no catalog entry for {path.name}; pass its id (`modeld import {path} ID`)"
+                    " or add a registry entry for it first"
+                ) from None
+            return None
+
+    def _local_target(self, path: Path, model_id: str | None, size: int) -> DownloadTarget:
+        """The target of a file no entry names: its own size, no URL, an id from its name."""
+        stem = path.name.removesuffix(".litertlm")
+        made = model_id or model_id_from(stem)
+        if made is None or not MODEL_ID_RE.fullmatch(made):
+            raise BadRequest(
+                f"no model id can be made from {path.name}; pass one (`modeld import PATH ID`)"
+            )
+        if size <= 0:
+            raise BadRequest(f"{path.name} is empty; import reads model files only")
+        return DownloadTarget(made, [], size)
+
+    async def _write_local_entry(
+        self, model_id: str, staged: Path, name: str, size: int, digest: str
+    ) -> None:
+        assert self.local_entry is not None
+        await self.local_entry(model_id, staged, name, size, digest)
+        logs.event("local_entry_written", model=model_id, digest=digest)
 
 
 def free_bytes(directory: Path) -> int:
@@ -388,6 +433,24 @@ def daemon_downloads(
                 return DownloadTarget.from_entry(entry)
         return None
 
+    async def local_entry(model_id: str, staged: Path, name: str, size: int, digest: str) -> None:
+        kind = await asyncio.to_thread(_model_type, staged, model_id)
+        stem = name.removesuffix(".litertlm")
+        entry = Entry(
+            id=model_id,
+            display_name=(f"{stem} ({kind})" if kind else stem)[:200],
+            file_name=name,
+            local=True,
+            size=size,
+            sha256=digest,
+        )
+        comment = (
+            f"Written by `modeld import` of {name} on {time.strftime('%Y-%m-%d', time.gmtime())}: "
+            "a local file, with no URL to pull it from;\nsize and sha256 are the imported file's. "
+            f"`modeld rm --entry {model_id}` removes it."
+        )
+        catalog.write_entry(entry, comment)
+
     return Downloads(
         settings,
         resolve=resolve,
@@ -397,4 +460,18 @@ def daemon_downloads(
         header_check=header_check,
         find_by_file_name=by_file_name,
         vouches=store,
+        local_entry=local_entry,
     )
+
+
+def _model_type(path: Path, model_id: str) -> str | None:
+    """The model type the file's header names (for a local entry's display name), if any."""
+    try:
+        from modeld.modelfile.header import read_header
+
+        info = read_header(path, model_id=model_id)
+    except Exception:  # the header was checked already; a name is not worth failing for
+        return None
+    meta = info.to_dict().get("llm_metadata") or {}
+    kind = meta.get("model_type")
+    return str(kind) if kind else None

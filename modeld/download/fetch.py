@@ -302,7 +302,7 @@ class Fetcher(Schedule):
         try:
             await self.rangeio.fetch(
                 url,
-                _headers(url, self.token, extra),
+                _headers(url, self.token, extra, mirror.hub_hosts),
                 piece.pos,
                 piece.end,
                 self.size,

@@ -108,12 +108,19 @@ class Tuning:
     # A probe's whole answer (headers and its one byte) must come within this: a mirror that
     # trickles header lines resets every read timeout and would hold the pull in probing.
     probe_timeout: float = 10.0
+    # Hub hosts beside huggingface.co (HF_ENDPOINT's): they get the token and vouch.
+    hub_hosts: tuple[str, ...] = ()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Tuning:
         token = settings.hf_token.get_secret_value() if settings.hf_token else None
         return cls(
-            settings.download_connections, settings.piece_size, settings.stall_timeout, 15.0, token
+            settings.download_connections,
+            settings.piece_size,
+            settings.stall_timeout,
+            15.0,
+            token,
+            hub_hosts=settings.hub_hosts,
         )
 
 
@@ -359,7 +366,8 @@ class DownloadJob:
             good = await asyncio.to_thread(_crc_blocks, fd, t.size, block, state.blocks)
             self._crcs = {i: state.blocks[i] for i in good}
         self.mirrors = [
-            Mirror(URL(u), primary=(i == 0), metrics=self.metrics) for i, u in enumerate(t.urls)
+            Mirror(URL(u), primary=(i == 0), metrics=self.metrics, hub_hosts=self.tuning.hub_hosts)
+            for i, u in enumerate(t.urls)
         ]
         timeout = aiohttp.ClientTimeout(
             total=None,
@@ -678,7 +686,7 @@ async def hub_vouch(target: DownloadTarget, tuning: Tuning) -> Vouch | None:
     One ``Range: bytes=0-0`` request per hub URL, redirects followed by hand so that the
     redirect's X-Linked-Etag is read; no body is fetched. None when no hub answers.
     """
-    hubs = [URL(u) for u in target.urls if is_hf_host(URL(u))]
+    hubs = [URL(u) for u in target.urls if is_hf_host(URL(u), tuning.hub_hosts)]
     if not hubs:
         return None
     timeout = aiohttp.ClientTimeout(
@@ -688,7 +696,7 @@ async def hub_vouch(target: DownloadTarget, tuning: Tuning) -> Vouch | None:
         timeout=timeout, trust_env=False, auto_decompress=False
     ) as session:
         for url in hubs:
-            mirror = Mirror(url, primary=True)
+            mirror = Mirror(url, primary=True, hub_hosts=tuning.hub_hosts)
             try:
                 resp = await request(session, mirror, {"Range": "bytes=0-0"}, tuning.hf_token)
                 resp.release()

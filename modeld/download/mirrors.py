@@ -69,13 +69,15 @@ class MirrorFailure(Exception):
 
 
 # Hosts that get the HF token and whose redirects carry X-Linked-Etag (tests add loopback).
+# The host of ``HF_ENDPOINT`` (``Settings.hub_hosts``) joins them for one download.
 HF_HOSTS: tuple[str, ...] = ("huggingface.co",)
 
 
-def is_hf_host(url: URL) -> bool:
-    """huggingface.co itself (not its CDN hosts): the only place the HF token may go."""
+def is_hf_host(url: URL, extra: tuple[str, ...] = ()) -> bool:
+    """huggingface.co itself (not its CDN hosts), or a hub named by ``HF_ENDPOINT``
+    (``extra``): the only places the HF token may go."""
     host = (url.host or "").lower()
-    return any(host == h or host.endswith("." + h) for h in HF_HOSTS)
+    return any(host == h or host.endswith("." + h) for h in (*HF_HOSTS, *extra))
 
 
 def check_url(url: URL, came_from: URL | None = None) -> None:
@@ -202,6 +204,8 @@ class Mirror:
     # Whether the entry's own URL is on a loopback, link-local or private address: only
     # then may its redirects lead there (None until the first redirect asks).
     local: bool | None = None
+    # Hub hosts beside ``HF_HOSTS`` (the host of HF_ENDPOINT): token and X-Linked-Etag.
+    hub_hosts: tuple[str, ...] = ()
     etag: str | None = None
     linked_sha256: str | None = None
     linked_size: int | None = None
@@ -327,11 +331,13 @@ class _Expired(Exception):
     """A 403 from a cached redirect target (a signed URL that expired)."""
 
 
-def _headers(url: URL, token: str | None, extra: dict[str, str]) -> dict[str, str]:
+def _headers(
+    url: URL, token: str | None, extra: dict[str, str], hub_hosts: tuple[str, ...] = ()
+) -> dict[str, str]:
     headers = {"Accept-Encoding": "identity", "User-Agent": "modeld", **extra}
     # Only over https (or to this host's own loopback, where no network carries it): an http
     # mirror that redirects to a hub host must not get the token sent in clear.
-    if token and is_hf_host(url) and (url.scheme == "https" or _is_loopback(url)):
+    if token and is_hf_host(url, hub_hosts) and (url.scheme == "https" or _is_loopback(url)):
         headers["Authorization"] = f"Bearer {token}"
     return headers
 
@@ -440,7 +446,10 @@ async def _follow(
     for _ in range(MAX_REDIRECTS + 1):
         check_url(url, came_from)
         resp = await session.get(
-            url, headers=_headers(url, token, headers), allow_redirects=False, proxy=proxy_for(url)
+            url,
+            headers=_headers(url, token, headers, mirror.hub_hosts),
+            allow_redirects=False,
+            proxy=proxy_for(url),
         )
         if resp.status not in (301, 302, 303, 307, 308):
             if resp.status == 403 and (from_cache or came_from is not None) and not last:
@@ -451,7 +460,7 @@ async def _follow(
                 mirror.resolved = url
             return resp
         sha = linked_sha256(resp.headers.get("X-Linked-Etag"))
-        if sha is not None and is_hf_host(url):
+        if sha is not None and is_hf_host(url, mirror.hub_hosts):
             mirror.linked_sha256 = sha
             size = resp.headers.get("X-Linked-Size", "")
             mirror.linked_size = int(size) if size.isdigit() else None

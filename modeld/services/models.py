@@ -17,13 +17,22 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 from urllib.parse import unquote, urlsplit
 
+from modeld import logs
 from modeld.catalog.catalog import Catalog, Entry, bundled_registry_dir, outdated
 from modeld.config import Settings
 from modeld.download.downloads import Downloads, result_dict
+from modeld.download.hub import cached_copy, pinned_parts
 from modeld.download.job import DownloadJob, DownloadTarget
 from modeld.engine.engines import Engines, error_brief
 from modeld.engine.pool import Pool
-from modeld.errors import ModeldError, ModelNotFound, ModelNotInstalled, NotEmbeddingModel
+from modeld.errors import (
+    CorruptModel,
+    IntegrityError,
+    ModeldError,
+    ModelNotFound,
+    ModelNotInstalled,
+    NotEmbeddingModel,
+)
 from modeld.hostinfo import RUNTIME_PACKAGE, host_facts
 from modeld.modelfile.header import read_header
 from modeld.services import verification
@@ -73,10 +82,18 @@ class Pull:
     job: DownloadJob | None = None
     # The fit checked before any byte, and the variant taken (``Fits.choose``), if checked.
     choice: dict[str, Any] | None = None
+    # The file it was adopted from (the Hugging Face cache), instead of a download.
+    adopted: str | None = None
+    # The entry ``pull hf://`` wrote for it: path, source, revision.
+    entry: dict[str, Any] | None = None
+
+    def _notes(self) -> dict[str, Any]:
+        notes = {"adopted": self.adopted, "entry": self.entry}
+        return {k: v for k, v in notes.items() if v is not None}
 
     def _already(self) -> dict[str, Any]:
-        doc = {"id": self.model_id, "state": "installed", "already": True}
-        doc |= {"installed": self.installed}
+        doc = {"id": self.model_id, "state": "installed", "already": self.adopted is None}
+        doc |= {"installed": self.installed} | self._notes()
         if self.choice is not None:
             doc["choice"] = self.choice
         return doc
@@ -85,7 +102,7 @@ class Pull:
         """One document: the install (``already``) or the job's progress now."""
         if self.job is None:
             return self._already()
-        return self.job.snapshot() | {"choice": self.choice}
+        return self.job.snapshot() | {"choice": self.choice} | self._notes()
 
     async def records(self) -> AsyncGenerator[dict[str, Any], None]:
         """Progress records until installed or failed; the last one carries the install.
@@ -100,8 +117,10 @@ class Pull:
         async for record in job.events():
             if record["state"] == "installed":
                 record["installed"] = result_dict(job.result)
-            if self.choice is not None and (first or record["state"] == "installed"):
-                record["choice"] = self.choice
+            if first or record["state"] == "installed":
+                record.update(self._notes())
+                if self.choice is not None:
+                    record["choice"] = self.choice
             first = False
             yield record
 
@@ -214,7 +233,41 @@ class Models:
                 current = await self.current(model_id)
         if current is not None:
             return Pull(model_id, installed=current, choice=choice)
+        adopted = await self._adopt(model_id)
+        if adopted is not None:
+            doc, source = adopted
+            return Pull(model_id, installed=doc, choice=choice, adopted=source)
         return Pull(model_id, job=self.downloads.pull(model_id), choice=choice)
+
+    async def _adopt(self, model_id: str) -> tuple[dict[str, Any], str] | None:
+        """Install the entry's file from the Hugging Face cache (``HF_HUB_CACHE``), when it is
+        there at the entry's pinned commit and its sha256 is what the entry or a hub vouched
+        for; never unverified. None when there is nothing to adopt (then it is downloaded)."""
+        entry = self.catalog.find(model_id)
+        if entry is None or entry.local or model_id in self.downloads.jobs:
+            return None
+        expected = entry.sha256
+        if expected is None:
+            rev = DownloadTarget.from_entry(entry).revision
+            kept = await self.store.vouched(model_id, rev) if rev else None
+            expected = kept.sha256 if kept is not None else None
+        if expected is None:
+            return None  # nothing to check a cached file against
+        for url in entry.urls:
+            parts = pinned_parts(url)
+            found = None
+            if parts is not None:
+                found = cached_copy(self.settings.hub_cache, *parts, expected)
+            if found is None or found.stat().st_size != entry.size:
+                continue
+            try:
+                doc = await self.downloads.import_file(found, model_id)
+            except (IntegrityError, CorruptModel) as e:
+                logs.event("hf_cache_refused", model=model_id, path=str(found), reason=e.message)
+                continue
+            logs.event("hf_cache_adopted", model=model_id, path=str(found))
+            return doc["installed"], str(found)
+        return None
 
     async def embed(self, model_id: str) -> NoReturn:
         """Embeddings: refused, saying why for this model (no embedding engine runs yet)."""
@@ -346,7 +399,11 @@ class Models:
                 entry,
                 report.digest,
                 vouch,
-                hub=verification.hub_of(entry.urls) if entry is not None else None,
+                hub=(
+                    verification.hub_of(entry.urls, self.settings.hub_hosts)
+                    if entry is not None
+                    else None
+                ),
                 source=self.catalog.source_of(model_id),
                 bundled=bundled_registry_dir(),
             )

@@ -23,6 +23,7 @@ from modeld.metrics import Metrics
 from modeld.services.inference import Inference
 from modeld.services.models import Models
 from modeld.services.remover import Remover
+from modeld.services.sources import Sources
 from modeld.store.store import Store
 
 
@@ -40,6 +41,7 @@ class Services:
     remover: Remover
     models: Models
     inference: Inference
+    sources: Sources
     version: str = __version__
     started_at: float = field(default_factory=time.time)
     # The ``tcp`` section of ``/api/status`` once TCP listeners serve (``daemon.py``).

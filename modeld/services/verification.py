@@ -20,11 +20,12 @@ from modeld.store.store import Store
 from modeld.store.vouches import Vouch, pinned_revision
 
 
-def hub_of(urls: list[str]) -> str | None:
-    """The Hugging Face host among an entry's URLs (the one that can vouch), if any."""
+def hub_of(urls: list[str], hub_hosts: tuple[str, ...] = ()) -> str | None:
+    """The Hugging Face host among an entry's URLs (the one that can vouch), if any;
+    ``hub_hosts``: HF_ENDPOINT's host (``Settings.hub_hosts``)."""
     for u in urls:
         url = URL(u)
-        if is_hf_host(url):
+        if is_hf_host(url, hub_hosts):
             return url.host
     return None
 
@@ -45,6 +46,8 @@ async def vouched_by(
     kept: Vouch | None = await store.vouched(entry.id, rev) if rev else None
     if kept is not None:
         return (kept.verified_by if kept.sha256 == digest else None), kept
+    if settings.hf_hub_offline:
+        return None, None  # HF_HUB_OFFLINE: no hub is asked
     fresh = await hub_vouch(target, Tuning.from_settings(settings))
     if fresh is None:
         return None, None

@@ -189,7 +189,8 @@ async def test_import_copies_and_checks_against_the_entry(env: Env, clean_env: P
 
 
 async def test_import_refuses_wrong_bytes_and_unknown_ids(env: Env, clean_env: Path) -> None:
-    """A file of the right size but wrong bytes, a non-.litertlm, and an unknown id are refused."""
+    """A file of the right size but wrong bytes, and a non-.litertlm, are refused; a
+    non-.litertlm that no entry names gets no local entry either."""
     bad = clean_env / "tiny.litertlm"
     raw = bytearray(TINY.read_bytes())
     raw[-1] ^= 0xFF
@@ -201,9 +202,10 @@ async def test_import_refuses_wrong_bytes_and_unknown_ids(env: Env, clean_env: P
             await c.request("POST", "/api/models/import", {"path": str(bad)})
         with pytest.raises(CorruptModel):
             await c.request("POST", "/api/models/import", {"path": str(junk), "id": "tiny"})
-        with pytest.raises(ModelNotFound, match="pass its id"):
+        with pytest.raises(CorruptModel):
             await c.request("POST", "/api/models/import", {"path": str(junk)})
     assert not list((env.home / "partial").glob("*.import-*"))
+    assert not (env.home / "registry" / "junk.toml").exists()
 
 
 # --- the real CLI against a real daemon process --------------------------------------
@@ -253,7 +255,8 @@ def test_cli_pull_survives_kill_9_and_resumes(proc_env: tuple[DaemonProcess, Thr
 def test_cli_cancel_detach_and_import(
     proc_env: tuple[DaemonProcess, ThreadMirror], short_tmp: Path
 ) -> None:
-    """--detach returns at once, --cancel stops it with the partial kept; errors exit 1."""
+    """--detach returns at once, --cancel stops it with the partial kept; errors exit 1; a
+    file without an entry is imported under a local one."""
     d, tm = proc_env
     # Slow enough that the pull is still running when the `--cancel` command has started.
     tm.mirror.faults.throttle = 20_000
@@ -270,5 +273,8 @@ def test_cli_cancel_detach_and_import(
     assert (d.home / "partial" / "m1.partial").exists()
     missing = d.cli("pull", "m1", "--cancel")
     assert missing.returncode == 1 and "modeld pull m1" in missing.stderr
-    unknown = d.cli("import", str(TINY))
-    assert unknown.returncode == 1 and "pass its id" in unknown.stderr
+    # A file no entry names: imported under a local entry (its sha256, no URL).
+    local = d.cli("import", str(TINY))
+    assert local.returncode == 0, local.stderr
+    assert "imported tiny-text" in local.stdout and "local entry" in local.stdout
+    assert "local = true" in (d.home / "registry" / "tiny-text.toml").read_text()

@@ -21,7 +21,8 @@ from modeld.download.journal import MemoryJournal
 from modeld.download.mirrors import MirrorFailure, check_url
 from modeld.errors import DigestConflict, DiskFull, DownloadError, IntegrityError
 from modeld.store.vouches import MemoryVouches, Vouch
-from tests.support.mirror import COMMIT, Faults, Mirror, hub, pinned_path, start_mirrors
+from tests.support.hub import hub
+from tests.support.mirror import COMMIT, Faults, Mirror, pinned_path, start_mirrors
 from tests.support.wait import wait_until
 
 SIZE = 3 * 1024 * 1024 + 12345  # not a multiple of the block size: a short last block

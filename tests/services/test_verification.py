@@ -28,7 +28,8 @@ from modeld.errors import (
 )
 from modeld.store.vouches import Vouch, pinned_revision
 from tests.support.daemon import daemon_env, running_daemon
-from tests.support.mirror import COMMIT, Faults, Mirror, hub, pinned_path
+from tests.support.hub import hub
+from tests.support.mirror import COMMIT, Faults, Mirror, pinned_path
 from tests.support.state import MODELS, install_fixture, open_store, registry_settings, write_entry
 from tests.support.wait import until
 

@@ -22,9 +22,13 @@ from tests.support.unix import unix_request
 
 def daemon_env(home: Path, **extra: str) -> dict[str, str]:
     """Environment for a daemon or CLI subprocess bound to ``home``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODELD_")}
+    # No token, endpoint, offline switch or cache of the developer's Hugging Face setup.
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("MODELD_", "HF_", "HUGGINGFACE_"))
+    }
     env.pop("XDG_RUNTIME_DIR", None)
     env.update(
+        HF_HOME=str(home / "hf-home"),
         MODELD_HOME=str(home),
         MODELD_SOCKET=str(home / "modeld.sock"),
         MODELD_MAIN_BACKEND="cpu",

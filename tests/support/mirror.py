@@ -7,8 +7,7 @@ loop, a redirect to any URL (e.g. https → http or ftp), and a Hugging Face-lik
 that carries ``X-Linked-Etag``/``X-Linked-Size`` and whose signed target expires (403).
 
 A mirror serves its file at ``path`` (``/f``, or a Hugging Face-style pinned path from
-``pinned_path``); ``hub`` starts a stand-in for huggingface.co on ``localhost`` (add
-``localhost`` to ``modeld.mirrors.HF_HOSTS`` so that modeld trusts its X-Linked-Etag).
+``pinned_path``); ``tests.support.hub`` has the stand-in for huggingface.co itself.
 """
 
 from __future__ import annotations
@@ -78,10 +77,13 @@ class Mirror:
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
-    async def start(self) -> Mirror:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get(self.path, self._origin)
         app.router.add_get("/cdn/f", self._cdn)
+
+    async def start(self) -> Mirror:
+        app = web.Application()
+        self.routes(app)
         # A short shutdown timeout: a stalled handler must not hold the test's teardown.
         self.runner = web.AppRunner(
             app, access_log=None, handle_signals=False, shutdown_timeout=0.2
@@ -132,9 +134,11 @@ class Mirror:
             return web.Response(status=403, text="Request has expired")
         return await self._serve(request, etag='"cdn-etag-differs"')
 
-    async def _serve(self, request: web.Request, etag: str | None = None) -> web.StreamResponse:
+    async def _serve(
+        self, request: web.Request, etag: str | None = None, data: bytes | None = None
+    ) -> web.StreamResponse:
         f = self.faults
-        data = self.data
+        data = self.data if data is None else data
         total = len(data) + (1 if f.wrong_size else 0)
         etag = etag or self._etag()
         rng = request.headers.get("Range")
@@ -183,14 +187,6 @@ class Mirror:
                     await asyncio.sleep(ahead)
         await resp.write_eof()
         return resp
-
-
-async def hub(data: bytes, faults: Faults | None = None, path: str | None = None) -> Mirror:
-    """A started stand-in for huggingface.co: on ``localhost``, it answers the file's URL
-    with a 302 carrying ``X-Linked-Etag``/``X-Linked-Size`` to a signed CDN URL."""
-    f = faults or Faults()
-    f.hf = True
-    return await Mirror(data, f, host="localhost", path=path or pinned_path()).start()
 
 
 async def start_mirrors(data: bytes, *faults: Faults) -> list[Mirror]:

@@ -1,0 +1,159 @@
+"""The ``Sources`` application service: models from the Hub by name, and modeld's own entries.
+
+``pull hf://ORG/REPO/FILE[@REV]`` resolves the revision to a commit on the Hub, writes the
+entry it makes (pinned commit, size and sha256 as the Hub vouches for them, the endpoint as
+its mirror) to ``$MODELD_HOME/registry/<id>.toml``, then pulls it as any entry: adopted from
+the Hugging Face cache when there, else through the verified downloader. ``rm --entry``
+removes such an entry (and the model's install).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from modeld import logs
+from modeld.catalog.catalog import Catalog, Entry, bundled_registry_dir
+from modeld.config import Settings
+from modeld.download.hub import HubFile, HubRef, parse_source, pinned_parts, resolve
+from modeld.download.job import Tuning
+from modeld.errors import (
+    BadRequest,
+    EntryExists,
+    EntryNotRemovable,
+    ModelNotFound,
+    ModelNotInstalled,
+    Offline,
+)
+from modeld.layout import MODEL_ID_RE
+from modeld.services.models import Models, Pull
+from modeld.services.remover import Remover
+
+
+def _same_file(entry: Entry, ref: HubRef) -> bool:
+    """Whether ``entry`` (one modeld wrote) is ``ref``'s file: same endpoint, repo and file."""
+    if entry.local or not entry.urls:
+        return False
+    parts = pinned_parts(entry.urls[0])
+    return (
+        parts is not None
+        and entry.urls[0].startswith(ref.endpoint + "/")
+        and (parts[0], parts[2]) == (ref.repo, ref.file)
+    )
+
+
+def hub_entry(model_id: str, found: HubFile) -> Entry:
+    """The registry entry of a Hub file: pinned URL, size and sha256 as the Hub said."""
+    ref = found.ref
+    name = ref.file.rsplit("/", 1)[-1]
+    return Entry(
+        id=model_id,
+        display_name=f"{name.removesuffix('.litertlm')} ({ref.repo})"[:200],
+        file_name=name,
+        urls=[found.url],
+        size=found.size,
+        sha256=found.sha256,
+    )
+
+
+class Sources:
+    """Where models come from beyond the bundled catalog: the Hub, and entries modeld wrote."""
+
+    def __init__(
+        self, settings: Settings, catalog: Catalog, models: Models, remover: Remover
+    ) -> None:
+        self.settings = settings
+        self.catalog = catalog
+        self.models = models
+        self.remover = remover
+        self._lock = asyncio.Lock()  # one entry written at a time
+
+    def _check_id(self, model_id: str, ref: HubRef) -> None:
+        """Refuse an id that is another entry's: a bundled one, one of a MODELD_REGISTRY dir,
+        or one modeld wrote for another file (the same file at a new revision is updated)."""
+        existing = self.catalog.find(model_id)
+        if existing is None or (self.catalog.is_own(model_id) and _same_file(existing, ref)):
+            return
+        raise EntryExists(
+            f"model id {model_id} is already the entry of {self.catalog.source_of(model_id)}; "
+            f"pull {ref.shown} under another id (`modeld pull {ref.shown} --id NEW-ID`)",
+            source=str(self.catalog.source_of(model_id)),
+        )
+
+    async def pull_source(self, source: str, *, model_id: str | None, force: bool) -> Pull:
+        """Resolve ``source`` (hf:// or a resolve URL) on the Hub, write its entry, pull it."""
+        ref = parse_source(source, self.settings.hf_endpoint)
+        if self.settings.hf_hub_offline:
+            raise Offline(
+                f"HF_HUB_OFFLINE is set: resolving {ref.shown} needs the Hub, and modeld does not "
+                "touch the network. Pull an entry made before by its id (`modeld list`), or "
+                "unset HF_HUB_OFFLINE"
+            )
+        model_id = model_id or ref.model_id()
+        if not MODEL_ID_RE.fullmatch(model_id):
+            raise BadRequest(f"{model_id!r} is not a model id (letters, digits, '.', '_', '-')")
+        self._check_id(model_id, ref)  # before any request: a refusal costs nothing
+        found = await resolve(ref, Tuning.from_settings(self.settings))
+        entry = hub_entry(model_id, found)
+        async with self._lock:
+            self._check_id(model_id, ref)
+            path = self.catalog.source_of(model_id)
+            if self.catalog.find(model_id) != entry:
+                comment = (
+                    f"Written by `modeld pull {ref.shown}` on "
+                    f"{time.strftime('%Y-%m-%d', time.gmtime())}: revision {ref.revision} is "
+                    f"commit {found.commit};\nsize and sha256 are what {ref.endpoint} vouched "
+                    "for (X-Linked-Size, X-Linked-Etag). `modeld rm --entry "
+                    f"{model_id}` removes it."
+                )
+                path = self.catalog.write_entry(entry, comment)  # small: on the loop, as reload is
+                logs.event(
+                    "hub_entry_written",
+                    model=model_id,
+                    source=ref.shown,
+                    commit=found.commit,
+                    path=str(path),
+                )
+        pull = await self.models.pull(model_id, force=force)
+        pull.entry = {
+            "path": str(path),
+            "source": ref.shown,
+            "revision": ref.revision,
+            "commit": found.commit,
+        }
+        return pull
+
+    async def remove_entry(self, model_id: str, *, force: bool) -> dict[str, Any]:
+        """Remove the model's install (if any) and the entry modeld wrote for it.
+
+        A bundled entry, or one in a MODELD_REGISTRY dir, is not modeld's to remove: refused
+        before anything is removed.
+        """
+        source = self.catalog.source_of(model_id)
+        if source is None:
+            raise ModelNotFound(f"no entry {model_id!r}; `modeld list` shows the known ids")
+        if not self.catalog.is_own(model_id):
+            if source.parent == bundled_registry_dir():
+                raise EntryNotRemovable(
+                    f"the entry of {model_id} is bundled with modeld and cannot be removed; "
+                    f"`modeld rm {model_id}` removes its installed file"
+                )
+            raise EntryNotRemovable(
+                f"the entry of {model_id} is {source}, in a MODELD_REGISTRY dir that you "
+                f"manage: delete that file yourself (`modeld rm {model_id}` removes the "
+                "installed file)"
+            )
+        doc: dict[str, Any] = {
+            "id": model_id,
+            "removed": [],
+            "freed": 0,
+            "unloaded": [],
+            "cancelled_download": False,
+        }
+        with contextlib.suppress(ModelNotInstalled):  # nothing installed: the entry alone goes
+            doc = await self.remover.remove_model(model_id, force=force)
+        path = self.catalog.remove_entry(model_id)
+        logs.event("entry_removed", model=model_id, path=str(path))
+        return doc | {"entry_removed": str(path)}
