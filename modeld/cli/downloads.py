@@ -6,18 +6,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import click
-
 from modeld.cli.common import (
     Column,
+    Ctx,
     Table,
+    UsageError,
+    Verbs,
     call,
     complete_model,
+    completes,
     console,
     emit,
     err_console,
     escape,
-    json_option,
+    existing_file,
+    json_flag,
 )
 from modeld.client import Client
 from modeld.config import format_size
@@ -136,18 +139,9 @@ def _follow(
     return last
 
 
-@click.command()
-@click.argument("model_id", metavar="ID|hf://ORG/REPO/FILE[@REV]", shell_complete=complete_model)
-@click.option("--detach", is_flag=True, help="Start (or join) the download and return at once.")
-@click.option("--cancel", is_flag=True, help="Cancel the running download (the partial stays).")
-@click.option("--force", is_flag=True, help="Download even a model that can never fit the budget.")
-@click.option(
-    "--id", "as_id", metavar="ID", default=None, help="The id of the entry a Hub file gets."
-)
-@json_option
-@click.pass_context
-def pull(  # noqa: PLR0917 (click passes every option positionally by name)
-    ctx: click.Context,
+def pull(
+    ctx: Ctx,
+    *,
     model_id: str,
     detach: bool,
     cancel: bool,
@@ -165,9 +159,9 @@ def pull(  # noqa: PLR0917 (click passes every option positionally by name)
     """
     is_source = "://" in model_id
     if as_id is not None and not is_source:
-        raise click.UsageError("--id names the entry of a Hub file (hf://...); not of an ID")
+        raise UsageError("--id names the entry of a Hub file (hf://...); not of an ID")
     if cancel and is_source:
-        raise click.UsageError("cancel a download by its model id (`modeld pull ID --cancel`)")
+        raise UsageError("cancel a download by its model id (`modeld pull ID --cancel`)")
     if cancel:
         doc = call(ctx, lambda c: c.cancel_pull(model_id))
         emit(
@@ -207,12 +201,25 @@ def pull(  # noqa: PLR0917 (click passes every option positionally by name)
     emit(as_json, record, _print_done)
 
 
-@click.command(name="import")
-@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.argument("model_id", metavar="[ID]", required=False)
-@json_option
-@click.pass_context
-def import_(ctx: click.Context, path: Path, model_id: str | None, as_json: bool) -> None:
+def pull_parser(verbs: Verbs) -> None:
+    p = verbs.add("pull", pull)
+    completes(p.add_argument("model_id", metavar="ID|hf://ORG/REPO/FILE[@REV]"), complete_model)
+    p.add_argument(
+        "--detach", action="store_true", help="Start (or join) the download and return at once."
+    )
+    p.add_argument(
+        "--cancel", action="store_true", help="Cancel the running download (the partial stays)."
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="Download even a model that can never fit the budget.",
+    )
+    p.add_argument("--id", dest="as_id", metavar="ID", help="The id of the entry a Hub file gets.")
+    json_flag(p)
+
+
+def import_(ctx: Ctx, path: Path, model_id: str | None, as_json: bool) -> None:
     """Adopt a local .litertlm file (checked like a download); ID defaults from its name."""
     doc = call(ctx, lambda c: c.import_file(path, model_id))
 
@@ -228,3 +235,10 @@ def import_(ctx: click.Context, path: Path, model_id: str | None, as_json: bool)
         )
 
     emit(as_json, doc, human)
+
+
+def import_parser(verbs: Verbs) -> None:
+    p = verbs.add("import", import_)
+    completes(p.add_argument("path", metavar="PATH", type=existing_file), "file")
+    p.add_argument("model_id", metavar="ID", nargs="?")
+    json_flag(p)

@@ -136,7 +136,7 @@ def test_output_to_a_pipe_is_never_cut_nor_styled(tiny: Tiny) -> None:
 
 
 def test_shell_completion_offers_the_daemons_model_ids(tiny: Tiny) -> None:
-    """click's bash completion completes a model id from the daemon's catalog."""
+    """Completion's protocol: a model id from the daemon's catalog, a verb."""
     result = _tiny_cli(
         tiny, _MODELD_COMPLETE="bash_complete", COMP_WORDS="modeld show tin", COMP_CWORD="2"
     )
@@ -146,6 +146,28 @@ def test_shell_completion_offers_the_daemons_model_ids(tiny: Tiny) -> None:
         tiny, _MODELD_COMPLETE="bash_complete", COMP_WORDS="modeld pu", COMP_CWORD="1"
     )
     assert "plain,pull" in verbs.stdout.splitlines()
+
+
+def test_the_bash_script_completes_through_modeld(tiny: Tiny, short_tmp: Path) -> None:
+    """The script `bash_source` prints, run by bash: TAB after `modeld show tin` offers the
+    daemon's model, after `modeld import ` the shell's own file completion."""
+    wrapper = short_tmp / "modeld"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m modeld "$@"\n')
+    wrapper.chmod(0o755)
+    env = dict(tiny.daemon.env, PATH=f"{short_tmp}:{os.environ['PATH']}")
+    script = (
+        'eval "$(_MODELD_COMPLETE=bash_source modeld)"\n'
+        "COMP_WORDS=(modeld show tin); COMP_CWORD=2; _modeld_completion modeld\n"
+        'echo "ids: ${COMPREPLY[*]}"\n'
+        "COMP_WORDS=(modeld pull --de); COMP_CWORD=2; _modeld_completion modeld\n"
+        'echo "options: ${COMPREPLY[*]}"\n'
+    )
+    result = subprocess.run(
+        ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ids: tiny-text" in result.stdout.splitlines()
+    assert "options: --detach" in result.stdout.splitlines()
 
 
 def test_logs_shows_the_file_the_daemons_stderr_goes_to(tiny: Tiny) -> None:

@@ -150,11 +150,12 @@ def test_a_bad_url_is_a_settings_error() -> None:
 
 
 def test_importing_the_client_loads_no_heavy_package() -> None:
-    """`import modeld.client` (and the CLI's fast verbs) load neither aiohttp nor pydantic."""
+    """`import modeld.client` (and the CLI's fast verbs) load neither aiohttp nor pydantic,
+    and the CLI no click (argparse parses it)."""
     code = (
         "import sys, modeld.client, modeld.cli, modeld.cli.models, modeld.cli.system, "
-        "modeld.cli.engines; print(sorted(m for m in ('aiohttp', 'pydantic', 'rich') "
-        "if m in sys.modules))"
+        "modeld.cli.engines, modeld.cli.downloads; "
+        "print(sorted(m for m in ('aiohttp', 'pydantic', 'rich', 'click') if m in sys.modules))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
