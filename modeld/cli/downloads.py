@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,19 @@ from modeld.cli.common import (
     json_flag,
 )
 from modeld.client import Client
-from modeld.config import format_size
+from modeld.config import RATE_HELP, format_size, parse_rate
+
+
+def _rate(text: str) -> int:
+    try:
+        return parse_rate(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate: {RATE_HELP}") from None
+
+
+def _cap(record: dict[str, Any]) -> str:
+    rate = record.get("limit_rate")
+    return f"capped at {format_size(rate)}/s" if rate else ""
 
 
 def _mirror_table(record: dict[str, Any]) -> Table:
@@ -77,6 +90,8 @@ def _print_done(record: dict[str, Any]) -> None:
         console.print(f"  resumed from {format_size(record['resumed'])} already on disk")
     if record.get("repaired"):
         console.print(f"  repaired {record['repaired']} blocks a mirror sent wrong")
+    if record.get("limit_rate"):
+        console.print(f"  {_cap(record)}")
 
 
 def _print_choice(record: dict[str, Any]) -> None:
@@ -92,9 +107,15 @@ def _print_choice(record: dict[str, Any]) -> None:
 
 
 def _follow(
-    client: Client, model_id: str, as_json: bool, force: bool, as_id: str | None
+    client: Client,
+    model_id: str,
+    as_json: bool,
+    force: bool,
+    *,
+    as_id: str | None,
+    limit_rate: int | None,
 ) -> dict[str, Any]:
-    records = client.pull(model_id, force=force, as_id=as_id)
+    records = client.pull(model_id, force=force, as_id=as_id, limit_rate=limit_rate)
     last: dict[str, Any] = next(records, {})  # the request has reached the daemon
     if not as_json:
         _print_choice(last)
@@ -131,9 +152,8 @@ def _follow(
             last = record
             if record.get("already") or record.get("adopted") or "size" not in record:
                 break
-            progress.update(
-                task, total=record["size"], completed=record["completed"], state=record["state"]
-            )
+            state = ", ".join(filter(None, (record["state"], _cap(record))))
+            progress.update(task, total=record["size"], completed=record["completed"], state=state)
             live.update(Group(progress, _mirror_table(record).rich()))
             record = next(records, {})
     return last
@@ -147,6 +167,7 @@ def pull(
     cancel: bool,
     force: bool,
     as_id: str | None,
+    limit_rate: int | None,
     as_json: bool,
 ) -> None:
     """Download a model from its mirrors, verified, resuming what is already there.
@@ -174,7 +195,10 @@ def pull(
         )
         return
     if detach:
-        doc = call(ctx, lambda c: c.pull_detached(model_id, force=force, as_id=as_id))
+        doc = call(
+            ctx,
+            lambda c: c.pull_detached(model_id, force=force, as_id=as_id, limit_rate=limit_rate),
+        )
 
         def human(d: dict[str, Any]) -> None:
             _print_choice(d)
@@ -184,14 +208,18 @@ def pull(
                 return
             _print_entry(d)
             console.print(
-                f"pulling {got} in the daemon; follow it with `modeld pull {got}`"
+                f"pulling {got} in the daemon{' (' + _cap(d) + ')' if _cap(d) else ''}; "
+                f"follow it with `modeld pull {got}`"
                 f", cancel it with `modeld pull {got} --cancel`"
             )
 
         emit(as_json, doc, human)
         return
     try:
-        record = call(ctx, lambda c: _follow(c, model_id, as_json, force, as_id))
+        record = call(
+            ctx,
+            lambda c: _follow(c, model_id, as_json, force, as_id=as_id, limit_rate=limit_rate),
+        )
     except KeyboardInterrupt:
         err_console.print(
             f"left the progress view; the download goes on in the daemon. "
@@ -216,6 +244,13 @@ def pull_parser(verbs: Verbs) -> None:
         help="Download even a model that can never fit the budget.",
     )
     p.add_argument("--id", dest="as_id", metavar="ID", help="The id of the entry a Hub file gets.")
+    p.add_argument(
+        "--limit-rate",
+        type=_rate,
+        metavar="RATE",
+        help="Cap the download's total rate, over all its connections (500K, 10M: as "
+        "curl's). Joining a running pull sets its cap from then on.",
+    )
     json_flag(p)
 
 
