@@ -41,10 +41,21 @@ class UsageError(Exception):
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written (their line breaks kept); options and verbs aligned."""
+    """Descriptions as written (their line breaks kept); options and verbs aligned.
+
+    The width is found as ``shutil.get_terminal_size`` finds it, without importing shutil
+    (and its compression modules): argparse makes a formatter for every argument added.
+    """
 
     def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=26)
+        try:
+            columns = int(os.environ["COLUMNS"])
+        except (KeyError, ValueError):
+            try:
+                columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+            except (AttributeError, ValueError, OSError):  # no stdout (None), or not a tty
+                columns = 80
+        super().__init__(prog, max_help_position=26, width=max(columns, 40) - 2)
 
 
 class VerbParser(argparse.ArgumentParser):
