@@ -26,7 +26,6 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
 from modeld.config import client_api_key, client_socket_path, client_url
@@ -39,7 +38,10 @@ from modeld.errors import (
     error_from_body,
 )
 
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     import aiohttp
 
 # How long a request that the daemon answers at once (GET: status, list, show, ps, health)

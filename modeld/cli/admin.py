@@ -7,7 +7,6 @@ item is removed whole or not at all), so nothing is left half done.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from modeld.cli.common import (
     Ctx,
@@ -25,6 +24,10 @@ from modeld.cli.common import (
 )
 from modeld.config import format_size, parse_duration
 from modeld.errors import RemoveFailed
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 _KIND_LABEL = {
     "partial": "partial",

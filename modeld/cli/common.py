@@ -17,14 +17,17 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from modeld.client import Client
 
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
+    from typing import Any, TextIO, TypeVar
+
     from rich.console import Console
 
-T = TypeVar("T")
+    T = TypeVar("T")
+    N = TypeVar("N", int, float)
 
 # What a verb's function receives first: the parsed command line (``--socket`` among it).
 Ctx = argparse.Namespace
@@ -127,9 +130,6 @@ def json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", dest="as_json", action="store_true", help="Print one JSON document."
     )
-
-
-N = TypeVar("N", int, float)
 
 
 def in_range(kind: type[N], low: N | None = None, high: N | None = None) -> Callable[[str], N]:

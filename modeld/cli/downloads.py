@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from modeld.cli.common import (
     Column,
@@ -25,6 +24,10 @@ from modeld.cli.common import (
 )
 from modeld.client import Client
 from modeld.config import RATE_HELP, format_size, parse_rate
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def _rate(text: str) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from modeld.cli.common import (
     Ctx,
@@ -22,6 +21,10 @@ from modeld.cli.common import (
 from modeld.client import Client
 from modeld.config import format_duration, format_size
 from modeld.errors import EngineNotFound
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 _BACKENDS = ["cpu", "gpu"]
 

@@ -9,12 +9,14 @@ daemon re-reads the file on its next request.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
 
 from modeld.cli.common import Ctx, Verbs, console, emit, err_console, escape, json_flag, table
 from modeld.config import load_settings
 
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     from modeld.daemon.apikeys import KeysFile
 
 

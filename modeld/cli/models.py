@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from modeld.cli.common import (
     Ctx,
@@ -20,6 +19,10 @@ from modeld.cli.common import (
 )
 from modeld.config import format_duration, format_size
 from modeld.errors import IntegrityError
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 _STATE_STYLE = {
     "installed": "green",

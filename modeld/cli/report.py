@@ -6,10 +6,13 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any
 
 from modeld.cli.common import Ctx, Verbs, call, console, emit, json_flag
 from modeld.config import format_size
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def _fence(text: str, lang: str = "") -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from modeld.cli.common import (
     Ctx,
@@ -27,6 +26,10 @@ from modeld.cli.common import (
     json_flag,
 )
 from modeld.client import Client
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 CHAT_HELP = (
     'Chatting with {model}. /bye or Ctrl-D ends it; """ starts and ends a multi-line message; '

@@ -7,7 +7,6 @@ import socket
 import struct
 import sys
 from pathlib import Path
-from typing import Any
 
 from modeld.cli.common import (
     Ctx,
@@ -22,6 +21,10 @@ from modeld.cli.common import (
 )
 from modeld.config import format_duration, format_size
 from modeld.errors import DaemonUnavailable, NotFound
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def serve(ctx: Ctx) -> None:

@@ -18,11 +18,13 @@ import pwd
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from modeld.errors import SettingsError
 
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     from modeld.config.settings import Settings, load_settings
 
 __all__ = ["Settings", "load_settings"]  # and every public name below
