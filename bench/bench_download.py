@@ -3,7 +3,9 @@
 Starts its own nginx (one fast server, one with ``limit_rate 20m``) on 127.0.0.1 ephemeral
 ports over a random file, warms the page cache the same way before each run, and prints
 times and ratios for: (1) one mirror, (2) fast + slow mirror, (3) kill -9 at ~50 % then
-resume (bytes fetched / file size, counted by nginx), (4) last byte → installed latency.
+resume (bytes fetched / file size, counted by nginx), (4) last byte → installed latency,
+(5) end to end: ``modeld pull`` as a user runs it (the CLI process, a real daemon whose state
+directory is on the served file's filesystem, the progress stream, the install) vs ``curl``.
 
     python bench/bench_download.py --size 2GB      # default 512MB; needs nginx, aria2c, curl
 """
@@ -33,6 +35,8 @@ from modeld.download import fetch  # noqa: E402
 from modeld.download.job import DownloadJob, DownloadTarget, Tuning  # noqa: E402
 from modeld.download.journal import SqliteJournal  # noqa: E402
 from modeld.store.store import Store  # noqa: E402
+from tests.support.daemon import DaemonProcess, daemon_env  # noqa: E402
+from tests.support.state import write_entry  # noqa: E402
 
 NGINX_CONF = """
 worker_processes 1;
@@ -208,6 +212,51 @@ def run_child(
     return lines[-1] if lines else {}
 
 
+class EndToEnd:
+    """``modeld pull ID`` from the shell: the CLI process against a real daemon."""
+
+    MODEL = "bench-e2e"
+
+    def __init__(self, work: Path, size: int, sha: str, url: str, a: argparse.Namespace) -> None:
+        self.home, registry = work / "e2e-home", work / "e2e-registry"
+        for d in (self.home, registry):
+            shutil.rmtree(d, ignore_errors=True)
+        registry.mkdir(parents=True)
+        write_entry(registry, self.MODEL, size=size, sha256=sha, urls=[url])
+        env = daemon_env(
+            self.home,
+            MODELD_REGISTRY=str(registry),
+            MODELD_LOG_LEVEL="warning",
+            MODELD_DOWNLOAD_CONNECTIONS=str(a.connections),
+            MODELD_PIECE_SIZE=a.piece_size,
+        )
+        env["PYTHONPATH"] = str(REPO)
+        # The CLI as installed: with its bytecode.
+        self.cli_env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        self.daemon = DaemonProcess(home=self.home, env=env)
+        self.daemon.start()
+        self.parts: list[tuple[float, float]] = []
+
+    def _cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "modeld", *args]
+        return subprocess.run(argv, env=self.cli_env, capture_output=True, text=True, check=False)
+
+    def pull(self) -> float:
+        self._cli("rm", self.MODEL, "--force")  # not timed: every run downloads it all
+        t, wall = time.perf_counter(), time.time()
+        done = self._cli("pull", self.MODEL, "--force", "--json")
+        took = time.perf_counter() - t
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr)
+        record = json.loads(done.stdout)
+        # (CLI start → the job exists in the daemon, the job's start → the CLI's exit)
+        self.parts.append((record["started_at"] - wall, wall + took - record["started_at"]))
+        return took
+
+    def stop(self) -> None:
+        self.daemon.stop()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="512MB")
@@ -230,6 +279,7 @@ def main() -> None:
     p.add_argument("--no-aria", action="store_true", help="skip the aria2c runs (quicker)")
     p.add_argument("--no-slow", action="store_true", help="skip the fast+slow runs")
     p.add_argument("--no-kill", action="store_true", help="skip the kill -9 / resume run")
+    p.add_argument("--no-e2e", action="store_true", help="skip the `modeld pull` (CLI) runs")
     a = p.parse_args()
     if a.child:
         child(a)
@@ -275,6 +325,9 @@ def main() -> None:
         ("curl", lambda: timed(["curl", "-s", "-o", str(out / "c.bin"), fast_url])),
         ("modeld", lambda: run_child(out / "home1", [fast_url], size, sha, a)),
     ]
+    e2e = None if a.no_e2e else EndToEnd(work, size, sha, fast_url, a)
+    if e2e is not None:
+        cases.append(("modeld pull (CLI)", e2e.pull))
     if a.compare_aiohttp:
         cases.append(
             (
@@ -334,6 +387,8 @@ def main() -> None:
                 resume_ratios.append(nginx_bytes(prefix) / size)
                 resumed.append(r["resumed"])
     finally:
+        if e2e is not None:
+            e2e.stop()
         nginx.terminate()
         nginx.wait()
         shutil.rmtree(out, ignore_errors=True)
@@ -348,6 +403,14 @@ def main() -> None:
         print(f"  {k:<20} {v:7.2f} s  ({size / v / 1e6:7.0f} MB/s)  [{runs}]")
     print("goals:")
     print(f"  (1) modeld / curl            {med['modeld'] / med['curl']:.2f}  (goal <= 1.0)")
+    if e2e is not None:
+        cli = med["modeld pull (CLI)"]
+        start = statistics.median(p[0] for p in e2e.parts)
+        rest = statistics.median(p[1] for p in e2e.parts)
+        print(
+            f"  (5) modeld pull (CLI) / curl {cli / med['curl']:.2f}  (goal <= 1.0; CLI start "
+            f"→ job {start * 1000:.0f} ms, job → CLI exit {rest:.2f} s)"
+        )
     if "modeld aiohttp" in med:
         print(f"      modeld aiohttp / curl    {med['modeld aiohttp'] / med['curl']:.2f}")
     if "aria2c --checksum" in med:

@@ -26,7 +26,6 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
 from modeld.config import client_api_key, client_socket_path, client_url
@@ -39,7 +38,10 @@ from modeld.errors import (
     error_from_body,
 )
 
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     import aiohttp
 
 # How long a request that the daemon answers at once (GET: status, list, show, ps, health)
@@ -457,22 +459,34 @@ class Client:
         return result
 
     def pull(
-        self, model_id: str, *, force: bool = False, as_id: str | None = None
+        self,
+        model_id: str,
+        *,
+        force: bool = False,
+        as_id: str | None = None,
+        limit_rate: int | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Download a model; yields progress records (``state``, ``completed``, ``size``,
-        ``mirrors``) until the last one, whose ``state`` is ``installed`` (with
-        ``already`` when there was nothing to download). ``model_id`` may be a Hub file
-        (``hf://ORG/REPO/FILE[@REV]`` or its resolve URL): its entry is made first, under
-        ``as_id`` or an id from REPO/FILE."""
-        return self.stream("POST", *_pull_route(model_id, as_id, {"force": force}))
+        ``mirrors``, ``limit_rate``) until the last one, whose ``state`` is ``installed``
+        (with ``already`` when there was nothing to download). ``model_id`` may be a Hub
+        file (``hf://ORG/REPO/FILE[@REV]`` or its resolve URL): its entry is made first,
+        under ``as_id`` or an id from REPO/FILE. ``limit_rate``: cap the download's total
+        rate, in bytes/s (``modeld.config.parse_rate`` reads ``10M``)."""
+        body = {"force": force, "limit_rate": limit_rate}
+        return self.stream("POST", *_pull_route(model_id, as_id, body))
 
     def pull_detached(
-        self, model_id: str, *, force: bool = False, as_id: str | None = None
+        self,
+        model_id: str,
+        *,
+        force: bool = False,
+        as_id: str | None = None,
+        limit_rate: int | None = None,
     ) -> dict[str, Any]:
         """Start (or join) a download in the daemon and return at once (``force``: even a
-        model that can never fit the memory budget)."""
-        route = _pull_route(model_id, as_id, {"detach": True, "force": force})
-        result: dict[str, Any] = self.request("POST", *route)
+        model that can never fit the memory budget; ``limit_rate`` as for ``pull``)."""
+        body = {"detach": True, "force": force, "limit_rate": limit_rate}
+        result: dict[str, Any] = self.request("POST", *_pull_route(model_id, as_id, body))
         return result
 
     def cancel_pull(self, model_id: str) -> dict[str, Any]:
@@ -703,8 +717,10 @@ class AsyncClient:
         result: dict[str, Any] = await self.request("POST", "/api/prune", body or {})
         return result
 
-    def pull(self, model_id: str, *, as_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        return self.stream("POST", *_pull_route(model_id, as_id, {}))
+    def pull(
+        self, model_id: str, *, as_id: str | None = None, limit_rate: int | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        return self.stream("POST", *_pull_route(model_id, as_id, {"limit_rate": limit_rate}))
 
     async def import_file(self, path: Path | str, model_id: str | None = None) -> dict[str, Any]:
         """As ``Client.import_file``; the blocking send runs in a thread."""

@@ -10,7 +10,10 @@ This module imports nothing from the package (it is imported by everything).
 from __future__ import annotations
 
 import errno
-from typing import Any, ClassVar
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any, ClassVar
 
 # sqlite3's SQLITE_FULL ("database or disk is full"), as sqlite3.Error.sqlite_errorcode.
 _SQLITE_FULL = 13

@@ -100,7 +100,9 @@ def add_routes(app: web.Application, services: Services) -> None:
     async def pull(request: web.Request) -> web.StreamResponse:
         body = await read_body(request, PullBody, optional=True)
         # Already installed (and current), or the download started or joined.
-        started = await services.models.pull(request.match_info["id"], force=body.force)
+        started = await services.models.pull(
+            request.match_info["id"], force=body.force, limit_rate=body.limit_rate
+        )
         if body.detach or body.stream is False:
             return web.json_response(started.snapshot())
         return await ndjson(request, started.records())
@@ -108,7 +110,7 @@ def add_routes(app: web.Application, services: Services) -> None:
     async def pull_source(request: web.Request) -> web.StreamResponse:
         body = await read_body(request, PullSourceBody)
         started = await services.sources.pull_source(
-            body.source, model_id=body.id, force=body.force
+            body.source, model_id=body.id, force=body.force, limit_rate=body.limit_rate
         )
         if body.detach or body.stream is False:
             return web.json_response(started.snapshot())

@@ -109,6 +109,8 @@ class PullBody(Strict):
     stream: StrictBool | None = None
     # Download even when the model could never fit the memory budget.
     force: StrictBool = False
+    # Cap the download's total rate, bytes per second (``pull --limit-rate``).
+    limit_rate: Annotated[StrictInt, Field(ge=1)] | None = None
 
 
 class PullSourceBody(PullBody):

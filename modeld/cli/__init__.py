@@ -3,91 +3,136 @@
 Exit statuses: 0 done, 1 failed or refused (one line on stderr saying what to do),
 2 bad usage or settings, 130 interrupted.
 
-Each verb's module is imported only when that verb runs (``modeld --help`` imports them
-all): ``modeld status`` loads neither rich nor pydantic nor aiohttp.
+A CLI call is a fresh process, and ``list``, ``status`` and ``ps`` aim at 100 ms in all, so
+only what the verb needs is imported: the standard library's ``argparse``, and of all the
+verbs' modules the one of the verb asked for (``modeld --help`` and completion build them
+all). No click, rich, pydantic or aiohttp before the request has gone out.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import os
 import sys
-
-import click
+from collections.abc import Sequence
 
 from modeld import __version__
+from modeld.cli.common import Formatter, UsageError, VerbParser, Verbs
 from modeld.errors import ModeldError, SettingsError
 
-# verb: (module under modeld.cli, the click command's attribute name)
+# verb: (module under modeld.cli, the function in it that adds the verb's parser)
 VERBS: dict[str, tuple[str, str]] = {
-    "serve": ("system", "serve"),
-    "status": ("system", "status"),
-    "logs": ("system", "logs"),
-    "list": ("models", "list_"),
-    "show": ("models", "show"),
-    "verify": ("models", "verify"),
-    "pull": ("downloads", "pull"),
-    "import": ("downloads", "import_"),
-    "ps": ("engines", "ps"),
-    "load": ("engines", "load"),
-    "unload": ("engines", "unload"),
-    "run": ("run", "run"),
-    "rm": ("admin", "rm"),
-    "prune": ("admin", "prune"),
-    "bug-report": ("report", "bug_report"),
-    "key": ("keys", "key"),
+    "bug-report": ("report", "bug_report_parser"),
+    "import": ("downloads", "import_parser"),
+    "key": ("keys", "key_parser"),
+    "list": ("models", "list_parser"),
+    "load": ("engines", "load_parser"),
+    "logs": ("system", "logs_parser"),
+    "prune": ("admin", "prune_parser"),
+    "ps": ("engines", "ps_parser"),
+    "pull": ("downloads", "pull_parser"),
+    "rm": ("admin", "rm_parser"),
+    "run": ("run", "run_parser"),
+    "serve": ("system", "serve_parser"),
+    "show": ("models", "show_parser"),
+    "status": ("system", "status_parser"),
+    "unload": ("engines", "unload_parser"),
+    "verify": ("models", "verify_parser"),
 }
 # Other names for a verb (as Ollama's `ls` and `stop`); they stay out of the verb list.
 ALIASES = {"ls": "list", "stop": "unload"}
 
+DESCRIPTION = """\
+modeld: downloads, checks and serves LiteRT-LM models over a Unix socket.
 
-class LazyGroup(click.Group):
-    """A group that imports a verb's module when the verb is asked for."""
+Aliases: ls (list), stop (unload). Shell completion (model ids from the daemon):
+eval "$(_MODELD_COMPLETE=bash_source modeld)" in ~/.bashrc (zsh_source, fish_source)."""
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(VERBS)
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        name = ALIASES.get(cmd_name, cmd_name)
-        if name not in VERBS:
-            return None
-        module, attr = VERBS[name]
-        command = getattr(importlib.import_module(f"modeld.cli.{module}"), attr)
-        assert isinstance(command, click.Command)
-        return command
-
-
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", prog_name="modeld")
-@click.option(
-    "--socket",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Daemon socket (default: MODELD_SOCKET, else the first that exists of "
+SOCKET_HELP = (
+    "Daemon socket (default: MODELD_SOCKET, else the first that exists of "
     "$XDG_RUNTIME_DIR/modeld.sock, /run/modeld/modeld.sock, $MODELD_HOME/modeld.sock; "
-    "MODELD_URL with MODELD_API_KEY reaches a daemon over TCP instead).",
+    "MODELD_URL with MODELD_API_KEY reaches a daemon over TCP instead)."
 )
-def cli(socket: str | None) -> None:
-    """modeld: downloads, checks and serves LiteRT-LM models over a Unix socket.
 
-    Aliases: ls (list), stop (unload). Shell completion (model ids from the daemon):
-    eval "$(_MODELD_COMPLETE=bash_source modeld)" in ~/.bashrc (zsh_source, fish_source).
-    """
+
+def verb_of(argv: Sequence[str]) -> int | None:
+    """Where the verb is in ``argv``: the first word that is neither an option nor
+    ``--socket``'s value; None when there is none (``modeld --help``)."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--socket":
+            i += 2
+            continue
+        if word == "--":
+            return i + 1 if i + 1 < len(argv) else None
+        if not word.startswith("-"):
+            return i
+        i += 1
+    return None
+
+
+def build_parser(verbs: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser, with the sub-parsers of ``verbs`` (default: all)."""
+    parser = argparse.ArgumentParser(
+        prog="modeld", description=DESCRIPTION, formatter_class=Formatter
+    )
+    parser.add_argument("--version", action="version", version=f"modeld {__version__}")
+    parser.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
+    sub = parser.add_subparsers(
+        title="verbs", metavar="VERB", dest="_verb_name", parser_class=VerbParser
+    )
+    sub.required = True
+
+    for name in verbs if verbs is not None else VERBS:
+        module, attr = VERBS[name]
+        adder: object = getattr(importlib.import_module(f"modeld.cli.{module}"), attr)
+        assert callable(adder)
+        adder(Verbs(sub))
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``, building only the asked verb's parser when the verb is known."""
+    at = verb_of(argv)
+    verbs: list[str] | None = None
+    if at is not None:
+        name = ALIASES.get(argv[at], argv[at])
+        if name in VERBS:
+            argv = [*argv[:at], name, *argv[at + 1 :]]
+            verbs = [name]
+    return build_parser(verbs).parse_args(argv)
 
 
 def _say(message: str) -> None:
     sys.stderr.write(message + "\n")
 
 
+def run(argv: list[str]) -> None:
+    if "_MODELD_COMPLETE" in os.environ:
+        from modeld.cli.complete import complete
+
+        complete(os.environ["_MODELD_COMPLETE"], build_parser)
+        return
+    ns = parse(argv)
+    options = {k: v for k, v in vars(ns).items() if not k.startswith("_") and k != "socket"}
+    ns._run(ns, **options)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI and turn outcomes into the CLI's exit statuses."""
+    args = sys.argv[1:] if argv is None else argv
     try:
-        cli.main(args=argv, prog_name="modeld", standalone_mode=False)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+        run(args)
+    except KeyboardInterrupt:
         _say("interrupted")
         sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(2 if isinstance(e, click.UsageError) else 1)
+    except UsageError as e:
+        verb = verb_of(args)
+        prog = f"modeld {ALIASES.get(args[verb], args[verb])}" if verb is not None else "modeld"
+        _say(f"{prog}: error: {e.message}")
+        sys.exit(2)
     except SettingsError as e:
         _say(f"modeld: {e.message}")
         sys.exit(2)

@@ -7,22 +7,27 @@ item is removed whole or not at all), so nothing is left half done.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import click
 
 from modeld.cli.common import (
+    Ctx,
+    UsageError,
+    Verbs,
     call,
     complete_installed,
+    completes,
     console,
     emit,
     err_console,
     escape,
-    json_option,
+    json_flag,
     table,
 )
 from modeld.config import format_size, parse_duration
 from modeld.errors import RemoveFailed
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 _KIND_LABEL = {
     "partial": "partial",
@@ -90,22 +95,10 @@ def _check_duration(name: str, value: str | None) -> None:
     except ValueError:
         ok = False
     if not ok:
-        raise click.BadParameter(
-            f"{value!r} is not a duration such as 7d, 12h or 30m", param_hint=name
-        )
+        raise UsageError(f"{name}: {value!r} is not a duration such as 7d, 12h or 30m")
 
 
-@click.command(name="rm")
-@click.argument("model_id", metavar="ID", shell_complete=complete_installed)
-@click.option("--force", is_flag=True, help="Unload the model or cancel its download first.")
-@click.option(
-    "--entry",
-    is_flag=True,
-    help="Also remove the entry modeld wrote for it (pull hf://, import of a bare file).",
-)
-@json_option
-@click.pass_context
-def rm(ctx: click.Context, model_id: str, force: bool, entry: bool, as_json: bool) -> None:
+def rm(ctx: Ctx, model_id: str, force: bool, entry: bool, as_json: bool) -> None:
     """Remove an installed model (and its partial download); refused while in use.
 
     With --entry, also its entry in $MODELD_HOME/registry (a bundled entry is never removed).
@@ -127,25 +120,23 @@ def rm(ctx: click.Context, model_id: str, force: bool, entry: bool, as_json: boo
     emit(as_json, doc, human)
 
 
-@click.command()
-@click.option("--dry-run", is_flag=True, help="List what would go and the total; remove nothing.")
-@click.option(
-    "--partials",
-    is_flag=False,
-    flag_value="all",
-    default=None,
-    metavar="[AGE]",
-    help="Partial downloads not in progress (all, or only those older than AGE, e.g. 7d).",
-)
-@click.option("--orphans", is_flag=True, help="Files no model uses, *.FAILED, stale caches.")
-@click.option("--unused-for", metavar="D", help="Installed models not used for D (e.g. 30d).")
-@click.option(
-    "--to-budget", is_flag=True, help="LRU installed models until under MODELD_DISK_BUDGET."
-)
-@json_option
-@click.pass_context
-def prune(  # noqa: PLR0917  (click passes each option as an argument)
-    ctx: click.Context,
+def rm_parser(verbs: Verbs) -> None:
+    p = verbs.add("rm", rm)
+    completes(p.add_argument("model_id", metavar="ID"), complete_installed)
+    p.add_argument(
+        "--force", action="store_true", help="Unload the model or cancel its download first."
+    )
+    p.add_argument(
+        "--entry",
+        action="store_true",
+        help="Also remove the entry modeld wrote for it (pull hf://, import of a bare file).",
+    )
+    json_flag(p)
+
+
+def prune(
+    ctx: Ctx,
+    *,
     dry_run: bool,
     partials: str | None,
     orphans: bool,
@@ -174,3 +165,30 @@ def prune(  # noqa: PLR0917  (click passes each option as an argument)
             f"{len(doc['errors'])} item(s) could not be removed (see above); "
             "fix their permissions and prune again"
         )
+
+
+def prune_parser(verbs: Verbs) -> None:
+    p = verbs.add("prune", prune)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="List what would go and the total; remove nothing.",
+    )
+    p.add_argument(
+        "--partials",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="AGE",
+        help="Partial downloads not in progress (all, or only those older than AGE, e.g. 7d).",
+    )
+    p.add_argument(
+        "--orphans", action="store_true", help="Files no model uses, *.FAILED, stale caches."
+    )
+    p.add_argument("--unused-for", metavar="D", help="Installed models not used for D (e.g. 30d).")
+    p.add_argument(
+        "--to-budget",
+        action="store_true",
+        help="LRU installed models until under MODELD_DISK_BUDGET.",
+    )
+    json_flag(p)

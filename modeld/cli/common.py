@@ -3,25 +3,163 @@
 Output for people uses rich markup (``[green]ok[/]``). On a terminal rich renders it; on a
 pipe or a file the markup is stripped and nothing is wrapped or cut (a script reads whole
 lines), and rich is never imported: a CLI call aims at 100 ms.
+
+Each verb is an ``argparse`` sub-parser built by its module's ``<verb>_parser(add)`` and run
+by a function that takes the parsed namespace (``ctx``) and the verb's options by name.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, TypeVar
-
-import click
 
 from modeld.client import Client
 
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
+    from typing import Any, TextIO, TypeVar
+
     from rich.console import Console
 
-T = TypeVar("T")
+    T = TypeVar("T")
+    N = TypeVar("N", int, float)
+
+# What a verb's function receives first: the parsed command line (``--socket`` among it).
+Ctx = argparse.Namespace
+# A completer: the candidates for a word, asked of the daemon.
+Completer = Callable[[Ctx, str], list[str]]
+
+
+class UsageError(Exception):
+    """Bad usage found by a verb itself (after parsing): exit 2 with its message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (their line breaks kept); options and verbs aligned.
+
+    The width is found as ``shutil.get_terminal_size`` finds it, without importing shutil
+    (and its compression modules): argparse makes a formatter for every argument added.
+    """
+
+    def __init__(self, prog: str) -> None:
+        try:
+            columns = int(os.environ["COLUMNS"])
+        except (KeyError, ValueError):
+            try:
+                columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+            except (AttributeError, ValueError, OSError):  # no stdout (None), or not a tty
+                columns = 80
+        super().__init__(prog, max_help_position=26, width=max(columns, 40) - 2)
+
+
+class VerbParser(argparse.ArgumentParser):
+    """A verb's parser: options and positionals in any order (``run ID --seed 1 -``), as
+    ``parse_intermixed_args`` reads them; a verb with verbs of its own parses as usual."""
+
+    _intermixing = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        nested = any(isinstance(a, argparse._SubParsersAction) for a in self._actions)
+        if self._intermixing or nested:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
+class Verbs:
+    """Adds verbs to a parser: ``verbs.add(name, run)`` returns the new verb's parser;
+    ``run(ctx, **options)`` runs it, its docstring is its help."""
+
+    def __init__(self, sub: argparse._SubParsersAction[VerbParser]) -> None:
+        self._sub = sub
+
+    def add(self, name: str, run: Callable[..., None]) -> argparse.ArgumentParser:
+        p = self.group(name, run.__doc__)
+        p.set_defaults(_run=run)
+        return p
+
+    def group(self, name: str, doc: str | None) -> argparse.ArgumentParser:
+        """A verb with verbs of its own (``key add``): add them to ``Verbs.under(it)``."""
+        return self._sub.add_parser(
+            name, help=summary(doc), description=cleandoc(doc), formatter_class=Formatter
+        )
+
+    @staticmethod
+    def under(parser: argparse.ArgumentParser, dest: str) -> Verbs:
+        sub = parser.add_subparsers(
+            title="verbs", metavar="VERB", dest=dest, parser_class=VerbParser
+        )
+        sub.required = True
+        return Verbs(sub)
+
+
+def cleandoc(doc: str | None) -> str:
+    """A docstring without its indentation (``inspect.cleandoc``, without importing inspect)."""
+    lines = (doc or "").expandtabs().strip().splitlines()
+    rest = [line for line in lines[1:] if line.strip()]
+    indent = min((len(line) - len(line.lstrip()) for line in rest), default=0)
+    return "\n".join([lines[0].strip(), *(line[indent:] for line in lines[1:])]) if lines else ""
+
+
+def summary(doc: str | None) -> str:
+    """A docstring's first paragraph on one line: the verb's line in ``modeld --help``."""
+    return " ".join(cleandoc(doc).split("\n\n", 1)[0].split())
+
+
+def completes(action: argparse.Action, completer: Completer | str) -> argparse.Action:
+    """Mark ``action`` for shell completion: a completer, or ``"file"`` for a path."""
+    action.complete = completer  # type: ignore[attr-defined]
+    return action
+
+
+def json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", dest="as_json", action="store_true", help="Print one JSON document."
+    )
+
+
+def in_range(kind: type[N], low: N | None = None, high: N | None = None) -> Callable[[str], N]:
+    """An argument type: an ``int`` (or a ``float``) within ``[low, high]``."""
+    what = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            bounds = f"{'' if low is None else low}..{'' if high is None else high}"
+            raise argparse.ArgumentTypeError(f"{text} is not in the range {bounds}")
+        return value
+
+    return parse
+
+
+def existing_file(text: str) -> Path:
+    """An argument type: a path to a file that exists and that this user may read."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not readable by you")
+    return path
+
 
 # rich's markup: a tag is [style] or [/...]; a backslash before it makes it literal text.
 _TAG = re.compile(r"(\\*)\[([a-z#/@][^[]*?)]")
@@ -118,15 +256,13 @@ class Out:
 console = Out(lambda: sys.stdout)
 err_console = Out(lambda: sys.stderr, stderr=True)
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 
-
-def client_of(ctx: click.Context) -> Client:
-    explicit = ctx.find_root().params.get("socket")
+def client_of(ctx: Ctx) -> Client:
+    explicit = getattr(ctx, "socket", None)
     return Client(Path(explicit) if explicit else None)
 
 
-def call(ctx: click.Context, fn: Callable[[Client], T]) -> T:
+def call(ctx: Ctx, fn: Callable[[Client], T]) -> T:
     """Run ``fn`` with a client for the daemon (``--socket``, else as ``find_daemon``)."""
     with client_of(ctx) as client:
         return fn(client)
@@ -144,29 +280,27 @@ def table(*columns: str) -> Table:
     return Table([Column(c) for c in columns])
 
 
-def _complete(ctx: click.Context, incomplete: str, ids: Callable[[Client], list[str]]) -> list[Any]:
-    from click.shell_completion import CompletionItem
-
+def _complete(ctx: Ctx, incomplete: str, ids: Callable[[Client], list[str]]) -> list[str]:
     try:
         names = call(ctx, ids)
     except Exception:
         return []
-    return [CompletionItem(n) for n in sorted(names) if n.startswith(incomplete)]
+    return [n for n in sorted(names) if n.startswith(incomplete)]
 
 
-def complete_model(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+def complete_model(ctx: Ctx, incomplete: str) -> list[str]:
     """Shell completion of a model id: the daemon's catalog."""
     return _complete(ctx, incomplete, lambda c: [m["id"] for m in c.models()["models"]])
 
 
-def complete_installed(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+def complete_installed(ctx: Ctx, incomplete: str) -> list[str]:
     """Shell completion of an installed model's id."""
     return _complete(
         ctx, incomplete, lambda c: [m["id"] for m in c.models(installed=True)["models"]]
     )
 
 
-def complete_loaded(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+def complete_loaded(ctx: Ctx, incomplete: str) -> list[str]:
     """Shell completion of a loaded engine's id, or its model's."""
 
     def ids(c: Client) -> list[str]:

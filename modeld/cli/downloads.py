@@ -2,25 +2,44 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
-from typing import Any
-
-import click
 
 from modeld.cli.common import (
     Column,
+    Ctx,
     Table,
+    UsageError,
+    Verbs,
     call,
     complete_model,
+    completes,
     console,
     emit,
     err_console,
     escape,
-    json_option,
+    existing_file,
+    json_flag,
 )
 from modeld.client import Client
-from modeld.config import format_size
+from modeld.config import RATE_HELP, format_size, parse_rate
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
+
+
+def _rate(text: str) -> int:
+    try:
+        return parse_rate(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate: {RATE_HELP}") from None
+
+
+def _cap(record: dict[str, Any]) -> str:
+    rate = record.get("limit_rate")
+    return f"capped at {format_size(rate)}/s" if rate else ""
 
 
 def _mirror_table(record: dict[str, Any]) -> Table:
@@ -74,6 +93,8 @@ def _print_done(record: dict[str, Any]) -> None:
         console.print(f"  resumed from {format_size(record['resumed'])} already on disk")
     if record.get("repaired"):
         console.print(f"  repaired {record['repaired']} blocks a mirror sent wrong")
+    if record.get("limit_rate"):
+        console.print(f"  {_cap(record)}")
 
 
 def _print_choice(record: dict[str, Any]) -> None:
@@ -89,9 +110,15 @@ def _print_choice(record: dict[str, Any]) -> None:
 
 
 def _follow(
-    client: Client, model_id: str, as_json: bool, force: bool, as_id: str | None
+    client: Client,
+    model_id: str,
+    as_json: bool,
+    force: bool,
+    *,
+    as_id: str | None,
+    limit_rate: int | None,
 ) -> dict[str, Any]:
-    records = client.pull(model_id, force=force, as_id=as_id)
+    records = client.pull(model_id, force=force, as_id=as_id, limit_rate=limit_rate)
     last: dict[str, Any] = next(records, {})  # the request has reached the daemon
     if not as_json:
         _print_choice(last)
@@ -128,31 +155,22 @@ def _follow(
             last = record
             if record.get("already") or record.get("adopted") or "size" not in record:
                 break
-            progress.update(
-                task, total=record["size"], completed=record["completed"], state=record["state"]
-            )
+            state = ", ".join(filter(None, (record["state"], _cap(record))))
+            progress.update(task, total=record["size"], completed=record["completed"], state=state)
             live.update(Group(progress, _mirror_table(record).rich()))
             record = next(records, {})
     return last
 
 
-@click.command()
-@click.argument("model_id", metavar="ID|hf://ORG/REPO/FILE[@REV]", shell_complete=complete_model)
-@click.option("--detach", is_flag=True, help="Start (or join) the download and return at once.")
-@click.option("--cancel", is_flag=True, help="Cancel the running download (the partial stays).")
-@click.option("--force", is_flag=True, help="Download even a model that can never fit the budget.")
-@click.option(
-    "--id", "as_id", metavar="ID", default=None, help="The id of the entry a Hub file gets."
-)
-@json_option
-@click.pass_context
-def pull(  # noqa: PLR0917 (click passes every option positionally by name)
-    ctx: click.Context,
+def pull(
+    ctx: Ctx,
+    *,
     model_id: str,
     detach: bool,
     cancel: bool,
     force: bool,
     as_id: str | None,
+    limit_rate: int | None,
     as_json: bool,
 ) -> None:
     """Download a model from its mirrors, verified, resuming what is already there.
@@ -165,9 +183,9 @@ def pull(  # noqa: PLR0917 (click passes every option positionally by name)
     """
     is_source = "://" in model_id
     if as_id is not None and not is_source:
-        raise click.UsageError("--id names the entry of a Hub file (hf://...); not of an ID")
+        raise UsageError("--id names the entry of a Hub file (hf://...); not of an ID")
     if cancel and is_source:
-        raise click.UsageError("cancel a download by its model id (`modeld pull ID --cancel`)")
+        raise UsageError("cancel a download by its model id (`modeld pull ID --cancel`)")
     if cancel:
         doc = call(ctx, lambda c: c.cancel_pull(model_id))
         emit(
@@ -180,7 +198,10 @@ def pull(  # noqa: PLR0917 (click passes every option positionally by name)
         )
         return
     if detach:
-        doc = call(ctx, lambda c: c.pull_detached(model_id, force=force, as_id=as_id))
+        doc = call(
+            ctx,
+            lambda c: c.pull_detached(model_id, force=force, as_id=as_id, limit_rate=limit_rate),
+        )
 
         def human(d: dict[str, Any]) -> None:
             _print_choice(d)
@@ -190,14 +211,18 @@ def pull(  # noqa: PLR0917 (click passes every option positionally by name)
                 return
             _print_entry(d)
             console.print(
-                f"pulling {got} in the daemon; follow it with `modeld pull {got}`"
+                f"pulling {got} in the daemon{' (' + _cap(d) + ')' if _cap(d) else ''}; "
+                f"follow it with `modeld pull {got}`"
                 f", cancel it with `modeld pull {got} --cancel`"
             )
 
         emit(as_json, doc, human)
         return
     try:
-        record = call(ctx, lambda c: _follow(c, model_id, as_json, force, as_id))
+        record = call(
+            ctx,
+            lambda c: _follow(c, model_id, as_json, force, as_id=as_id, limit_rate=limit_rate),
+        )
     except KeyboardInterrupt:
         err_console.print(
             f"left the progress view; the download goes on in the daemon. "
@@ -207,12 +232,32 @@ def pull(  # noqa: PLR0917 (click passes every option positionally by name)
     emit(as_json, record, _print_done)
 
 
-@click.command(name="import")
-@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.argument("model_id", metavar="[ID]", required=False)
-@json_option
-@click.pass_context
-def import_(ctx: click.Context, path: Path, model_id: str | None, as_json: bool) -> None:
+def pull_parser(verbs: Verbs) -> None:
+    p = verbs.add("pull", pull)
+    completes(p.add_argument("model_id", metavar="ID|hf://ORG/REPO/FILE[@REV]"), complete_model)
+    p.add_argument(
+        "--detach", action="store_true", help="Start (or join) the download and return at once."
+    )
+    p.add_argument(
+        "--cancel", action="store_true", help="Cancel the running download (the partial stays)."
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="Download even a model that can never fit the budget.",
+    )
+    p.add_argument("--id", dest="as_id", metavar="ID", help="The id of the entry a Hub file gets.")
+    p.add_argument(
+        "--limit-rate",
+        type=_rate,
+        metavar="RATE",
+        help="Cap the download's total rate, over all its connections (500K, 10M: as "
+        "curl's). Joining a running pull sets its cap from then on.",
+    )
+    json_flag(p)
+
+
+def import_(ctx: Ctx, path: Path, model_id: str | None, as_json: bool) -> None:
     """Adopt a local .litertlm file (checked like a download); ID defaults from its name."""
     doc = call(ctx, lambda c: c.import_file(path, model_id))
 
@@ -228,3 +273,10 @@ def import_(ctx: click.Context, path: Path, model_id: str | None, as_json: bool)
         )
 
     emit(as_json, doc, human)
+
+
+def import_parser(verbs: Verbs) -> None:
+    p = verbs.add("import", import_)
+    completes(p.add_argument("path", metavar="PATH", type=existing_file), "file")
+    p.add_argument("model_id", metavar="ID", nargs="?")
+    json_flag(p)

@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import click
+import argparse
 
 from modeld.cli.common import (
+    Ctx,
+    Verbs,
     call,
     complete_loaded,
     complete_model,
+    completes,
     console,
     emit,
     err_console,
     escape,
-    json_option,
+    json_flag,
     table,
 )
 from modeld.client import Client
 from modeld.config import format_duration, format_size
 from modeld.errors import EngineNotFound
 
-_BACKEND = click.Choice(["cpu", "gpu"])
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
+
+_BACKENDS = ["cpu", "gpu"]
 
 
 def _size(n: int | None) -> str:
@@ -81,31 +86,19 @@ def _print_ps(doc: dict[str, Any]) -> None:
     )
 
 
-@click.command()
-@json_option
-@click.pass_context
-def ps(ctx: click.Context, as_json: bool) -> None:
+def ps(ctx: Ctx, as_json: bool) -> None:
     """List loaded engines: plan, state, memory, idle time, expiry, requests served."""
     doc = call(ctx, lambda c: c.engines())
     emit(as_json, doc, _print_ps)
 
 
-@click.command()
-@click.argument("model_id", shell_complete=complete_model)
-@click.option("--main", type=_BACKEND, help="Backend for the text decoder.")
-@click.option("--vision", type=_BACKEND, help="Also load the vision encoder on this backend.")
-@click.option("--keep-alive", help="Idle time before it stops: 30s, 5m, 0, -1 (never).")
-@click.option("--pin", is_flag=True, help="Never evict it for memory.")
-@click.option("--allow-unverified", is_flag=True, help="Load a file no hash vouched for.")
-@click.option(
-    "--warm-up/--no-warm-up",
-    default=None,
-    help="Run one short generation at load (default: for gpu plans and --pin).",
-)
-@json_option
-@click.pass_context
-def load(  # noqa: PLR0917 (click passes every option positionally by name)
-    ctx: click.Context,
+def ps_parser(verbs: Verbs) -> None:
+    json_flag(verbs.add("ps", ps))
+
+
+def load(
+    ctx: Ctx,
+    *,
     model_id: str,
     main: str | None,
     vision: str | None,
@@ -131,6 +124,27 @@ def load(  # noqa: PLR0917 (click passes every option positionally by name)
     emit(as_json, view, _print_loaded)
 
 
+def load_parser(verbs: Verbs) -> None:
+    p = verbs.add("load", load)
+    completes(p.add_argument("model_id", metavar="MODEL_ID"), complete_model)
+    p.add_argument("--main", choices=_BACKENDS, help="Backend for the text decoder.")
+    p.add_argument(
+        "--vision", choices=_BACKENDS, help="Also load the vision encoder on this backend."
+    )
+    p.add_argument("--keep-alive", help="Idle time before it stops: 30s, 5m, 0, -1 (never).")
+    p.add_argument("--pin", action="store_true", help="Never evict it for memory.")
+    p.add_argument(
+        "--allow-unverified", action="store_true", help="Load a file no hash vouched for."
+    )
+    p.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Run one short generation at load (default: for gpu plans and --pin).",
+    )
+    json_flag(p)
+
+
 def _print_loaded(v: dict[str, Any]) -> None:
     warm = v.get("warm_up_seconds")
     parts = [f"engine {format_duration(v.get('create_seconds') or 0)}"]
@@ -151,17 +165,7 @@ def _print_loaded(v: dict[str, Any]) -> None:
         )
 
 
-@click.command()
-@click.argument("engine_or_model", shell_complete=complete_loaded)
-@click.option(
-    "--forget-memory",
-    is_flag=True,
-    help="Also forget the memory learned for the model's file (admin); its next load "
-    "reserves the estimate from the file again.",
-)
-@json_option
-@click.pass_context
-def unload(ctx: click.Context, engine_or_model: str, forget_memory: bool, as_json: bool) -> None:
+def unload(ctx: Ctx, engine_or_model: str, forget_memory: bool, as_json: bool) -> None:
     """Stop an engine (or every engine of a model) after its in-flight requests."""
 
     def go(c: Client) -> dict[str, Any]:
@@ -184,3 +188,15 @@ def unload(ctx: click.Context, engine_or_model: str, forget_memory: bool, as_jso
             )
 
     emit(as_json, call(ctx, go), human)
+
+
+def unload_parser(verbs: Verbs) -> None:
+    p = verbs.add("unload", unload)
+    completes(p.add_argument("engine_or_model", metavar="ENGINE_OR_MODEL"), complete_loaded)
+    p.add_argument(
+        "--forget-memory",
+        action="store_true",
+        help="Also forget the memory learned for the model's file (admin); its next load "
+        "reserves the estimate from the file again.",
+    )
+    json_flag(p)

@@ -9,14 +9,14 @@ daemon re-reads the file on its next request.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
 
-import click
-
-from modeld.cli.common import console, emit, err_console, escape, json_option, table
+from modeld.cli.common import Ctx, Verbs, console, emit, err_console, escape, json_flag, table
 from modeld.config import load_settings
 
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     from modeld.daemon.apikeys import KeysFile
 
 
@@ -27,22 +27,10 @@ def _keys_file() -> KeysFile:
     return KeysFile(load_settings().api_keys_path)
 
 
-@click.group(name="key")
-def key() -> None:
-    """API keys for TCP clients: sent as `Authorization: Bearer <key>`."""
+KEY_HELP = """API keys for TCP clients: sent as `Authorization: Bearer <key>`."""
 
 
-@key.command(name="add")
-@click.argument("name")
-@click.option(
-    "--role",
-    type=click.Choice(["use", "admin"]),
-    default="use",
-    show_default=True,
-    help="use: list, show, ps, generate, chat; admin: also pull, import, rm, prune, pin.",
-)
-@json_option
-def add(name: str, role: str, as_json: bool) -> None:
+def add(ctx: Ctx, name: str, role: str, as_json: bool) -> None:
     """Add a key named NAME and print it (the only time it is shown)."""
     keys_file = _keys_file()
     entry, secret = keys_file.add(name, "admin" if role == "admin" else "use")
@@ -59,9 +47,7 @@ def add(name: str, role: str, as_json: bool) -> None:
     )
 
 
-@key.command(name="list")
-@json_option
-def list_keys(as_json: bool) -> None:
+def list_keys(ctx: Ctx, as_json: bool) -> None:
     """List the keys: name, role and creation time (never the keys themselves)."""
     keys_file = _keys_file()
     doc = {"keys_file": str(keys_file.path), "keys": [k.public() for k in keys_file.entries()]}
@@ -80,10 +66,7 @@ def list_keys(as_json: bool) -> None:
     emit(as_json, doc, human)
 
 
-@key.command(name="rm")
-@click.argument("name")
-@json_option
-def rm(name: str, as_json: bool) -> None:
+def rm(ctx: Ctx, name: str, as_json: bool) -> None:
     """Remove the key named NAME; the daemon refuses it from its next request on."""
     gone = _keys_file().remove(name)
     emit(
@@ -91,3 +74,21 @@ def rm(name: str, as_json: bool) -> None:
         {"removed": gone.public()},
         lambda _: console.print(f"removed key {escape(name)!r}; it no longer opens the API"),
     )
+
+
+def key_parser(verbs: Verbs) -> None:
+    keys = Verbs.under(verbs.group("key", KEY_HELP), "_key_verb")
+    p = keys.add("add", add)
+    p.add_argument("name", metavar="NAME")
+    p.add_argument(
+        "--role",
+        choices=["use", "admin"],
+        default="use",
+        help="use (the default): list, show, ps, generate, chat; admin: also pull, import, "
+        "rm, prune, pin.",
+    )
+    json_flag(p)
+    json_flag(keys.add("list", list_keys))
+    p = keys.add("rm", rm)
+    p.add_argument("name", metavar="NAME")
+    json_flag(p)

@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import time
-from typing import Any
-
-import click
 
 from modeld.cli.common import (
+    Ctx,
+    Verbs,
     call,
     complete_model,
+    completes,
     console,
     emit,
     err_console,
     escape,
-    json_option,
+    json_flag,
     table,
 )
 from modeld.config import format_duration, format_size
 from modeld.errors import IntegrityError
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 _STATE_STYLE = {
     "installed": "green",
@@ -71,14 +75,16 @@ def _fits(fit: dict[str, Any] | None) -> str:
     return "yes" if fit["fits"] else "[red]no[/]"
 
 
-@click.command(name="list")
-@click.option("--installed", is_flag=True, help="Only installed models.")
-@json_option
-@click.pass_context
-def list_(ctx: click.Context, installed: bool, as_json: bool) -> None:
+def list_(ctx: Ctx, installed: bool, as_json: bool) -> None:
     """List the catalog's models with their install state."""
     doc = call(ctx, lambda c: c.models(installed=installed))
     emit(as_json, doc, _print_list)
+
+
+def list_parser(verbs: Verbs) -> None:
+    p = verbs.add("list", list_)
+    p.add_argument("--installed", action="store_true", help="Only installed models.")
+    json_flag(p)
 
 
 def _print_plan(name: str, p: dict[str, Any]) -> None:
@@ -201,14 +207,16 @@ def _print_probes(m: dict[str, Any]) -> None:
             console.print(f"    {key} {result} ({_ago(p['at'])})")
 
 
-@click.command()
-@click.argument("model_id", metavar="ID", shell_complete=complete_model)
-@json_option
-@click.pass_context
-def show(ctx: click.Context, model_id: str, as_json: bool) -> None:
+def show(ctx: Ctx, model_id: str, as_json: bool) -> None:
     """Show one model: entry, install state, sections, backend plans, probe results."""
     doc = call(ctx, lambda c: c.show(model_id))
     emit(as_json, doc, _print_show)
+
+
+def show_parser(verbs: Verbs) -> None:
+    p = verbs.add("show", show)
+    completes(p.add_argument("model_id", metavar="ID"), complete_model)
+    json_flag(p)
 
 
 def _print_verify(doc: dict[str, Any]) -> None:
@@ -227,13 +235,15 @@ def _print_verify(doc: dict[str, Any]) -> None:
             console.print(f"[yellow]to make it verified: {escape(doc['hint'])}[/]")
 
 
-@click.command()
-@click.argument("model_id", metavar="ID", shell_complete=complete_model)
-@json_option
-@click.pass_context
-def verify(ctx: click.Context, model_id: str, as_json: bool) -> None:
+def verify(ctx: Ctx, model_id: str, as_json: bool) -> None:
     """Re-hash an installed model's file; a mismatching file is quarantined (exit 1)."""
     doc = call(ctx, lambda c: c.verify(model_id))
     emit(as_json, doc, _print_verify)
     if not doc["ok"]:
         raise IntegrityError(doc["message"])
+
+
+def verify_parser(verbs: Verbs) -> None:
+    p = verbs.add("verify", verify)
+    completes(p.add_argument("model_id", metavar="ID"), complete_model)
+    json_flag(p)

@@ -6,12 +6,13 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any
 
-import click
-
-from modeld.cli.common import call, console, emit, json_option
+from modeld.cli.common import Ctx, Verbs, call, console, emit, json_flag
 from modeld.config import format_size
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def _fence(text: str, lang: str = "") -> str:
@@ -164,17 +165,7 @@ def default_name(model_id: str, at: float) -> str:
     return f"modeld-bug-report-{model_id}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(at))}.md"
 
 
-@click.command(name="bug-report")
-@click.argument("model_id", metavar="ID")
-@click.option(
-    "--output",
-    "-o",
-    type=click.Path(dir_okay=False, writable=True, path_type=Path),
-    help="File to write (default: modeld-bug-report-ID-TIME.md in the current directory).",
-)
-@json_option
-@click.pass_context
-def bug_report(ctx: click.Context, model_id: str, output: Path | None, as_json: bool) -> None:
+def bug_report(ctx: Ctx, model_id: str, output: Path | None, as_json: bool) -> None:
     """Write one file with what an upstream issue about ID needs, and print its path.
 
     Host, OS, runtime version, GPU adapter, the entry and its revision, size, digest, what
@@ -186,3 +177,15 @@ def bug_report(ctx: click.Context, model_id: str, output: Path | None, as_json: 
     path.write_text(text, encoding="utf-8")
     result = {"path": str(path.resolve()), "size": len(text.encode())}
     emit(as_json, result, lambda r: console.print(r["path"], soft_wrap=True, highlight=False))
+
+
+def bug_report_parser(verbs: Verbs) -> None:
+    p = verbs.add("bug-report", bug_report)
+    p.add_argument("model_id", metavar="ID")
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="File to write (default: modeld-bug-report-ID-TIME.md in the current directory).",
+    )
+    json_flag(p)

@@ -11,12 +11,25 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
-import click
-
-from modeld.cli.common import call, client_of, complete_model, err_console, json_option
+from modeld.cli.common import (
+    Ctx,
+    UsageError,
+    Verbs,
+    call,
+    client_of,
+    complete_model,
+    completes,
+    err_console,
+    existing_file,
+    in_range,
+    json_flag,
+)
 from modeld.client import Client
+
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 CHAT_HELP = (
     'Chatting with {model}. /bye or Ctrl-D ends it; """ starts and ends a multi-line message; '
@@ -104,26 +117,12 @@ def chat(client: Client, model_id: str, options: dict[str, Any]) -> None:
         messages.append({"role": "assistant", "content": result["text"]})
 
 
-@click.command()
-@click.argument("model_id", shell_complete=complete_model)
-@click.argument("prompt", required=False)
-@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--system", help="A system prompt (the model's instructions).")
-@click.option("--format", "fmt", type=click.Choice(["json"]), help="Ask for a JSON answer.")
-@click.option("--max-tokens", type=click.IntRange(min=1), help="Cap the reply's length.")
-@click.option(
-    "--temperature", type=click.FloatRange(0, 100), help="Sampling temperature (0: greedy)."
-)
-@click.option("--seed", type=click.IntRange(0, 2**31 - 1), help="Sampling seed (repeatable).")
-@click.option("--keep-alive", help="Idle time before the engine stops: 30s, 5m, 0, -1.")
-@click.option("--allow-unverified", is_flag=True, help="Use a file no hash vouched for.")
-@json_option
-@click.pass_context
-def run(  # noqa: PLR0917 (click passes every option positionally by name)
-    ctx: click.Context,
+def run(
+    ctx: Ctx,
+    *,
     model_id: str,
     prompt: str | None,
-    images: tuple[str, ...],
+    images: list[Path] | None,
     system: str | None,
     fmt: str | None,
     max_tokens: int | None,
@@ -146,17 +145,17 @@ def run(  # noqa: PLR0917 (click passes every option positionally by name)
     }
     if images:
         # The CLI reads the files itself and sends their bytes (the CLI's contract).
-        options["images"] = [Path(p).read_bytes() for p in images]
+        options["images"] = [p.read_bytes() for p in images]
     if prompt is None and sys.stdin.isatty():
         if as_json:
-            raise click.UsageError("--json needs a prompt (an argument, or `-` for stdin)")
+            raise UsageError("--json needs a prompt (an argument, or `-` for stdin)")
         with client_of(ctx) as client:
             chat(client, model_id, options)
         return
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
         if not prompt.strip():
-            raise click.UsageError("the prompt read from stdin is empty")
+            raise UsageError("the prompt read from stdin is empty")
     text = prompt
     result = call(ctx, lambda c: _reply(c.generate(model_id, text, **options), echo=not as_json))
     if as_json:
@@ -166,3 +165,32 @@ def run(  # noqa: PLR0917 (click passes every option positionally by name)
     if "json" in result:
         err_console.print(f"json: {result['json']['status']}")
     err_console.print(timings_line(result))
+
+
+def run_parser(verbs: Verbs) -> None:
+    p = verbs.add("run", run)
+    completes(p.add_argument("model_id", metavar="MODEL_ID"), complete_model)
+    p.add_argument("prompt", metavar="PROMPT", nargs="?", help="The prompt; - reads stdin.")
+    completes(
+        p.add_argument(
+            "--image",
+            dest="images",
+            action="append",
+            type=existing_file,
+            metavar="PATH",
+            help="An image to send with the prompt (repeatable).",
+        ),
+        "file",
+    )
+    p.add_argument("--system", help="A system prompt (the model's instructions).")
+    p.add_argument("--format", dest="fmt", choices=["json"], help="Ask for a JSON answer.")
+    p.add_argument("--max-tokens", type=in_range(int, 1), help="Cap the reply's length.")
+    p.add_argument(
+        "--temperature", type=in_range(float, 0.0, 100.0), help="Sampling temperature (0: greedy)."
+    )
+    p.add_argument("--seed", type=in_range(int, 0, 2**31 - 1), help="Sampling seed (repeatable).")
+    p.add_argument("--keep-alive", help="Idle time before the engine stops: 30s, 5m, 0, -1.")
+    p.add_argument(
+        "--allow-unverified", action="store_true", help="Use a file no hash vouched for."
+    )
+    json_flag(p)

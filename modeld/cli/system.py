@@ -7,23 +7,37 @@ import socket
 import struct
 import sys
 from pathlib import Path
-from typing import Any
 
-import click
-
-from modeld.cli.common import call, client_of, console, emit, json_option
+from modeld.cli.common import (
+    Ctx,
+    UsageError,
+    Verbs,
+    call,
+    client_of,
+    console,
+    emit,
+    in_range,
+    json_flag,
+)
 from modeld.config import format_duration, format_size
 from modeld.errors import DaemonUnavailable, NotFound
 
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
-@click.command()
-def serve() -> None:
+
+def serve(ctx: Ctx) -> None:
     """Run the daemon in the foreground (Ctrl-C or SIGTERM stops it in order)."""
     from modeld.config import load_settings
     from modeld.daemon.daemon import serve as run_daemon
 
     settings = load_settings()
     raise SystemExit(run_daemon(settings))
+
+
+def serve_parser(verbs: Verbs) -> None:
+    verbs.add("serve", serve)
 
 
 def _print_status(doc: dict[str, Any]) -> None:
@@ -44,13 +58,14 @@ def _print_status(doc: dict[str, Any]) -> None:
             console.print(f"  [yellow]! {key}: {problem}[/]")
 
 
-@click.command()
-@json_option
-@click.pass_context
-def status(ctx: click.Context, as_json: bool) -> None:
+def status(ctx: Ctx, as_json: bool) -> None:
     """Show the daemon's version, settings and the state of each part."""
     doc = call(ctx, lambda c: c.status())
     emit(as_json, doc, _print_status)
+
+
+def status_parser(verbs: Verbs) -> None:
+    json_flag(verbs.add("status", status))
 
 
 def _daemon_pid(socket_path: Path) -> int:
@@ -96,11 +111,7 @@ def log_command(pid: int, lines: int, follow: bool) -> list[str]:
     )
 
 
-@click.command()
-@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
-@click.option("-n", "--lines", type=click.IntRange(min=0), default=100, show_default=True)
-@click.pass_context
-def logs(ctx: click.Context, follow: bool, lines: int) -> None:
+def logs(ctx: Ctx, follow: bool, lines: int) -> None:
     """Show the daemon's log: its systemd unit's journal, or the file its stderr goes to.
 
     The daemon is found as every verb finds it (--socket, MODELD_SOCKET...); it must run on
@@ -108,7 +119,7 @@ def logs(ctx: click.Context, follow: bool, lines: int) -> None:
     """
     endpoint = client_of(ctx).endpoint
     if endpoint.socket is None:
-        raise click.UsageError("`modeld logs` reads a daemon on this host: pass --socket")
+        raise UsageError("`modeld logs` reads a daemon on this host: pass --socket")
     argv = log_command(_daemon_pid(endpoint.socket), lines, follow)
     sys.stdout.flush()
     try:
@@ -117,3 +128,11 @@ def logs(ctx: click.Context, follow: bool, lines: int) -> None:
         raise NotFound(
             f"cannot run {argv[0]} ({e.strerror}); run it yourself: {' '.join(argv)}"
         ) from None
+
+
+def logs_parser(verbs: Verbs) -> None:
+    p = verbs.add("logs", logs)
+    p.add_argument("-f", "--follow", action="store_true", help="Keep printing new lines.")
+    p.add_argument(
+        "-n", "--lines", type=in_range(int, 0), default=100, help="How many lines (default: 100)."
+    )

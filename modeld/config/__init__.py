@@ -18,11 +18,13 @@ import pwd
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from modeld.errors import SettingsError
 
+TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     from modeld.config.settings import Settings, load_settings
 
 __all__ = ["Settings", "load_settings"]  # and every public name below
@@ -76,6 +78,31 @@ def parse_size(value: str | int | float) -> int:
     if match is None or unit not in _SIZE_UNITS:
         raise ValueError("not a size")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+RATE_HELP = (
+    "bytes per second, or a number with K, M or G (powers of 2, as curl's --limit-rate: "
+    "500K, 10M, 1.5G); the units of a size (10MB, 10MiB) and a trailing /s are taken too"
+)
+_CURL_RATE_UNITS = {"k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def parse_rate(value: str) -> int:
+    """Parse a ``--limit-rate`` such as ``10M`` or ``500K`` (curl's units, powers of 2),
+    ``10MB/s`` or ``1048576`` into bytes per second (at least 1); raise ValueError."""
+    text = value.strip()
+    text = text.removesuffix("/s").removesuffix("/S")
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None:
+        raise ValueError("not a rate")
+    if unit in _CURL_RATE_UNITS:
+        rate = int(float(match.group(1)) * _CURL_RATE_UNITS[unit])
+    else:
+        rate = parse_size(text)
+    if rate < 1:
+        raise ValueError("not a rate")
+    return rate
 
 
 def parse_duration(value: str | int | float) -> float:

@@ -100,10 +100,12 @@ class Downloads:
 
     # --- jobs ----------------------------------------------------------------------
 
-    def pull(self, model_id: str) -> DownloadJob:
-        """Start the model's download, or join the one running."""
+    def pull(self, model_id: str, *, limit_rate: int | None = None) -> DownloadJob:
+        """Start the model's download, or join the one running; ``limit_rate`` (bytes/s)
+        caps the job from now on, whoever started it."""
         job = self.jobs.get(model_id)
         if job is not None and not job.finished:
+            job.limit_rate(limit_rate)
             return job
         if self._stopping:
             raise ShuttingDown("the daemon is stopping; pull again once it is back", 5.0)
@@ -128,6 +130,7 @@ class Downloads:
             metrics=self.metrics,
             vouches=self.vouches,
         )
+        job.limit_rate(limit_rate)
         self.jobs[model_id] = job
         job.start()
         assert job.task is not None

@@ -38,6 +38,7 @@ from modeld.download.mirrors import (
 )
 from modeld.download.prefixhash import HASH_READ, PrefixHasher, start_writeback
 from modeld.download.rangeio import RangeClient, RangeConn, RangeFallback
+from modeld.download.ratelimit import TokenBucket
 from modeld.download.schedule import Piece, Schedule
 from modeld.errors import DownloadError
 
@@ -108,6 +109,27 @@ class Fetcher(Schedule):
         self._changed = asyncio.Event()
         self._fatal: BaseException | None = None
         self._advance_prefix()
+
+    # --- --limit-rate ----------------------------------------------------------------
+
+    @property
+    def limit(self) -> TokenBucket | None:
+        """The job's rate cap, over all its connections (None: uncapped)."""
+        return self.rangeio.limit
+
+    @limit.setter
+    def limit(self, bucket: TokenBucket | None) -> None:
+        self.rangeio.limit = bucket  # the raw reader pauses each connection's reading
+
+    async def pace(self, n: int) -> None:
+        """On aiohttp's path: count ``n`` bytes, and wait out the job's debt before reading on."""
+        limit = self.limit
+        if limit is None:
+            return
+        delay = limit.take(n)
+        while delay > 0:
+            await asyncio.sleep(delay)
+            delay = limit.wait()
 
     # --- bookkeeping ---------------------------------------------------------------
 
@@ -344,6 +366,7 @@ class Fetcher(Schedule):
                 raise MirrorFailure("transient", f"body ended at byte {piece.pos} (short answer)")
             n = min(len(chunk), min(stop, piece.end) - piece.pos)  # the end may have been split
             self._consume(piece, mirror, memoryview(chunk)[:n], bs)
+            await self.pace(len(chunk))
 
     def _consume(self, piece: Piece, mirror: Mirror, data: memoryview, bs: int) -> None:
         """Write ``data`` at ``piece.pos`` (cut to the piece's end); CRC and report blocks."""
@@ -392,6 +415,7 @@ class Fetcher(Schedule):
             chunk = await resp.content.read(CHUNK)
             if not chunk:
                 raise MirrorFailure("transient", f"body ended at byte {piece.pos} (short answer)")
+            await self.pace(len(chunk))
             now = time.monotonic()
             mirror.count(len(chunk), now - last)
             last = now

@@ -41,6 +41,7 @@ from modeld.download.mirrors import (
     probe,
     request,
 )
+from modeld.download.ratelimit import TokenBucket
 from modeld.errors import (
     BadRequest,
     DigestConflict,
@@ -191,6 +192,7 @@ class DownloadJob:
     _digest: str | None = None
     _session: aiohttp.ClientSession | None = None
     _kept: Vouch | None = None  # what a hub vouched for earlier for this revision
+    limit: TokenBucket | None = None  # --limit-rate: one bucket over all its connections
 
     @property
     def id(self) -> str:
@@ -199,6 +201,20 @@ class DownloadJob:
     @property
     def finished(self) -> bool:
         return self.state in FINISHED
+
+    def limit_rate(self, rate: int | None) -> None:
+        """Cap the job's rate at ``rate`` bytes/s from now on (a later pull may set another);
+        None leaves the cap as it is."""
+        if rate is None:
+            return
+        if self.limit is None:
+            self.limit = TokenBucket(rate)
+        else:
+            self.limit.set_rate(rate)
+        if self.fetcher is not None:
+            self.fetcher.limit = self.limit
+        logs.event("download_rate_limited", model=self.id, rate=rate)
+        self._notify()
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._main(), name=f"download-{self.id}")
@@ -238,6 +254,7 @@ class DownloadJob:
             "eta": round(left / speed, 1) if speed > 0 and left > 0 else None,
             "mirrors": [m.snapshot() for m in self.mirrors],
             "started_at": self.started_at,
+            "limit_rate": self.limit.rate if self.limit is not None else None,
         }
         if self.state is DownloadState.INSTALLED:
             record.update(
@@ -428,6 +445,7 @@ class DownloadJob:
             on_block=self._on_block,
             writer=self.writer,
         )
+        self.fetcher.limit = self.limit
         for i, b in self._crcs.items():
             self.fetcher.sources[i] = b.mirror
 
@@ -648,6 +666,7 @@ class DownloadJob:
                             data = await resp.content.readexactly(end - start)
                         finally:
                             resp.close()
+                        await f.pace(len(data))
                     except (
                         MirrorFailure,
                         aiohttp.ClientError,

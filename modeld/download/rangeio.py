@@ -33,6 +33,7 @@ from tenacity import (
 from yarl import URL
 
 from modeld.download.mirrors import MirrorFailure, classify_status, parse_content_range, retry_after
+from modeld.download.ratelimit import TokenBucket
 
 # Per connection. Small enough that the bytes are still in the CPU cache when ``pwrite`` and
 # CRC-32 read them (1 MiB buffers made the page-cache copy 6x slower here: 0.4 s more CPU/GB).
@@ -82,6 +83,10 @@ class RangeConn(asyncio.BufferedProtocol):
         self.keep = False
         self.last = 0.0
         self.timer: asyncio.TimerHandle | None = None
+        # ``--limit-rate``: the job's bucket; reading pauses while it is in debt.
+        self.limit: TokenBucket | None = None
+        self.paused = False
+        self.resume: asyncio.TimerHandle | None = None
 
     # --- asyncio callbacks -------------------------------------------------------------
 
@@ -90,15 +95,20 @@ class RangeConn(asyncio.BufferedProtocol):
         self.transport = transport
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.head or not self.busy:
-            return self.view[self.filled :]
-        return self.view[self.filled : self.filled + min(BUFFER - self.filled, self.need)]
+        room = BUFFER - self.filled
+        if not self.head and self.busy:
+            room = min(room, self.need)
+        if self.limit is not None:  # capped: small reads, so that no read runs far past it
+            room = min(room, self.limit.read_size)
+        return self.view[self.filled : self.filled + room]
 
     def buffer_updated(self, nbytes: int) -> None:
         self.last = self.loop.time()
         if not self.busy:
             self._close()  # bytes nobody asked for: this connection is out of step
             return
+        if self.limit is not None:
+            self._pause_for(self.limit.take(nbytes))
         self.filled += nbytes
         if self.head:
             self._parse_head()
@@ -127,6 +137,8 @@ class RangeConn(asyncio.BufferedProtocol):
         self.last = self.loop.time()
         self.timer = self.loop.call_later(self.stall, self._check_stall)
         self.transport.write(request)
+        if self.limit is not None:
+            self._pause_for(self.limit.wait())  # the job's debt first, then this answer
         return self.fut
 
     def _finish(self, result: int | BaseException) -> None:
@@ -174,6 +186,9 @@ class RangeConn(asyncio.BufferedProtocol):
         self.timer = None
         if not self.busy:
             return
+        if self.paused:  # holding back for --limit-rate is not the server's silence
+            self.timer = self.loop.call_later(self.stall, self._check_stall)
+            return
         quiet = self.loop.time() - self.last
         if quiet < self.stall:
             self.timer = self.loop.call_later(self.stall - quiet, self._check_stall)
@@ -207,6 +222,32 @@ class RangeConn(asyncio.BufferedProtocol):
         elif not go_on:
             self._close()  # the rest of this body is not wanted any more
             self._finish(self.start + self.got)
+
+    # --- --limit-rate ------------------------------------------------------------------
+
+    def _pause_for(self, delay: float) -> None:
+        """Stop reading for ``delay`` seconds (TCP then holds the server back)."""
+        if delay <= 0 or self.transport is None or not self.alive:
+            return
+        if not self.paused:
+            self.transport.pause_reading()
+            self.paused = True
+        if self.resume is not None:
+            self.resume.cancel()
+        self.resume = self.loop.call_later(delay, self._resume)
+
+    def _resume(self) -> None:
+        self.resume = None
+        if not self.paused:
+            return
+        wait = self.limit.wait() if self.limit is not None else 0.0
+        if wait > 0:  # other connections took bytes meanwhile: the debt is not paid yet
+            self.resume = self.loop.call_later(wait, self._resume)
+            return
+        self.paused = False
+        self.last = self.loop.time()
+        if self.alive and self.transport is not None:
+            self.transport.resume_reading()
 
     # --- the answer's head -------------------------------------------------------------
 
@@ -313,6 +354,7 @@ class RangeClient:
     def __init__(self, *, connect_timeout: float, stall_timeout: float) -> None:
         self.connect_timeout, self.stall_timeout = connect_timeout, stall_timeout
         self._idle: dict[tuple[str, str, int], list[RangeConn]] = {}
+        self.limit: TokenBucket | None = None  # --limit-rate: given to each request's conn
         self._all: set[RangeConn] = set()
         self._ssl: ssl.SSLContext | None = None
         self.connects = 0  # new connections made (the rest were kept alive)
@@ -408,6 +450,7 @@ class RangeClient:
         conn = await self._connect(url)
         if on_conn is not None:
             on_conn(conn)
+        conn.limit = self.limit
         try:
             served = await conn.begin(request, start, end, total, sink, from_cache)
         except _Stale:

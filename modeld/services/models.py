@@ -217,11 +217,14 @@ class Models:
                 return None
         return inst.to_dict()
 
-    async def pull(self, model_id: str, *, force: bool = False) -> Pull:
+    async def pull(
+        self, model_id: str, *, force: bool = False, limit_rate: int | None = None
+    ) -> Pull:
         """Start or join the model's download, unless its install is current already.
 
         Before any byte, a model that can never load is refused, or a variant that fits is
-        taken (``Fits.choose``; ``force`` skips the refusal).
+        taken (``Fits.choose``; ``force`` skips the refusal). ``limit_rate`` caps the
+        download's total rate in bytes/s (``pull --limit-rate``).
         """
         current = await self.current(model_id)
         choice: dict[str, Any] | None = None
@@ -237,7 +240,8 @@ class Models:
         if adopted is not None:
             doc, source = adopted
             return Pull(model_id, installed=doc, choice=choice, adopted=source)
-        return Pull(model_id, job=self.downloads.pull(model_id), choice=choice)
+        job = self.downloads.pull(model_id, limit_rate=limit_rate)
+        return Pull(model_id, job=job, choice=choice)
 
     async def _adopt(self, model_id: str) -> tuple[dict[str, Any], str] | None:
         """Install the entry's file from the Hugging Face cache (``HF_HUB_CACHE``), when it is

@@ -82,8 +82,11 @@ class Sources:
             source=str(self.catalog.source_of(model_id)),
         )
 
-    async def pull_source(self, source: str, *, model_id: str | None, force: bool) -> Pull:
-        """Resolve ``source`` (hf:// or a resolve URL) on the Hub, write its entry, pull it."""
+    async def pull_source(
+        self, source: str, *, model_id: str | None, force: bool, limit_rate: int | None = None
+    ) -> Pull:
+        """Resolve ``source`` (hf:// or a resolve URL) on the Hub, write its entry, pull it
+        (``limit_rate``: as ``Models.pull``)."""
         ref = parse_source(source, self.settings.hf_endpoint)
         if self.settings.hf_hub_offline:
             raise Offline(
@@ -116,7 +119,7 @@ class Sources:
                     commit=found.commit,
                     path=str(path),
                 )
-        pull = await self.models.pull(model_id, force=force)
+        pull = await self.models.pull(model_id, force=force, limit_rate=limit_rate)
         pull.entry = {
             "path": str(path),
             "source": ref.shown,

@@ -3,6 +3,7 @@ pipe, shell completion, logs."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import select
@@ -12,8 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from modeld.client import Client
-from tests.cli.conftest import Tiny
+from modeld.download.ratelimit import TokenBucket
+from modeld.errors import BadRequest
+from tests.cli.conftest import TINY, Tiny
 from tests.support.state import write_entry
 
 
@@ -136,7 +141,7 @@ def test_output_to_a_pipe_is_never_cut_nor_styled(tiny: Tiny) -> None:
 
 
 def test_shell_completion_offers_the_daemons_model_ids(tiny: Tiny) -> None:
-    """click's bash completion completes a model id from the daemon's catalog."""
+    """Completion's protocol: a model id from the daemon's catalog, a verb."""
     result = _tiny_cli(
         tiny, _MODELD_COMPLETE="bash_complete", COMP_WORDS="modeld show tin", COMP_CWORD="2"
     )
@@ -146,6 +151,71 @@ def test_shell_completion_offers_the_daemons_model_ids(tiny: Tiny) -> None:
         tiny, _MODELD_COMPLETE="bash_complete", COMP_WORDS="modeld pu", COMP_CWORD="1"
     )
     assert "plain,pull" in verbs.stdout.splitlines()
+
+
+def test_the_bash_script_completes_through_modeld(tiny: Tiny, short_tmp: Path) -> None:
+    """The script `bash_source` prints, run by bash: TAB after `modeld show tin` offers the
+    daemon's model, after `modeld import ` the shell's own file completion."""
+    wrapper = short_tmp / "modeld"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m modeld "$@"\n')
+    wrapper.chmod(0o755)
+    env = dict(tiny.daemon.env, PATH=f"{short_tmp}:{os.environ['PATH']}")
+    script = (
+        'eval "$(_MODELD_COMPLETE=bash_source modeld)"\n'
+        "COMP_WORDS=(modeld show tin); COMP_CWORD=2; _modeld_completion modeld\n"
+        'echo "ids: ${COMPREPLY[*]}"\n'
+        "COMP_WORDS=(modeld pull --de); COMP_CWORD=2; _modeld_completion modeld\n"
+        'echo "options: ${COMPREPLY[*]}"\n'
+    )
+    result = subprocess.run(
+        ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ids: tiny-text" in result.stdout.splitlines()
+    assert "options: --detach" in result.stdout.splitlines()
+
+
+def _listed(tiny: Tiny, model_id: str) -> None:
+    """Wait until the daemon's catalog has re-read the registry and lists ``model_id``."""
+    with Client(tiny.socket) as c:
+        deadline = time.monotonic() + 30
+        while model_id not in [m["id"] for m in c.models()["models"]]:  # live reload
+            assert time.monotonic() < deadline, "the registry file was never read"
+            select.select([], [], [], 0.05)
+
+
+def test_pull_limit_rate_caps_the_whole_download(tiny: Tiny) -> None:
+    """`pull --limit-rate 128K`: every progress record carries the cap, and the K bytes take
+    at least (K - connections x one capped read) / rate seconds. A lower bound on the time: a
+    loaded machine only makes it longer."""
+    data = TINY.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    url = tiny.mirror.mirror.url
+    write_entry(tiny.registry, "capped", size=len(data), sha256=digest, urls=[url])
+    _listed(tiny, "capped")
+    rate = 128 * 1024
+    start = time.monotonic()
+    started = _tiny_cli(tiny, "pull", "capped", "--limit-rate", "128K", "--detach", "--json")
+    assert started.returncode == 0, started.stderr
+    with Client(tiny.socket) as c:
+        connections = c.status()["settings"]["download_connections"]
+        records = list(c.pull("capped"))  # joins the job; no cap given keeps its cap
+    took = time.monotonic() - start
+    assert records[-1]["state"] == "installed" and records[-1]["digest"] == digest
+    assert {r["limit_rate"] for r in records} == {rate}
+    floor = (len(data) - connections * TokenBucket(rate).read_size) / rate
+    assert floor > 1.0 and took >= floor, (took, floor)
+    assert _tiny_cli(tiny, "rm", "capped").returncode == 0
+
+
+def test_pull_limit_rate_refuses_what_is_not_a_rate(tiny: Tiny) -> None:
+    """A bad --limit-rate is a usage error naming the units; the API refuses 0 with a 400."""
+    for bad in ("10X", "0", "-5K", "fast"):
+        result = _tiny_cli(tiny, "pull", "tiny-text", f"--limit-rate={bad}")
+        assert result.returncode == 2, result.stderr
+        assert "is not a rate" in result.stderr and "10M" in result.stderr
+    with Client(tiny.socket) as c, pytest.raises(BadRequest, match="limit_rate"):
+        c.request("POST", "/api/models/tiny-text/pull", {"limit_rate": 0, "detach": True})
 
 
 def test_logs_shows_the_file_the_daemons_stderr_goes_to(tiny: Tiny) -> None:
@@ -178,11 +248,7 @@ def test_a_pull_that_reaches_no_mirror_leaves_nothing_and_says_how_to_add_one(
         sha256="a" * 64,
         urls=["http://127.0.0.1:9/offline.litertlm", f"http://127.0.0.1:{port}/o.litertlm"],
     )
-    with Client(tiny.socket) as c:
-        deadline = time.monotonic() + 30
-        while "offline" not in [m["id"] for m in c.models()["models"]]:  # live reload
-            assert time.monotonic() < deadline, "the registry file was never read"
-            select.select([], [], [], 0.05)
+    _listed(tiny, "offline")
     result = _tiny_cli(tiny, "pull", "offline")
     assert result.returncode == 1
     line = result.stderr.strip()

@@ -150,13 +150,23 @@ def test_a_bad_url_is_a_settings_error() -> None:
 
 
 def test_importing_the_client_loads_no_heavy_package() -> None:
-    """`import modeld.client` (and the CLI's fast verbs) load neither aiohttp nor pydantic."""
+    """`import modeld.client` and a CLI call load neither aiohttp nor pydantic, nor click
+    (argparse parses), nor typing or shutil (run with -S: site's own imports left out)."""
     code = (
         "import sys, modeld.client, modeld.cli, modeld.cli.models, modeld.cli.system, "
-        "modeld.cli.engines; print(sorted(m for m in ('aiohttp', 'pydantic', 'rich') "
-        "if m in sys.modules))"
+        "modeld.cli.engines, modeld.cli.downloads\n"
+        "try:\n    modeld.cli.main(['--socket', '/nonexistent/modeld.sock', 'status'])\n"
+        "except SystemExit:\n    pass\n"
+        "heavy = ('aiohttp', 'pydantic', 'rich', 'click', 'typing', 'shutil')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))"
     )
+    repo = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+        [sys.executable, "-S", "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        cwd=repo,
     )
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == "[]", out.stderr
