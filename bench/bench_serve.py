@@ -130,7 +130,12 @@ def read_stream(resp: http.client.HTTPResponse, began: float) -> Sample:
     return Sample(seconds, tokens, first, timings)
 
 
-def http_caller(connect: Connect, prompt: str, tokens: int, stream: bool) -> Callable[[], Once]:
+RESETS: dict[str, int] = {}  # server -> connections it reset or closed mid-request
+
+
+def http_caller(
+    server: str, connect: Connect, prompt: str, tokens: int, stream: bool
+) -> Callable[[], Once]:
     """A factory of per-client callers, each with its own keep-alive connection."""
     doc: dict[str, Any] = {
         "model": MODEL_ID,
@@ -146,7 +151,7 @@ def http_caller(connect: Connect, prompt: str, tokens: int, stream: bool) -> Cal
         conn = [connect()]
 
         def once() -> Sample:
-            for attempt in range(2):
+            for attempt in range(4):
                 try:
                     began = time.perf_counter()
                     conn[0].request("POST", "/v1/chat/completions", body, headers)
@@ -166,10 +171,12 @@ def http_caller(connect: Connect, prompt: str, tokens: int, stream: bool) -> Cal
                         conn[0] = connect()
                     return sample
                 except (http.client.RemoteDisconnected, ConnectionError, BrokenPipeError):
-                    # A server that closes idle connections: reconnect once.
+                    # A server that closes idle connections, or resets one when its accept
+                    # backlog overflows: reconnect (counted, and printed with the figures).
+                    RESETS[server] = RESETS.get(server, 0) + 1
                     conn[0].close()
                     conn[0] = connect()
-                    if attempt:
+                    if attempt == 3:
                         raise
             raise AssertionError("unreachable")
 
@@ -377,13 +384,15 @@ def main() -> None:
             proc, port = start_litert_serve(root)
 
             def modeld(n: int, stream: bool) -> Callable[[], Once]:
-                return http_caller(lambda: UnixHTTPConnection(str(d.socket)), prompt, n, stream)
+                return http_caller(
+                    "modeld", lambda: UnixHTTPConnection(str(d.socket)), prompt, n, stream
+                )
 
             def litert(n: int, stream: bool) -> Callable[[], Once]:
                 def connect() -> http.client.HTTPConnection:
                     return http.client.HTTPConnection("127.0.0.1", port, timeout=300)
 
-                return http_caller(connect, prompt, n, stream)
+                return http_caller("litert-lm serve", connect, prompt, n, stream)
 
             def in_process(n: int, stream: bool) -> Callable[[], Once]:
                 return direct.caller(prompt, n, stream)
@@ -423,6 +432,8 @@ def main() -> None:
             f"{label:<46} {med(key, 'tokens'):6.0f} {med(key, 'p50'):9.2f} "
             f"{med(key, 'p99'):9.2f} {med(key, 'rps'):7.1f} {first}"
         )
+    if RESETS:
+        print(f"connections reset or closed mid-request (then retried): {RESETS}")
     print("goals:")
     for n in LENGTHS:
         for stream in (False, True):
