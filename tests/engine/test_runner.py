@@ -447,3 +447,20 @@ def test_the_pinned_runtime_still_has_the_private_streaming_api(short_tmp: Path)
         )
     finally:
         conversation.close()
+
+
+def test_token_batcher_sends_a_new_replys_first_token_at_once() -> None:
+    """Tokens within the window of the last frame wait; the first token of the next reply
+    does not, and the waiting ones go before it."""
+    from modeld.engine.runner.child import _TokenBatcher, split_frames
+
+    frames = bytearray()
+    batcher = _TokenBatcher(frames.extend, window=3600.0)
+    batcher.add(1, "a")  # the first of a burst: at once
+    batcher.add(1, "b")  # within the window: waits
+    assert [(m["id"], m["token"]) for m in split_frames(frames)] == [(1, "a")]
+    batcher.add(2, "c")
+    assert [(m["id"], m["token"]) for m in split_frames(frames)] == [(1, "b"), (2, "c")]
+    batcher.add(2, "d")
+    batcher.flush()
+    assert [(m["id"], m["token"]) for m in split_frames(frames)] == [(2, "d")]

@@ -155,9 +155,11 @@ class _TokenBatcher:
     def add(self, rid: int, text: str) -> None:
         with self.cv:
             now = time.monotonic()
-            if self.parts and self.rid != rid:
-                self._flush_locked(now)
-            self.rid = rid
+            if self.rid != rid:
+                if self.parts:
+                    self._flush_locked(now)
+                # A new reply's first token goes at once, however soon after the last one's.
+                self.rid, self.last = rid, 0.0
             self.parts.append(text)
             if now - self.last >= self.window:
                 self._flush_locked(now)
