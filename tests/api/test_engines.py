@@ -129,6 +129,13 @@ async def test_queued_requests_are_served_in_arrival_order(clean_env: Path) -> N
         finally:
             logger.removeHandler(served)
             logger.setLevel(level)
+
+        async def spare_started() -> bool:
+            return (await c.request("GET", "/api/engines"))["spare"]["pid"] is not None
+
+        # The load took the spare runner and started another: stop the daemon once it is up,
+        # not while it starts.
+        await until(spare_started, limit=60)
     assert [final["tokens"] for _, final in results] == asked
     assert served.tokens == asked
     # The first one was long enough for the others to queue behind it.
