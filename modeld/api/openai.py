@@ -620,31 +620,38 @@ async def _sse(
     response = web.StreamResponse(headers={"Content-Type": SSE, "Cache-Control": "no-cache"})
     await response.prepare(request)
     held: list[str] = []
+    # What is ready goes out in one write: the opening with the first tokens, and the
+    # ending, [DONE] and the end of the body together (one send each, not one per chunk).
+    pending = reply.opening()
+    last = b""
     try:
-        await response.write(b"".join(reply.opening()))
         rec = first
         while rec is not None:
             if "token" not in rec:
-                for chunk in reply.ending(rec, "".join(held), include_usage):
-                    await response.write(chunk)
+                last = b"".join([*pending, *reply.ending(rec, "".join(held), include_usage)])
+                pending = []
             elif reply.forced:
                 held.append(rec["token"])
             else:
-                await response.write(reply.chunk({"content": rec["token"]}))
+                pending.append(reply.chunk({"content": rec["token"]}))
+            if pending:
+                await response.write(b"".join(pending))
+                pending = []
             rec = await anext(records, None)
-        await response.write(_DONE)
+        last += _DONE
     except ModeldError as e:
         body = error_body(e.status, e.code, e.message)
-        await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        last = b"data: " + json.dumps(body).encode() + b"\n\n"
     except (ConnectionResetError, ConnectionError):
-        pass  # the client left; closing the generator below cancels the generation
+        last = b""  # the client left; closing the generator below cancels the generation
     except Exception:
         logging.getLogger("modeld").exception("chat stream failed")
         body = error_body(500, "internal", "internal error; see the daemon's log")
-        await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        last = b"data: " + json.dumps(body).encode() + b"\n\n"
     finally:
         await records.aclose()
-    await response.write_eof()
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof(last)
     return response
 
 

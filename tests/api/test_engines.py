@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import logging
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,70 @@ async def test_lazy_load_and_cold_burst_makes_one_runner(clean_env: Path) -> Non
         t = results[0][1]["timings"]
         assert set(t) >= {"load", "queue", "prefill", "first_token", "total"}
         assert t["total"] >= t["first_token"] > 0
+
+
+class _Served(logging.Handler):
+    """The token counts of the daemon's ``generate`` events, in the order they are logged."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.tokens: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if text.startswith("generate "):
+            self.tokens.append(int(re.search(r" tokens=(\d+)", text).group(1)))  # type: ignore[union-attr]
+
+
+async def test_queued_requests_are_served_in_arrival_order(clean_env: Path) -> None:
+    """Requests that reach a busy engine (the real runtime) are served in the order they
+    arrived: each asks for its own token count, and the daemon logs each request's end in
+    the order the engine served them."""
+    home, registry = clean_env / "home", clean_env / "registry"
+    model = "tiny-text-long"
+    install_fixture(home, model, MODELS / f"{model}.litertlm", registry=registry)
+    settings = load_settings(
+        home=home, socket=home / "modeld.sock", registry=[registry], main_backend="cpu"
+    )
+    prompt = "Write a long story about the sea."  # its reply runs past 1,024 tokens
+    logger = logging.getLogger("modeld")
+    served, level = _Served(), logger.level
+    async with running_daemon(settings) as d, d.client() as c:
+
+        async def arrived() -> int:
+            (e,) = (await c.request("GET", "/api/engines"))["engines"]
+            return int(e["requests"]) + int(e["queued"])
+
+        await generate(c, model=model, prompt=prompt, max_tokens=8)  # loaded
+        logger.addHandler(served)
+        logger.setLevel(logging.INFO)
+        try:
+            asked = [1024, *range(9, 16)]
+            tasks = []
+            for n in asked:
+                seen = await arrived()
+                tasks.append(
+                    asyncio.create_task(generate(c, model=model, prompt=prompt, max_tokens=n))
+                )
+                deadline = time.monotonic() + 30
+                while await arrived() == seen:  # each reaches the pool before the next leaves
+                    assert not tasks[-1].done() or tasks[-1].exception() is None
+                    assert time.monotonic() < deadline, "the request never reached the pool"
+            results = await asyncio.gather(*tasks)
+        finally:
+            logger.removeHandler(served)
+            logger.setLevel(level)
+
+        async def spare_started() -> bool:
+            return (await c.request("GET", "/api/engines"))["spare"]["pid"] is not None
+
+        # The load took the spare runner and started another: stop the daemon once it is up,
+        # not while it starts.
+        await until(spare_started, limit=60)
+    assert [final["tokens"] for _, final in results] == asked
+    assert served.tokens == asked
+    # The first one was long enough for the others to queue behind it.
+    assert max(final["timings"]["queue"] for _, final in results[1:]) > 0
 
 
 def _learned_rows(home: Path) -> dict[str, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -159,6 +160,46 @@ async def test_load_cancelled_when_every_waiter_leaves() -> None:
     # A load that finished instead would leave the engine listed and its runner alive.
     await wait_until(lambda: pool.list() == [] and factory.alive() == [])
     assert factory.runners[0].closing
+    await pool.stop()
+
+
+async def test_requests_for_one_engine_are_served_in_arrival_order() -> None:
+    """Requests queued on a busy engine run in the order they arrived: one that leaves the
+    queue does not disturb the others, and one that arrives just as the engine frees up
+    (before the next in line has run) does not go first."""
+    factory = FakeFactory(hold=True)
+    pool = await make_pool(factory)
+    t = target("m")
+    served: list[int] = []
+
+    async def ask(n: int) -> None:
+        async for rec in pool.generate(t, {"messages": [], "n": n}):
+            if rec.get("done"):
+                served.append(n)
+
+    async def first_then_barge() -> None:
+        await ask(0)
+        # The engine was just released and the next in line only woken: a request that
+        # reaches the pool now, before the loop runs that one, must queue behind it.
+        late = pool.generate(t, {"messages": [], "n": 99})
+        async for rec in late:
+            if rec.get("done"):
+                served.append(99)
+
+    tasks = [asyncio.create_task(first_then_barge())]
+    await wait_until(lambda: len(factory.gates) == 1)  # request 0 runs; the others queue
+    engine = next(iter(pool.engines.values()))
+    for n in range(1, 9):
+        tasks.append(asyncio.create_task(ask(n)))
+        await wait_until(functools.partial(lambda k: engine.users == k, n + 1))  # n queued
+    tasks[3].cancel()  # request 3 leaves the queue
+    await wait_until(lambda: engine.users == 8)
+    factory.hold = False
+    factory.release_all()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    expected = [0, 1, 2, 4, 5, 6, 7, 8, 99]
+    assert [job["n"] for job in factory.jobs] == expected  # the order they began
+    assert served == expected
     await pool.stop()
 
 

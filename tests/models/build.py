@@ -178,6 +178,13 @@ FIXTURES: dict[str, FixtureSpec] = {
             " creating a gpu engine; cpu loads and generates",
         ),
         FixtureSpec(
+            "tiny-text-long",
+            TextSpec(seed=8, cache=1280),
+            "same shape as tiny-text, a 1280-token window (replies of 1,024 tokens)",
+            note="for bench/bench_serve.py's long replies; some prompts end early (the bench"
+            " picks one that reaches the length)",
+        ),
+        FixtureSpec(
             "gemma3n-like",
             TextSpec(seed=3),
             "text decoder + tiny vision encoder (backend_constraint=gpu)"

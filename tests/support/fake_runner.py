@@ -46,6 +46,7 @@ class FakeRunner:
         return {"ok": True, "seconds": 0.0, "pss": self.pss, "rss": self.pss}
 
     async def generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        self.factory.jobs.append(job)
         gate = asyncio.Event()
         if not self.factory.hold:
             gate.set()
@@ -116,6 +117,7 @@ class FakeFactory:
         self.hold = hold
         self.runners: list[FakeRunner] = []
         self.gates: list[asyncio.Event] = []
+        self.jobs: list[dict[str, Any]] = []  # every generation's job, in the order they began
         self.creates = 0
 
     async def __call__(self) -> FakeRunner:

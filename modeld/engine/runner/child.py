@@ -146,7 +146,7 @@ class _TokenBatcher:
     def __init__(self, send: Any, window: float = TOKEN_WINDOW) -> None:
         self._send = send
         self.window = window
-        self.cv = threading.Condition()
+        self.cv = threading.Condition(threading.Lock())
         self.rid = 0
         self.parts: list[str] = []
         self.last = 0.0
@@ -155,13 +155,17 @@ class _TokenBatcher:
     def add(self, rid: int, text: str) -> None:
         with self.cv:
             now = time.monotonic()
-            if self.parts and self.rid != rid:
-                self._flush_locked(now)
-            self.rid = rid
+            if self.rid != rid:
+                if self.parts:
+                    self._flush_locked(now)
+                # A new reply's first token goes at once, however soon after the last one's.
+                self.rid, self.last = rid, 0.0
             self.parts.append(text)
             if now - self.last >= self.window:
                 self._flush_locked(now)
-            else:
+            elif len(self.parts) == 1:
+                # The flusher sleeps until parts come: wake it to time this window. While
+                # parts wait it is already timed, so later tokens cost no wake-up.
                 self.cv.notify()
 
     def flush(self) -> None:
@@ -430,6 +434,7 @@ class _Child:
             calls_of,
             classify_json,
             conversation_args,
+            stream_reply,
             text_of,
         )
 
@@ -459,20 +464,23 @@ class _Child:
             text_parts.append(text_of(whole))
             tool_calls += calls_of(whole)
         else:
-            for message in conversation.send_message_async(last, **send_kwargs):
-                now = time.perf_counter()
+
+            def on_message(message: dict[str, Any]) -> bool:
+                # On the runtime's thread, once per chunk: keep it short.
+                nonlocal first_at, chunks
                 if first_at is None:
-                    first_at = now
+                    first_at = time.perf_counter()
                 chunks += 1
-                tool_calls += calls_of(message)
+                if "tool_calls" in message:
+                    tool_calls.extend(calls_of(message))
                 piece = stops.feed(text_of(message))
                 if piece:
                     text_parts.append(piece)
                     if streamed:
                         self.send_token(rid, piece)
-                if stops.hit:
-                    conversation.cancel_process()
-                    break
+                return stops.hit
+
+            stream_reply(conversation, last, send_kwargs, on_message)
         tail = stops.flush()
         if tail:
             text_parts.append(tail)

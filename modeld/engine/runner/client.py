@@ -237,6 +237,11 @@ class Runner:
 
     async def _on_exit(self) -> None:
         assert self.proc is not None
+        # The child closed its end, so nothing more can be written: close ours first, before
+        # a wait below is cancelled by a daemon that stops meanwhile (an unclosed writer
+        # warns when the loop is gone). kill() does the same.
+        if self._writer is not None:
+            self._writer.close()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.proc.wait(), 5.0)
         if self.proc.returncode is None:
@@ -256,10 +261,9 @@ class Runner:
         for q in self._pending.values():
             q.put_nowait(self.died)
         self._exited.set()
-        # The child is gone, so is its socket: close our end here, not only in kill(), which
-        # a crash noticed by the pool's watcher never reaches (an unclosed writer warns).
+        # Closed above, here and not only in kill(), which a crash noticed by the pool's
+        # watcher never reaches.
         if self._writer is not None:
-            self._writer.close()
             with contextlib.suppress(ConnectionError):
                 await self._writer.wait_closed()
 
@@ -392,12 +396,13 @@ class Runner:
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
+        if self._writer is not None:
+            self._writer.close()  # before any wait, which a stopping daemon may cancel
         if self._tasks:
             await self._exited.wait()
         elif self.proc is not None:
             await self.proc.wait()
         if self._writer is not None:
-            self._writer.close()
             with contextlib.suppress(ConnectionError):
                 await self._writer.wait_closed()
         for t in self._tasks:
