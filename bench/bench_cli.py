@@ -139,7 +139,8 @@ def main() -> None:
     home, registry = root / "home", root / "registry"
     install_fixture(home, "tiny-text", MODELS / "tiny-text.litertlm", registry=registry)
     env = daemon_env(home, MODELD_REGISTRY=str(registry), MODELD_LOG_LEVEL="warning")
-    env["PYTHONPATH"] = str(REPO)
+    # This checkout first; a PYTHONPATH the caller set (packages outside a venv) after it.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     d = DaemonProcess(home=home, env=env)
     d.start()
     sock = home / "modeld.sock"
