@@ -35,6 +35,7 @@ from modeld.download.journal import BLOCK_SIZE, Block, Journal, JournalState, Me
 from modeld.download.mirrors import (
     Mirror,
     MirrorFailure,
+    MirrorState,
     is_hf_host,
     open_range,
     os_error_to_modeld,
@@ -621,13 +622,18 @@ class DownloadJob:
                 self.metrics.download_repairs.inc(len(fixed))
             for m in self.mirrors:
                 if m.label == label:
-                    m.state, m.reason = "banned", f"sent {len(fixed)} blocks with wrong bytes"
+                    m.state, m.reason = (
+                        MirrorState.BANNED,
+                        f"sent {len(fixed)} blocks with wrong bytes",
+                    )
             logs.event("mirror_banned", model=self.id, mirror=label, blocks=len(fixed))
             hasher = PrefixHasher(fd, self.target.size)
             digest = await hasher.digest()
             if digest == expected:
                 return digest
-        unreached = [m.label for m in self.mirrors if m.state == "dropped" and not m.answered]
+        unreached = [
+            m.label for m in self.mirrors if m.state is MirrorState.DROPPED and not m.answered
+        ]
         if unreached:
             # Given up as unreachable for this pull, not proven wrong: one may answer later.
             raise DownloadError(

@@ -11,6 +11,7 @@ back to the original URL for a fresh signature.
 from __future__ import annotations
 
 import asyncio
+import enum
 import errno
 import ipaddress
 import random
@@ -192,13 +193,28 @@ def os_error_to_modeld(exc: OSError, path: str) -> DownloadError:
     return DownloadError(f"cannot write {path}: {exc}; the partial is kept, pull again to resume")
 
 
+class MirrorState(enum.StrEnum):
+    """Where a mirror stands in one download; the progress shows the value (a plain string)."""
+
+    NEW = "new"  # not asked yet
+    OK = "ok"  # answered; serves ranges
+    STREAM_ONLY = "stream_only"  # answered a range request with 200: only a stream from byte 0
+    BACKOFF = "backoff"  # failed; waits before its next request (``not_before``)
+    DROPPED = "dropped"  # given up for this download (``reason`` says why)
+    BANNED = "banned"  # sent wrong bytes (repair found them)
+
+
+# States in which a mirror may still be sent requests.
+USABLE = frozenset({MirrorState.NEW, MirrorState.OK, MirrorState.BACKOFF, MirrorState.STREAM_ONLY})
+
+
 @dataclass
 class Mirror:
     """One URL of the entry and what this download learnt about it."""
 
     url: URL
     primary: bool = False
-    state: str = "new"  # new → ok | slow | stream_only | backoff | dropped | banned
+    state: MirrorState = MirrorState.NEW
     reason: str | None = None
     resolved: URL | None = None  # cached redirect target (a signed CDN URL)
     # Whether the entry's own URL is on a loopback, link-local or private address: only
@@ -230,11 +246,11 @@ class Mirror:
 
     @property
     def usable(self) -> bool:
-        return self.state in ("new", "ok", "slow", "backoff", "stream_only")
+        return self.state in USABLE
 
     @property
     def ranges(self) -> bool:
-        return self.state != "stream_only"
+        return self.state is not MirrorState.STREAM_ONLY
 
     def count(self, n: int, seconds: float) -> None:
         """Account ``n`` bytes that took ``seconds`` on one connection."""
@@ -264,10 +280,10 @@ class Mirror:
         if self.metrics is not None:
             self.metrics.download_errors.labels(self.label, failure.kind).inc()
         if failure.kind == "gone":
-            self.state = "dropped"
+            self.state = MirrorState.DROPPED
             return
         if failure.kind == "no_ranges":
-            self.state = "stream_only"
+            self.state = MirrorState.STREAM_ONLY
             return
         if failure.kind == "expired":
             self.resolved = None
@@ -278,7 +294,7 @@ class Mirror:
             and self.strikes + 1 >= MAX_UNREACHABLE
         ):
             self.strikes += 1
-            self.state = "dropped"
+            self.state = MirrorState.DROPPED
             self.reason = f"{failure} ({self.strikes} tries; never reached)"
             return
         # tenacity's view of this mirror's tries: the attempt number counts strikes only.
@@ -290,24 +306,24 @@ class Mirror:
             self.stalls = 0
             tries, limit = self.strikes, MAX_STRIKES
         if stop_after_attempt(limit)(_call_state(tries, failure)):
-            self.state = "dropped"
+            self.state = MirrorState.DROPPED
             self.reason = f"{failure} ({tries} times in a row)"
             return
         self.not_before = time.monotonic() + MIRROR_WAIT(_call_state(self.strikes, failure))
-        if self.state != "stream_only":
-            self.state = "backoff"
+        if self.state is not MirrorState.STREAM_ONLY:
+            self.state = MirrorState.BACKOFF
 
     def succeed(self) -> None:
         self.answered = True
         self.strikes = self.stalls = 0
-        if self.state in ("new", "backoff"):
-            self.state = "ok"
+        if self.state in (MirrorState.NEW, MirrorState.BACKOFF):
+            self.state = MirrorState.OK
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "url": self.url.human_repr(),
             "host": self.label,
-            "state": self.state,
+            "state": self.state.value,
             "reason": self.reason,
             "received": self.received,
             "speed": round(self.current_speed()),
@@ -546,7 +562,7 @@ async def probe(
                 total = parsed[2]
             elif resp.status == 200:
                 total = resp.content_length if resp.content_length is not None else -1
-                mirror.state = "stream_only"
+                mirror.state = MirrorState.STREAM_ONLY
             else:
                 raise classify_status(resp.status, resp)
             if total != size:
@@ -571,11 +587,11 @@ async def probe(
         failure = classify_exception(e) or MirrorFailure("gone", str(e))
         if failure.kind == "gone":
             mirror.answered = True
-            mirror.state, mirror.reason = "dropped", f"probe failed: {failure}"
+            mirror.state, mirror.reason = MirrorState.DROPPED, f"probe failed: {failure}"
         else:
             # Still worth trying later: every range answer is checked against the size anyway.
             mirror.fail(failure)
         return
     mirror.answered = True
-    if mirror.state == "new":
-        mirror.state = "ok"
+    if mirror.state is MirrorState.NEW:
+        mirror.state = MirrorState.OK

@@ -535,8 +535,12 @@ def test_a_near_best_slower_mirror_takes_the_queues_back() -> None:
     from modeld.download.schedule import Piece, Schedule
 
     mb = 1024 * 1024
-    fast = MirrorState(URL("http://127.0.0.1:1/f"), primary=True, state="ok", conn_rate=100e6)
-    slower = MirrorState(URL("http://127.0.0.1:2/s"), state="ok", conn_rate=60e6)
+    fast = MirrorState(
+        URL("http://127.0.0.1:1/f"), primary=True, state=mirrors_mod.MirrorState.OK, conn_rate=100e6
+    )
+    slower = MirrorState(
+        URL("http://127.0.0.1:2/s"), state=mirrors_mod.MirrorState.OK, conn_rate=60e6
+    )
     fast.speed = slower.speed = 1e6
     s = Schedule(
         size=64 * mb, block_size=mb, piece_size=4 * mb, mirrors=[fast, slower], done=bytearray(64)

@@ -250,3 +250,25 @@ def test_a_stall_is_retried_at_once_without_using_up_a_try() -> None:
     mir.fail(m.MirrorFailure("stall", "no bytes within the stall timeout"))
     assert mir.state == "dropped"
     assert f"({m.MAX_STALLS} times in a row)" in (mir.reason or "")
+
+
+def test_mirror_state_is_typed_and_shown_as_a_plain_string() -> None:
+    """``Mirror.state`` is a ``MirrorState``; the progress record carries its plain value,
+    which JSON writes as before (``"backoff"``)."""
+    import json
+
+    mir = _mirror()
+    seen: list[tuple[m.MirrorState, bool, bool]] = [(mir.state, mir.usable, mir.ranges)]
+    for failure in ("transient", "no_ranges", "gone"):
+        mir.fail(m.MirrorFailure(failure, "why"))
+        seen.append((mir.state, mir.usable, mir.ranges))
+        if failure == "transient":
+            record = json.loads(json.dumps(mir.snapshot()))
+            assert record["state"] == "backoff" and type(mir.snapshot()["state"]) is str
+    assert seen == [
+        (m.MirrorState.NEW, True, True),
+        (m.MirrorState.BACKOFF, True, True),
+        (m.MirrorState.STREAM_ONLY, True, False),
+        (m.MirrorState.DROPPED, False, True),
+    ]
+    assert all(type(state) is m.MirrorState for state, _, _ in seen)
