@@ -28,6 +28,7 @@ from modeld.download.journal import Block
 from modeld.download.mirrors import (
     Mirror,
     MirrorFailure,
+    MirrorState,
     _headers,
     classify_exception,
     classify_status,
@@ -196,6 +197,20 @@ class Fetcher(Schedule):
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def wake(self) -> None:
+        """A probe ended: a mirror may have joined (or gone); idle connections look again."""
+        self._wake()
+
+    def stop(self, error: BaseException) -> None:
+        """Fail the fetch with ``error`` now: no piece more, those in flight closed."""
+        self._fatal = error
+        for p in list(self.inflight):
+            self._abandon(p)
+        self._wake()
+
+    def _probing(self) -> bool:
+        return any(m.state is MirrorState.PROBING for m in self.mirrors)
+
     async def _idle(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), seconds)
@@ -208,6 +223,11 @@ class Fetcher(Schedule):
                 continue
             ready = [m for m in self.mirrors if m.usable and m.ranges]
             if self.queue and not ready:
+                if self._probing():
+                    # A mirror still probing may serve ranges: wait for its answer before
+                    # streaming from byte 0, or before giving up.
+                    await self._idle(1.0)
+                    continue
                 if any(m.usable for m in self.mirrors):
                     await self._stream_all()
                     continue

@@ -1,10 +1,11 @@
 """One verified, resumable download of a model file over all its mirrors.
 
 A ``DownloadJob`` goes: check free space → re-check journaled blocks (CRC-32) → probe each
-mirror (size, ETag, ``X-Linked-Etag``) → settle the expected sha256 (the entry's, a hub's
+mirror (size, ETag, ``X-Linked-Etag``) → fetch the missing blocks (``fetch.Fetcher``) from
+the first mirror that answers, later answers joining, while a thread hashes the contiguous
+prefix → once every probe has ended, settle the expected sha256 (the entry's, a hub's
 ``X-Linked-Etag``, or the one a hub vouched for earlier for this pinned revision; sources
-that disagree fail the pull before a byte is fetched) → fetch the missing blocks
-(``fetch.Fetcher``) while a thread hashes the contiguous prefix → compare the sha256 → on a
+that disagree fail the pull as soon as the second one answers) → compare the sha256 → on a
 mismatch, repair (re-fetch elsewhere only the blocks one mirror served, ban the mirror that
 lied) → install (fsync, rename, fsync dir, row). The journal, the kept digests and the
 installer are injected, so the downloader runs without the store (tests, the benchmark);
@@ -100,16 +101,18 @@ class DownloadTarget:
 
 @dataclass
 class Tuning:
-    """Downloader settings: MODELD_DOWNLOAD_CONNECTIONS, _PIECE_SIZE, _STALL_TIMEOUT."""
+    """Downloader settings: MODELD_DOWNLOAD_CONNECTIONS, _PIECE_SIZE, _STALL_TIMEOUT,
+    _PROBE_HEADER_TIMEOUT, _PROBE_FIRST_BYTE_TIMEOUT."""
 
     connections: int = 8
     piece_size: int = 16 * 1024 * 1024
     stall_timeout: float = 20.0
     connect_timeout: float = 15.0
     hf_token: str | None = None
-    # A probe's whole answer (headers and its one byte) must come within this: a mirror that
-    # trickles header lines resets every read timeout and would hold the pull in probing.
-    probe_timeout: float = 10.0
+    # A probe's answer headers, then its first body byte, must each come within these: a
+    # mirror that trickles header lines resets every read timeout and would hold its probe.
+    probe_header_timeout: float = 10.0
+    probe_first_byte_timeout: float = 10.0
     # Hub hosts beside huggingface.co (HF_ENDPOINT's): they get the token and vouch.
     hub_hosts: tuple[str, ...] = ()
 
@@ -117,11 +120,12 @@ class Tuning:
     def from_settings(cls, settings: Settings) -> Tuning:
         token = settings.hf_token.get_secret_value() if settings.hf_token else None
         return cls(
-            settings.download_connections,
-            settings.piece_size,
-            settings.stall_timeout,
-            15.0,
-            token,
+            connections=settings.download_connections,
+            piece_size=settings.piece_size,
+            stall_timeout=settings.stall_timeout,
+            hf_token=token,
+            probe_header_timeout=settings.probe_header_timeout,
+            probe_first_byte_timeout=settings.probe_first_byte_timeout,
             hub_hosts=settings.hub_hosts,
         )
 
@@ -194,6 +198,9 @@ class DownloadJob:
     _session: aiohttp.ClientSession | None = None
     _kept: Vouch | None = None  # what a hub vouched for earlier for this revision
     limit: TokenBucket | None = None  # --limit-rate: one bucket over all its connections
+    _probes: dict[asyncio.Task[None], Mirror] = field(default_factory=dict)
+    _ended: set[asyncio.Task[None]] = field(default_factory=set)  # probes looked at
+    _fetching: asyncio.Task[None] | None = None
 
     @property
     def id(self) -> str:
@@ -360,6 +367,7 @@ class DownloadJob:
             await self._prepare(fd, state, block)
             await self._fetch_and_install(fd, block)
         finally:
+            await self._cancel_probes()
             os.close(fd)
             if self._session is not None:
                 await self._session.close()
@@ -403,16 +411,12 @@ class DownloadJob:
         session = self._session
         if t.revision is not None:
             self._kept = await self.vouches.vouched(t.model_id, t.revision)
-        await asyncio.gather(
-            *(probe(session, m, t.size, token, self.tuning.probe_timeout) for m in self.mirrors)
-        )
-        try:
-            expected = self._expected()[0]
-        except DigestConflict:
-            if not self._crcs:
-                self.partial.unlink(missing_ok=True)  # nothing of value in it yet
-            raise
-        await self._keep_hub_answer()
+        self._probes = {
+            asyncio.create_task(self._probe(m), name=f"probe-{self.id}-{m.label}"): m
+            for m in self.mirrors
+        }
+        await self._first_answer()
+        expected = self._expected()[0]
         etags = state.etags if state else {}
         for m in self.mirrors:
             old = etags.get(str(m.url))
@@ -449,6 +453,99 @@ class DownloadJob:
         self.fetcher.limit = self.limit
         for i, b in self._crcs.items():
             self.fetcher.sources[i] = b.mirror
+
+    # --- probes: the pull starts on the first answer, later ones join it ------------------
+
+    async def _probe(self, m: Mirror) -> None:
+        """Probe ``m``; its answer joins the schedule, or drops the mirror. A digest that
+        contradicts an earlier source stops the fetch at once (``DigestConflict``)."""
+        assert self._session is not None
+        t = self.tuning
+        await probe(
+            self._session,
+            m,
+            self.target.size,
+            t.hf_token,
+            t.probe_header_timeout,
+            t.probe_first_byte_timeout,
+        )
+        if m.state is MirrorState.DROPPED:
+            logs.event("mirror_dropped", model=self.id, mirror=m.label, reason=m.reason)
+        elif self.state is not DownloadState.PROBING and m.usable:
+            logs.event("mirror_joined", model=self.id, mirror=m.label, state=m.state.value)
+        try:
+            self._expected()
+        except DigestConflict as e:
+            if self.fetcher is not None:
+                self.fetcher.stop(e)  # not one piece more, from any mirror
+            raise
+        if self.fetcher is not None:
+            self.fetcher.wake()
+        self._notify()
+
+    async def _probe_ended(self, task: asyncio.Task[None]) -> None:
+        """A probe's end: its error (a ``DigestConflict`` names both sources), else a hub's
+        answer is kept."""
+        self._ended.add(task)
+        try:
+            task.result()
+        except DigestConflict:
+            if not self._crcs:  # nothing of value in the partial yet
+                await self._cancel_fetch()
+                self.partial.unlink(missing_ok=True)
+                await self.journal.clear(self.id)
+            raise
+        await self._keep_hub_answer()
+
+    async def _first_answer(self) -> None:
+        """Wait until one mirror answered its probe with the right size, and every mirror
+        whose journaled blocks are kept has answered (its ETag says whether they hold);
+        or until every probe has ended."""
+        keep = {b.mirror for b in self._crcs.values()}
+        waiting = set(self._probes)
+        while waiting:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                await self._probe_ended(task)
+            answered = any(
+                m.state in (MirrorState.OK, MirrorState.STREAM_ONLY) for m in self._probes.values()
+            )
+            if answered and not any(self._probes[task].label in keep for task in waiting):
+                return
+
+    async def _fetch(self, f: Fetcher) -> None:
+        """Run the fetcher while the probes still out come in: each answer joins the schedule
+        (or drops its mirror), and a source that contradicts another fails the pull. Returns
+        once every block is done and every probe has ended, so the sha256 is compared with
+        every source there is."""
+        # Probes that ended since the first answer, before the fetch starts (no await
+        # between this check and the start).
+        while ended := [t for t in self._probes if t.done() and t not in self._ended]:
+            await self._probe_ended(ended[0])
+        fetch = asyncio.create_task(f.run(), name=f"fetch-{self.id}")
+        self._fetching = fetch
+        waiting: set[asyncio.Task[None]] = {t for t in self._probes if not t.done()} | {fetch}
+        try:
+            while waiting:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in done - {fetch}:
+                    await self._probe_ended(task)
+                if fetch in done:
+                    fetch.result()  # a failed fetch fails the pull now
+        finally:
+            await self._cancel_fetch()
+
+    async def _cancel_fetch(self) -> None:
+        fetch = self._fetching
+        if fetch is not None and not fetch.done():
+            fetch.cancel()
+            await asyncio.gather(fetch, return_exceptions=True)
+
+    async def _cancel_probes(self) -> None:
+        left = [t for t in self._probes if not t.done()]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
     def _hub_answers(self) -> list[tuple[str, str]]:
         """(host, sha256) of each Hugging Face redirect seen for this file (X-Linked-Etag)."""
@@ -550,7 +647,7 @@ class DownloadJob:
             f.hasher.advance(min(self.target.size, f.prefix_blocks * block))
             self._set(DownloadState.DOWNLOADING)
             try:
-                await f.run()
+                await self._fetch(f)
             except BaseException:
                 f.hasher.stop()
                 raise

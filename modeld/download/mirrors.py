@@ -197,6 +197,7 @@ class MirrorState(enum.StrEnum):
     """Where a mirror stands in one download; the progress shows the value (a plain string)."""
 
     NEW = "new"  # not asked yet
+    PROBING = "probing"  # its probe is out; the pull may already run on other mirrors
     OK = "ok"  # answered; serves ranges
     STREAM_ONLY = "stream_only"  # answered a range request with 200: only a stream from byte 0
     BACKOFF = "backoff"  # failed; waits before its next request (``not_before``)
@@ -525,64 +526,83 @@ async def open_range(  # noqa: PLR0917 (a range is start, end and total)
 
 
 class ProbeTimeout(MirrorFailure):
-    """A probe's answer did not come whole in time; the mirror is tried again later, by the
-    fetcher, while the others start (a probe never retries it)."""
+    """A probe's answer did not come in time (its headers, or its first body byte): the
+    mirror is dropped for this download, while the others go on (a probe never retries it)."""
 
 
-async def probe(
+def _read_probe_answer(resp: aiohttp.ClientResponse, mirror: Mirror, size: int) -> None:
+    """The probe's answer: a 206 of byte 0 (or a 200: the mirror ignores Range) of a file
+    of ``size`` bytes; its strong ETag is kept for If-Range."""
+    if resp.status == 206:
+        parsed = parse_content_range(resp.headers.get("Content-Range"))
+        if parsed is None or parsed[:2] != (0, 0) or parsed[2] is None:
+            raise MirrorFailure("gone", f"bad Content-Range {resp.headers.get('Content-Range')!r}")
+        total = parsed[2]
+    elif resp.status == 200:
+        total = resp.content_length if resp.content_length is not None else -1
+        mirror.state = MirrorState.STREAM_ONLY
+    else:
+        raise classify_status(resp.status, resp)
+    if total != size:
+        raise MirrorFailure("gone", f"file is {total} bytes, the entry says {size}")
+    mirror.etag = strong_etag(resp.headers.get("ETag"))
+
+
+async def probe(  # noqa: PLR0917 (two timeouts beside the mirror, size and token)
     session: aiohttp.ClientSession,
     mirror: Mirror,
     size: int,
     token: str | None,
-    answer_timeout: float = 10.0,
+    header_timeout: float = 10.0,
+    first_byte_timeout: float = 10.0,
 ) -> None:
     """``Range: bytes=0-0``: learn the size, ETag and range support; drop a wrong size.
 
-    The headers and the one byte must arrive within ``answer_timeout`` in all (read
-    timeouts alone restart with every header line a slow mirror trickles).
+    The answer's headers (redirects included) must all arrive within ``header_timeout``,
+    then its first body byte within ``first_byte_timeout`` (read timeouts alone restart with
+    every header line a slow mirror trickles). The mirror is ``probing`` meanwhile, and
+    ``ok``, ``stream_only``, ``backoff`` or ``dropped`` (``reason`` says why) after.
     """
 
     async def once() -> None:
         try:
-            async with asyncio.timeout(answer_timeout):
+            async with asyncio.timeout(header_timeout):
                 resp = await request(session, mirror, {"Range": "bytes=0-0"}, token)
-                if resp.status == 206:
-                    await resp.content.read(1)
         except TimeoutError:
             raise ProbeTimeout(
-                "transient", f"no whole answer to the probe within {answer_timeout:g} s"
+                "gone", f"no answer headers to the probe within {header_timeout:g} s"
             ) from None
         try:
-            if resp.status == 206:
-                parsed = parse_content_range(resp.headers.get("Content-Range"))
-                if parsed is None or parsed[:2] != (0, 0) or parsed[2] is None:
-                    raise MirrorFailure(
-                        "gone", f"bad Content-Range {resp.headers.get('Content-Range')!r}"
-                    )
-                total = parsed[2]
-            elif resp.status == 200:
-                total = resp.content_length if resp.content_length is not None else -1
-                mirror.state = MirrorState.STREAM_ONLY
-            else:
-                raise classify_status(resp.status, resp)
-            if total != size:
-                raise MirrorFailure("gone", f"file is {total} bytes, the entry says {size}")
-            mirror.etag = strong_etag(resp.headers.get("ETag"))
+            try:
+                async with asyncio.timeout(first_byte_timeout):
+                    if resp.status in (200, 206):
+                        await resp.content.read(1)
+            except TimeoutError:
+                mirror.answered = True
+                raise ProbeTimeout(
+                    "gone", f"no first byte of the probe's answer within {first_byte_timeout:g} s"
+                ) from None
+            _read_probe_answer(resp, mirror, size)
         finally:
             resp.release()
 
-    # The probe holds up the pull's start, so it waits at most 5 s between its tries; a longer
-    # Retry-After is honoured by the mirror's back-off once the probe gave up (Mirror.fail).
+    # Other mirrors may already serve the pull, but the probe still waits at most 5 s between
+    # its tries; a longer Retry-After is honoured by the mirror's back-off once the probe gave
+    # up (Mirror.fail).
     retrying = AsyncRetrying(
         retry=retry_if_exception(lambda e: is_transient(e) and not isinstance(e, ProbeTimeout)),
         wait=wait_mirror(cap=5.0),
         stop=stop_after_attempt(PROBE_TRIES),
         reraise=True,
     )
+    mirror.state = MirrorState.PROBING
     try:
         async for attempt in retrying:
             with attempt:
                 await once()
+    except ProbeTimeout as e:
+        mirror.state, mirror.reason = MirrorState.DROPPED, f"probe: {e}"
+        return
     except (TimeoutError, MirrorFailure, aiohttp.ClientError, ConnectionError) as e:
         failure = classify_exception(e) or MirrorFailure("gone", str(e))
         if failure.kind == "gone":
@@ -591,7 +611,9 @@ async def probe(
         else:
             # Still worth trying later: every range answer is checked against the size anyway.
             mirror.fail(failure)
+            if mirror.state is MirrorState.PROBING:  # ``expired`` changes no state
+                mirror.state = MirrorState.BACKOFF
         return
     mirror.answered = True
-    if mirror.state is MirrorState.NEW:
+    if mirror.state is MirrorState.PROBING:
         mirror.state = MirrorState.OK
