@@ -85,6 +85,8 @@ class Fetcher(Schedule):
         done: bytearray,
         on_block: Callable[[Block], None],
         writer: Writer = os.pwrite,
+        on_stream_only: Callable[[Mirror], None] | None = None,
+        on_stream: Callable[[Mirror, int], None] | None = None,
     ) -> None:
         super().__init__(
             size=size, block_size=block_size, piece_size=piece_size, mirrors=mirrors, done=done
@@ -94,6 +96,8 @@ class Fetcher(Schedule):
         self.session, self.token = session, token
         self.on_block = on_block
         self.writer = writer
+        # A mirror found to ignore Range; a stream from byte 0 begun with bytes already done.
+        self.on_stream_only, self.on_stream = on_stream_only, on_stream
         self.sources: dict[int, str] = {}
         self.received = 0
         self.raw_pieces = 0  # pieces (attempts) read by the raw range reader
@@ -256,6 +260,8 @@ class Fetcher(Schedule):
             return
         self.queue.clear()
         mirror = next(m for m in self.mirrors if m.usable)
+        if self.on_stream is not None:
+            self.on_stream(mirror, self.done_bytes)
         await self._run_piece(Piece(0, self.size, 0, stream=True), mirror)
         if not self._all_done():
             self._plan()
@@ -362,7 +368,10 @@ class Fetcher(Schedule):
         return True
 
     def _requeue(self, piece: Piece, mirror: Mirror, failure: MirrorFailure) -> None:
+        ranges = mirror.ranges
         mirror.fail(failure)
+        if ranges and not mirror.ranges and self.on_stream_only is not None:
+            self.on_stream_only(mirror)
         if piece.abandoned or piece.stream:
             return
         if piece.pos < piece.end:

@@ -146,6 +146,14 @@ def local_installer(blobs_dir: Path) -> Installer:
     return install
 
 
+def _holds_data(path: Path) -> bool:
+    """Whether ``path`` exists with some bytes written (not only its sparse size)."""
+    try:
+        return path.stat().st_blocks > 0
+    except FileNotFoundError:
+        return False
+
+
 def _crc_blocks(fd: int, size: int, block_size: int, blocks: dict[int, Block]) -> list[int]:
     """Indexes of journaled blocks whose bytes on disk still have the journaled CRC-32."""
     good = []
@@ -185,6 +193,7 @@ class DownloadJob:
     mirrors: list[Mirror] = field(default_factory=list)
     fetcher: Fetcher | None = None
     resumed: int = 0
+    from_zero: str | None = None  # why a pull with a partial on disk starts from byte 0
     repaired: int = 0
     verified_by: str | None = None
     install_latency: float | None = None
@@ -271,6 +280,8 @@ class DownloadJob:
                 repaired=self.repaired,
                 install_latency=self.install_latency,
             )
+        if self.from_zero is not None:
+            record["from_zero"] = self.from_zero
         if self.error is not None:
             record["error"] = self.error.to_dict()["error"]
         return record
@@ -356,7 +367,10 @@ class DownloadJob:
             logs.event("download_restart", model=t.model_id, reason="entry changed")
             await self.journal.clear(t.model_id)
             state = None
+            self._from_zero("the entry's size or sha256 changed since the partial was written")
         if state is None:
+            if self.from_zero is None and _holds_data(self.partial):
+                self._from_zero("the partial on disk has no journal: its blocks cannot be checked")
             self.partial.unlink(missing_ok=True)
         block = state.block_size if state else min(BLOCK_SIZE, self.tuning.piece_size)
         self._check_space()
@@ -424,6 +438,11 @@ class DownloadJob:
                 # The file changed on that mirror since the journal: its blocks are suspect.
                 self._crcs = {i: b for i, b in self._crcs.items() if b.mirror != m.label}
                 logs.event("mirror_changed", model=self.id, mirror=m.label)
+        if state is not None and state.blocks and not self._crcs:
+            self._from_zero(
+                f"none of the {len(state.blocks)} journaled blocks still holds (its CRC-32 "
+                "differs, or its mirror's file changed)"
+            )
         self.resumed = sum(min(t.size, (i + 1) * block) - i * block for i in self._crcs)
         new_state = JournalState(
             t.size,
@@ -449,6 +468,8 @@ class DownloadJob:
             done=done,
             on_block=self._on_block,
             writer=self.writer,
+            on_stream_only=self._ignores_range,
+            on_stream=self._streams_from_zero,
         )
         self.fetcher.limit = self.limit
         for i, b in self._crcs.items():
@@ -471,6 +492,8 @@ class DownloadJob:
         )
         if m.state is MirrorState.DROPPED:
             logs.event("mirror_dropped", model=self.id, mirror=m.label, reason=m.reason)
+        elif m.state is MirrorState.STREAM_ONLY:
+            self._ignores_range(m)
         elif self.state is not DownloadState.PROBING and m.usable:
             logs.event("mirror_joined", model=self.id, mirror=m.label, state=m.state.value)
         try:
@@ -481,6 +504,26 @@ class DownloadJob:
             raise
         if self.fetcher is not None:
             self.fetcher.wake()
+        self._notify()
+
+    def _ignores_range(self, m: Mirror) -> None:
+        logs.event("mirror_ignores_range", model=self.id, mirror=m.label, reason=m.reason)
+        self._notify()
+
+    def _streams_from_zero(self, m: Mirror, have: int) -> None:
+        """Only ``m`` is left and it ignores Range: a resume must fetch from byte 0."""
+        if have:
+            self._from_zero(
+                f"{m.label} ignores Range requests and no other mirror is left, so the file "
+                f"is fetched again from byte 0 (the {have} bytes already here are not "
+                "written again)"
+            )
+
+    def _from_zero(self, reason: str) -> None:
+        """This pull starts from byte 0 though a partial was there: the progress and the log
+        say why."""
+        self.from_zero = reason
+        logs.event("download_from_zero", model=self.id, reason=reason)
         self._notify()
 
     async def _probe_ended(self, task: asyncio.Task[None]) -> None:

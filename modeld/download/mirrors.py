@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     from modeld.metrics import Metrics
 
 MAX_REDIRECTS = 10
+# A mirror's ``reason`` once it answered a Range request with 200 (the progress shows it).
+IGNORES_RANGE = (
+    "ignores Range requests (answered 200): used only as one stream from byte 0, and only "
+    "when no other mirror is left"
+)
 # Consecutive transient failures before a mirror is given up for this download.
 MAX_STRIKES = 6
 # Consecutive stalls before it is given up: a stall uses up no try (it is retried at once),
@@ -284,7 +289,7 @@ class Mirror:
             self.state = MirrorState.DROPPED
             return
         if failure.kind == "no_ranges":
-            self.state = MirrorState.STREAM_ONLY
+            self.state, self.reason = MirrorState.STREAM_ONLY, IGNORES_RANGE
             return
         if failure.kind == "expired":
             self.resolved = None
@@ -540,7 +545,7 @@ def _read_probe_answer(resp: aiohttp.ClientResponse, mirror: Mirror, size: int) 
         total = parsed[2]
     elif resp.status == 200:
         total = resp.content_length if resp.content_length is not None else -1
-        mirror.state = MirrorState.STREAM_ONLY
+        mirror.state, mirror.reason = MirrorState.STREAM_ONLY, IGNORES_RANGE
     else:
         raise classify_status(resp.status, resp)
     if total != size:

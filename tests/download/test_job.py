@@ -390,6 +390,7 @@ async def test_resume_uses_journal_and_rechecks_blocks(
     await job2.wait()
     assert installed_bytes(job2) == data
     assert job2.resumed == (len(state.blocks) - 1) * PIECE
+    assert job2.from_zero is None and "from_zero" not in job2.snapshot()  # a plain resume
     assert ms[0].sent - before <= SIZE - job2.resumed + PIECE  # only the missing part again
     assert "m1" not in journal.states
 
@@ -405,6 +406,24 @@ async def test_changed_file_on_mirror_discards_its_blocks(
     await job2.wait()
     assert job2.resumed == 0
     assert installed_bytes(job2) == data
+    assert job2.from_zero is not None and "journaled blocks still holds" in job2.from_zero
+    assert job2.snapshot()["from_zero"] == job2.from_zero
+
+
+async def test_a_partial_without_its_journal_says_it_starts_from_byte_0(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """A partial whose journal is gone cannot be checked: the pull starts from byte 0 and its
+    progress says why."""
+    ms, target, journal = await cancelled_pull(short_tmp, data, stop_later, SIZE // 4)
+    ms[0].faults.throttle = None
+    await journal.clear("m1")
+    job = memory_job(target, short_tmp, tuning(), journal=journal)
+    job.start()
+    await job.wait()
+    assert job.from_zero == "the partial on disk has no journal: its blocks cannot be checked"
+    assert job.snapshot()["from_zero"] == job.from_zero and job.resumed == 0
+    assert installed_bytes(job) == data
 
 
 async def test_disk_full_stops_at_once(
