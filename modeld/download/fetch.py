@@ -268,6 +268,7 @@ class Fetcher(Schedule):
 
     async def _run_piece(self, piece: Piece, mirror: Mirror) -> None:
         piece.mirror, piece.began, piece.got, piece.abandoned = mirror, time.monotonic(), 0, False
+        piece.last = piece.began
         piece.window, piece.window_start = 0, piece.began
         self.inflight.add(piece)
         mirror.active += 1
@@ -293,7 +294,9 @@ class Fetcher(Schedule):
             self._requeue(piece, mirror, classify_exception(e) or MirrorFailure("gone", str(e)))
         finally:
             if piece.window:
-                mirror.count(piece.window, time.monotonic() - piece.window_start)
+                measured = not piece.probe or piece.got >= piece.probe
+                seconds = time.monotonic() - piece.window_start if measured else 0.0
+                mirror.count(piece.window, seconds)  # 0 s: the bytes, no rate
                 piece.window = 0
             mirror.active -= 1
             self.inflight.discard(piece)
@@ -411,9 +414,10 @@ class Fetcher(Schedule):
         new = pos + n
         piece.pos = new
         piece.got += n
+        piece.last = time.monotonic()
         self.received += n
         piece.window += n
-        if piece.window >= CHUNK:
+        if piece.window >= CHUNK and not piece.probe:  # a probe piece counts once, at its end
             now = time.monotonic()
             mirror.count(piece.window, now - piece.window_start)
             piece.window, piece.window_start = 0, now

@@ -548,6 +548,32 @@ async def test_a_throttled_mirror_never_holds_the_hash_front(
     assert f.prefix_blocks == f.nblocks
 
 
+async def test_a_mirror_that_bursts_then_crawls_is_measured_on_its_probe_piece(
+    short_tmp: Path, big: bytes, stop_later: list[Mirror]
+) -> None:
+    """A mirror that sends each answer's first block at once (as socket buffers do) and then
+    2 MB/s: its probe piece of several blocks measures it as slow, so it never gets the file's
+    front; on one block it had looked as fast as the fast mirror."""
+    bursty = Faults(throttle=2_000_000, burst=1024 * 1024)
+    ms = await start_mirrors(big, Faults(), bursty)
+    job = await run_pull(
+        short_tmp,
+        ms,
+        stop_later,
+        sha=hashlib.sha256(big).hexdigest(),
+        size=BIG,
+        tuning=tuning(connections=4, piece_size=4 * 1024 * 1024, stall_timeout=60.0),
+    )
+    assert installed_bytes(job) == big
+    f = job.fetcher
+    assert f is not None
+    slow = job.mirrors[1]
+    # Measured as slow, or never measured (its probe piece cut short by the endgame).
+    assert slow.conn_rate is None or slow.conn_rate < 10e6, slow.conn_rate
+    slow_blocks = [i for i, label in f.sources.items() if label == slow.label]
+    assert all(i >= f.nblocks // 2 for i in slow_blocks), slow_blocks
+
+
 def test_a_near_best_slower_mirror_takes_the_queues_back() -> None:
     """Scheduler unit: the best mirror takes the queue's front, a near-best slower one its back,
     and a piece at the hash front on a far slower mirror is moved to the best one."""

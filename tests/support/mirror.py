@@ -1,10 +1,11 @@
 """A test mirror: aiohttp on 127.0.0.1 (ephemeral port) serving one file, with switchable faults.
 
 Each fault is a field of ``Faults`` and can be changed while the mirror runs:
-throttle, stall after N bytes, drop mid-piece, ignore Range (200), short 206, wrong
-Content-Range, flip a byte, wrong total size, a fixed status (404), 500-then-OK, a redirect
-loop, a redirect to any URL (e.g. https → http or ftp), and a Hugging Face-like redirect
-that carries ``X-Linked-Etag``/``X-Linked-Size`` and whose signed target expires (403).
+throttle (after a burst, as socket buffers give one), stall after N bytes, drop mid-piece,
+ignore Range (200), short 206, wrong Content-Range, flip a byte, wrong total size, a fixed
+status (404), 500-then-OK, a redirect loop, a redirect to any URL (e.g. https → http or
+ftp), and a Hugging Face-like redirect that carries ``X-Linked-Etag``/``X-Linked-Size`` and
+whose signed target expires (403).
 
 ``SlowHeadMirror`` is a raw server for what aiohttp cannot do: an answer whose header lines
 come one at a time (or whose body never starts) until the test releases it.
@@ -39,6 +40,7 @@ def pinned_path(file: str = "m.litertlm", commit: str = COMMIT, repo: str = "org
 @dataclass
 class Faults:
     throttle: float | None = None  # bytes per second per response
+    burst: int = 0  # bytes of each response sent at once before the throttle applies
     stall_after: int | None = None  # after this many body bytes in total, stop sending
     drop_after: int | None = None  # abort the connection after this many bytes of a response
     drop_times: int = 1_000_000  # how many responses to drop
@@ -185,8 +187,8 @@ class Mirror:
             pos += n
             sent_here += n
             self.sent += n
-            if f.throttle:
-                ahead = sent_here / f.throttle - (time.monotonic() - began)
+            if f.throttle and sent_here > f.burst:
+                ahead = (sent_here - f.burst) / f.throttle - (time.monotonic() - began)
                 if ahead > 0:
                     await asyncio.sleep(ahead)
         await resp.write_eof()
