@@ -520,25 +520,37 @@ async def test_endgame_splits_pieces_of_a_mirror_that_stalls(
     assert stalled.reason is None and stalled.strikes == 0
 
 
+async def fast_and_slow_pull(
+    home: Path, big: bytes, stop_later: list[Mirror], slow: Faults, piece_size: int
+) -> tuple[list[Mirror], Fetcher, mirrors_mod.Mirror, list[int]]:
+    """Pull ``big`` from a fast primary and a mirror with ``slow`` faults: the mirrors, the
+    fetcher, the slow mirror's state and the blocks it served."""
+    ms = await start_mirrors(big, Faults(), slow)
+    job = await run_pull(
+        home,
+        ms,
+        stop_later,
+        sha=hashlib.sha256(big).hexdigest(),
+        size=BIG,
+        tuning=tuning(connections=4, piece_size=piece_size, stall_timeout=60.0),
+    )
+    assert installed_bytes(job) == big
+    f = job.fetcher
+    assert f is not None
+    second = job.mirrors[1]
+    return ms, f, second, [i for i, label in f.sources.items() if label == second.label]
+
+
 async def test_a_throttled_mirror_never_holds_the_hash_front(
     short_tmp: Path, big: bytes, stop_later: list[Mirror]
 ) -> None:
     """A fast primary and a throttled mirror: the throttled one's blocks lie at the file's end,
     and the last block releases little to the hasher (the hash tail is bounded)."""
-    ms = await start_mirrors(big, Faults(), Faults(throttle=2_000_000))
-    job = await run_pull(
-        short_tmp,
-        ms,
-        stop_later,
-        sha=hashlib.sha256(big).hexdigest(),
-        size=BIG,
-        tuning=tuning(connections=4, piece_size=2 * 1024 * 1024, stall_timeout=60.0),
+    throttled = Faults(throttle=2_000_000)
+    ms, f, _, slow_blocks = await fast_and_slow_pull(
+        short_tmp, big, stop_later, throttled, 2 * 1024 * 1024
     )
-    assert installed_bytes(job) == big
-    f = job.fetcher
-    assert f is not None and f.hasher is not None
-    slow = job.mirrors[1]
-    slow_blocks = [i for i, label in f.sources.items() if label == slow.label]
+    assert f.hasher is not None
     # The throttled mirror was asked for work (its probe), but only ever got the back.
     assert [r["Range"] for r in ms[1].requests if r.get("Range") != "bytes=0-0"]
     assert all(i >= f.nblocks * 3 // 4 for i in slow_blocks), slow_blocks
@@ -555,22 +567,11 @@ async def test_a_mirror_that_bursts_then_crawls_is_measured_on_its_probe_piece(
     2 MB/s: its probe piece of several blocks measures it as slow, so it never gets the file's
     front; on one block it had looked as fast as the fast mirror."""
     bursty = Faults(throttle=2_000_000, burst=1024 * 1024)
-    ms = await start_mirrors(big, Faults(), bursty)
-    job = await run_pull(
-        short_tmp,
-        ms,
-        stop_later,
-        sha=hashlib.sha256(big).hexdigest(),
-        size=BIG,
-        tuning=tuning(connections=4, piece_size=4 * 1024 * 1024, stall_timeout=60.0),
+    _, f, slow, slow_blocks = await fast_and_slow_pull(
+        short_tmp, big, stop_later, bursty, 4 * 1024 * 1024
     )
-    assert installed_bytes(job) == big
-    f = job.fetcher
-    assert f is not None
-    slow = job.mirrors[1]
     # Measured as slow, or never measured (its probe piece cut short by the endgame).
     assert slow.conn_rate is None or slow.conn_rate < 10e6, slow.conn_rate
-    slow_blocks = [i for i, label in f.sources.items() if label == slow.label]
     assert all(i >= f.nblocks // 2 for i in slow_blocks), slow_blocks
 
 
