@@ -283,3 +283,21 @@ def test_hugging_face_conventions(clean_env: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("HF_ENDPOINT", "ftp://mirror")
     with pytest.raises(SettingsError, match=r"HF_ENDPOINT|hf_endpoint"):
         load_settings(home=clean_env)
+
+
+def test_probe_timeouts(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MODELD_PROBE_HEADER_TIMEOUT and _FIRST_BYTE_TIMEOUT: 10 s each by default, durations,
+    carried into the downloader's tuning; 0 stops start-up naming the key."""
+    from modeld.download.job import Tuning
+
+    s = load_settings()
+    assert (s.probe_header_timeout, s.probe_first_byte_timeout) == (10.0, 10.0)
+    monkeypatch.setenv("MODELD_PROBE_HEADER_TIMEOUT", "1m")
+    monkeypatch.setenv("MODELD_PROBE_FIRST_BYTE_TIMEOUT", "2.5s")
+    tuning = Tuning.from_settings(load_settings())
+    assert (tuning.probe_header_timeout, tuning.probe_first_byte_timeout) == (60.0, 2.5)
+    assert load_settings().effective()["probe_first_byte_timeout"] == 2.5
+    monkeypatch.setenv("MODELD_PROBE_HEADER_TIMEOUT", "0")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert "MODELD_PROBE_HEADER_TIMEOUT=0" in str(info.value)

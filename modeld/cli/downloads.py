@@ -89,7 +89,12 @@ def _print_done(record: dict[str, Any]) -> None:
         f"[green]installed[/] {record['id']}: {format_size(record['size'])}, "
         f"sha256 {record.get('digest')}, verified by {verified}"
     )
-    if record.get("resumed"):
+    for m in record.get("mirrors", []):
+        if m["state"] == "stream_only":
+            console.print(f"  mirror ignores Range requests: {escape(m['host'])}")
+    if record.get("from_zero"):
+        console.print(f"  fetched from byte 0, not resumed: {escape(record['from_zero'])}")
+    elif record.get("resumed"):
         console.print(f"  resumed from {format_size(record['resumed'])} already on disk")
     if record.get("repaired"):
         console.print(f"  repaired {record['repaired']} blocks a mirror sent wrong")

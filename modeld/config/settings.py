@@ -73,6 +73,16 @@ class _TomlSource(PydanticBaseSettingsSource):
         return dict(self.data)
 
 
+# Durations that must be more than 0 (``keep_alive`` also takes 0 and -1).
+_TIMEOUTS = (
+    "stall_timeout",
+    "probe_header_timeout",
+    "probe_first_byte_timeout",
+    "shutdown_timeout",
+    "body_timeout",
+    "header_timeout",
+    "idle_timeout",
+)
 SizeSetting = Annotated[int, NoDecode]
 DurationSetting = Annotated[float, NoDecode]
 
@@ -107,6 +117,10 @@ class Settings(BaseSettings):
     hf_hub_cache: Path | None = None
     hf_endpoint: str = Field(default_factory=hf_endpoint)
     hf_hub_offline: bool = Field(default_factory=hf_offline)
+    # A mirror's probe: its answer's headers, then its first body byte, each within this
+    # (a mirror that trickles header lines is dropped instead of holding the pull).
+    probe_header_timeout: DurationSetting = 10.0
+    probe_first_byte_timeout: DurationSetting = 10.0
     hf_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning"] = "info"
     shutdown_timeout: DurationSetting = 10.0
@@ -159,22 +173,12 @@ class Settings(BaseSettings):
             raise ValueError(f"must be at least max_body ({max_body} bytes)")
         return v
 
-    @field_validator(
-        "keep_alive",
-        "stall_timeout",
-        "shutdown_timeout",
-        "body_timeout",
-        "header_timeout",
-        "idle_timeout",
-        mode="before",
-    )
+    @field_validator("keep_alive", *_TIMEOUTS, mode="before")
     @classmethod
     def _duration(cls, v: Any) -> float:
         return parse_duration(v)
 
-    @field_validator(
-        "stall_timeout", "shutdown_timeout", "body_timeout", "header_timeout", "idle_timeout"
-    )
+    @field_validator(*_TIMEOUTS)
     @classmethod
     def _positive_duration(cls, v: float) -> float:
         if v <= 0:
@@ -348,6 +352,8 @@ class Settings(BaseSettings):
             "download_connections": self.download_connections,
             "piece_size": self.piece_size,
             "stall_timeout": self.stall_timeout,
+            "probe_header_timeout": self.probe_header_timeout,
+            "probe_first_byte_timeout": self.probe_first_byte_timeout,
             "hf_token": "set" if self.hf_token else None,
             "hf_endpoint": self.hf_endpoint,
             "hf_home": str(self.hf_home),
@@ -382,6 +388,8 @@ def _allowed(field: str) -> str:
         "piece_size": SIZE_HELP,
         "keep_alive": DURATION_HELP,
         "stall_timeout": DURATION_HELP,
+        "probe_header_timeout": DURATION_HELP,
+        "probe_first_byte_timeout": DURATION_HELP,
         "shutdown_timeout": DURATION_HELP,
         "max_body": SIZE_HELP,
         "body_memory": SIZE_HELP + ", at least max_body",

@@ -28,6 +28,7 @@ from modeld.download.journal import Block
 from modeld.download.mirrors import (
     Mirror,
     MirrorFailure,
+    MirrorState,
     _headers,
     classify_exception,
     classify_status,
@@ -84,6 +85,8 @@ class Fetcher(Schedule):
         done: bytearray,
         on_block: Callable[[Block], None],
         writer: Writer = os.pwrite,
+        on_stream_only: Callable[[Mirror], None] | None = None,
+        on_stream: Callable[[Mirror, int], None] | None = None,
     ) -> None:
         super().__init__(
             size=size, block_size=block_size, piece_size=piece_size, mirrors=mirrors, done=done
@@ -93,6 +96,8 @@ class Fetcher(Schedule):
         self.session, self.token = session, token
         self.on_block = on_block
         self.writer = writer
+        # A mirror found to ignore Range; a stream from byte 0 begun with bytes already done.
+        self.on_stream_only, self.on_stream = on_stream_only, on_stream
         self.sources: dict[int, str] = {}
         self.received = 0
         self.raw_pieces = 0  # pieces (attempts) read by the raw range reader
@@ -196,6 +201,20 @@ class Fetcher(Schedule):
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def wake(self) -> None:
+        """A probe ended: a mirror may have joined (or gone); idle connections look again."""
+        self._wake()
+
+    def stop(self, error: BaseException) -> None:
+        """Fail the fetch with ``error`` now: no piece more, those in flight closed."""
+        self._fatal = error
+        for p in list(self.inflight):
+            self._abandon(p)
+        self._wake()
+
+    def _probing(self) -> bool:
+        return any(m.state is MirrorState.PROBING for m in self.mirrors)
+
     async def _idle(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), seconds)
@@ -208,6 +227,11 @@ class Fetcher(Schedule):
                 continue
             ready = [m for m in self.mirrors if m.usable and m.ranges]
             if self.queue and not ready:
+                if self._probing():
+                    # A mirror still probing may serve ranges: wait for its answer before
+                    # streaming from byte 0, or before giving up.
+                    await self._idle(1.0)
+                    continue
                 if any(m.usable for m in self.mirrors):
                     await self._stream_all()
                     continue
@@ -236,12 +260,15 @@ class Fetcher(Schedule):
             return
         self.queue.clear()
         mirror = next(m for m in self.mirrors if m.usable)
+        if self.on_stream is not None:
+            self.on_stream(mirror, self.done_bytes)
         await self._run_piece(Piece(0, self.size, 0, stream=True), mirror)
         if not self._all_done():
             self._plan()
 
     async def _run_piece(self, piece: Piece, mirror: Mirror) -> None:
         piece.mirror, piece.began, piece.got, piece.abandoned = mirror, time.monotonic(), 0, False
+        piece.last = piece.began
         piece.window, piece.window_start = 0, piece.began
         self.inflight.add(piece)
         mirror.active += 1
@@ -267,7 +294,9 @@ class Fetcher(Schedule):
             self._requeue(piece, mirror, classify_exception(e) or MirrorFailure("gone", str(e)))
         finally:
             if piece.window:
-                mirror.count(piece.window, time.monotonic() - piece.window_start)
+                measured = not piece.probe or piece.got >= piece.probe
+                seconds = time.monotonic() - piece.window_start if measured else 0.0
+                mirror.count(piece.window, seconds)  # 0 s: the bytes, no rate
                 piece.window = 0
             mirror.active -= 1
             self.inflight.discard(piece)
@@ -342,7 +371,10 @@ class Fetcher(Schedule):
         return True
 
     def _requeue(self, piece: Piece, mirror: Mirror, failure: MirrorFailure) -> None:
+        ranges = mirror.ranges
         mirror.fail(failure)
+        if ranges and not mirror.ranges and self.on_stream_only is not None:
+            self.on_stream_only(mirror)
         if piece.abandoned or piece.stream:
             return
         if piece.pos < piece.end:
@@ -382,9 +414,10 @@ class Fetcher(Schedule):
         new = pos + n
         piece.pos = new
         piece.got += n
+        piece.last = time.monotonic()
         self.received += n
         piece.window += n
-        if piece.window >= CHUNK:
+        if piece.window >= CHUNK and not piece.probe:  # a probe piece counts once, at its end
             now = time.monotonic()
             mirror.count(piece.window, now - piece.window_start)
             piece.window, piece.window_start = 0, now

@@ -1,10 +1,11 @@
 """One verified, resumable download of a model file over all its mirrors.
 
 A ``DownloadJob`` goes: check free space → re-check journaled blocks (CRC-32) → probe each
-mirror (size, ETag, ``X-Linked-Etag``) → settle the expected sha256 (the entry's, a hub's
+mirror (size, ETag, ``X-Linked-Etag``) → fetch the missing blocks (``fetch.Fetcher``) from
+the first mirror that answers, later answers joining, while a thread hashes the contiguous
+prefix → once every probe has ended, settle the expected sha256 (the entry's, a hub's
 ``X-Linked-Etag``, or the one a hub vouched for earlier for this pinned revision; sources
-that disagree fail the pull before a byte is fetched) → fetch the missing blocks
-(``fetch.Fetcher``) while a thread hashes the contiguous prefix → compare the sha256 → on a
+that disagree fail the pull as soon as the second one answers) → compare the sha256 → on a
 mismatch, repair (re-fetch elsewhere only the blocks one mirror served, ban the mirror that
 lied) → install (fsync, rename, fsync dir, row). The journal, the kept digests and the
 installer are injected, so the downloader runs without the store (tests, the benchmark);
@@ -35,6 +36,7 @@ from modeld.download.journal import BLOCK_SIZE, Block, Journal, JournalState, Me
 from modeld.download.mirrors import (
     Mirror,
     MirrorFailure,
+    MirrorState,
     is_hf_host,
     open_range,
     os_error_to_modeld,
@@ -99,16 +101,18 @@ class DownloadTarget:
 
 @dataclass
 class Tuning:
-    """Downloader settings: MODELD_DOWNLOAD_CONNECTIONS, _PIECE_SIZE, _STALL_TIMEOUT."""
+    """Downloader settings: MODELD_DOWNLOAD_CONNECTIONS, _PIECE_SIZE, _STALL_TIMEOUT,
+    _PROBE_HEADER_TIMEOUT, _PROBE_FIRST_BYTE_TIMEOUT."""
 
     connections: int = 8
     piece_size: int = 16 * 1024 * 1024
     stall_timeout: float = 20.0
     connect_timeout: float = 15.0
     hf_token: str | None = None
-    # A probe's whole answer (headers and its one byte) must come within this: a mirror that
-    # trickles header lines resets every read timeout and would hold the pull in probing.
-    probe_timeout: float = 10.0
+    # A probe's answer headers, then its first body byte, must each come within these: a
+    # mirror that trickles header lines resets every read timeout and would hold its probe.
+    probe_header_timeout: float = 10.0
+    probe_first_byte_timeout: float = 10.0
     # Hub hosts beside huggingface.co (HF_ENDPOINT's): they get the token and vouch.
     hub_hosts: tuple[str, ...] = ()
 
@@ -116,11 +120,12 @@ class Tuning:
     def from_settings(cls, settings: Settings) -> Tuning:
         token = settings.hf_token.get_secret_value() if settings.hf_token else None
         return cls(
-            settings.download_connections,
-            settings.piece_size,
-            settings.stall_timeout,
-            15.0,
-            token,
+            connections=settings.download_connections,
+            piece_size=settings.piece_size,
+            stall_timeout=settings.stall_timeout,
+            hf_token=token,
+            probe_header_timeout=settings.probe_header_timeout,
+            probe_first_byte_timeout=settings.probe_first_byte_timeout,
             hub_hosts=settings.hub_hosts,
         )
 
@@ -139,6 +144,14 @@ def local_installer(blobs_dir: Path) -> Installer:
         return {"id": model_id, "digest": digest, "size": size, "verified_by": by, "path": dest}
 
     return install
+
+
+def _holds_data(path: Path) -> bool:
+    """Whether ``path`` exists with some bytes written (not only its sparse size)."""
+    try:
+        return path.stat().st_blocks > 0
+    except FileNotFoundError:
+        return False
 
 
 def _crc_blocks(fd: int, size: int, block_size: int, blocks: dict[int, Block]) -> list[int]:
@@ -180,6 +193,7 @@ class DownloadJob:
     mirrors: list[Mirror] = field(default_factory=list)
     fetcher: Fetcher | None = None
     resumed: int = 0
+    from_zero: str | None = None  # why a pull with a partial on disk starts from byte 0
     repaired: int = 0
     verified_by: str | None = None
     install_latency: float | None = None
@@ -193,6 +207,9 @@ class DownloadJob:
     _session: aiohttp.ClientSession | None = None
     _kept: Vouch | None = None  # what a hub vouched for earlier for this revision
     limit: TokenBucket | None = None  # --limit-rate: one bucket over all its connections
+    _probes: dict[asyncio.Task[None], Mirror] = field(default_factory=dict)
+    _ended: set[asyncio.Task[None]] = field(default_factory=set)  # probes looked at
+    _fetching: asyncio.Task[None] | None = None
 
     @property
     def id(self) -> str:
@@ -263,6 +280,8 @@ class DownloadJob:
                 repaired=self.repaired,
                 install_latency=self.install_latency,
             )
+        if self.from_zero is not None:
+            record["from_zero"] = self.from_zero
         if self.error is not None:
             record["error"] = self.error.to_dict()["error"]
         return record
@@ -348,7 +367,10 @@ class DownloadJob:
             logs.event("download_restart", model=t.model_id, reason="entry changed")
             await self.journal.clear(t.model_id)
             state = None
+            self._from_zero("the entry's size or sha256 changed since the partial was written")
         if state is None:
+            if self.from_zero is None and _holds_data(self.partial):
+                self._from_zero("the partial on disk has no journal: its blocks cannot be checked")
             self.partial.unlink(missing_ok=True)
         block = state.block_size if state else min(BLOCK_SIZE, self.tuning.piece_size)
         self._check_space()
@@ -359,6 +381,7 @@ class DownloadJob:
             await self._prepare(fd, state, block)
             await self._fetch_and_install(fd, block)
         finally:
+            await self._cancel_probes()
             os.close(fd)
             if self._session is not None:
                 await self._session.close()
@@ -402,16 +425,12 @@ class DownloadJob:
         session = self._session
         if t.revision is not None:
             self._kept = await self.vouches.vouched(t.model_id, t.revision)
-        await asyncio.gather(
-            *(probe(session, m, t.size, token, self.tuning.probe_timeout) for m in self.mirrors)
-        )
-        try:
-            expected = self._expected()[0]
-        except DigestConflict:
-            if not self._crcs:
-                self.partial.unlink(missing_ok=True)  # nothing of value in it yet
-            raise
-        await self._keep_hub_answer()
+        self._probes = {
+            asyncio.create_task(self._probe(m), name=f"probe-{self.id}-{m.label}"): m
+            for m in self.mirrors
+        }
+        await self._first_answer()
+        expected = self._expected()[0]
         etags = state.etags if state else {}
         for m in self.mirrors:
             old = etags.get(str(m.url))
@@ -419,6 +438,11 @@ class DownloadJob:
                 # The file changed on that mirror since the journal: its blocks are suspect.
                 self._crcs = {i: b for i, b in self._crcs.items() if b.mirror != m.label}
                 logs.event("mirror_changed", model=self.id, mirror=m.label)
+        if state is not None and state.blocks and not self._crcs:
+            self._from_zero(
+                f"none of the {len(state.blocks)} journaled blocks still holds (its CRC-32 "
+                "differs, or its mirror's file changed)"
+            )
         self.resumed = sum(min(t.size, (i + 1) * block) - i * block for i in self._crcs)
         new_state = JournalState(
             t.size,
@@ -444,10 +468,127 @@ class DownloadJob:
             done=done,
             on_block=self._on_block,
             writer=self.writer,
+            on_stream_only=self._ignores_range,
+            on_stream=self._streams_from_zero,
         )
         self.fetcher.limit = self.limit
         for i, b in self._crcs.items():
             self.fetcher.sources[i] = b.mirror
+
+    # --- probes: the pull starts on the first answer, later ones join it ------------------
+
+    async def _probe(self, m: Mirror) -> None:
+        """Probe ``m``; its answer joins the schedule, or drops the mirror. A digest that
+        contradicts an earlier source stops the fetch at once (``DigestConflict``)."""
+        assert self._session is not None
+        t = self.tuning
+        await probe(
+            self._session,
+            m,
+            self.target.size,
+            t.hf_token,
+            t.probe_header_timeout,
+            t.probe_first_byte_timeout,
+        )
+        if m.state is MirrorState.DROPPED:
+            logs.event("mirror_dropped", model=self.id, mirror=m.label, reason=m.reason)
+        elif m.state is MirrorState.STREAM_ONLY:
+            self._ignores_range(m)
+        elif self.state is not DownloadState.PROBING and m.usable:
+            logs.event("mirror_joined", model=self.id, mirror=m.label, state=m.state.value)
+        try:
+            self._expected()
+        except DigestConflict as e:
+            if self.fetcher is not None:
+                self.fetcher.stop(e)  # not one piece more, from any mirror
+            raise
+        if self.fetcher is not None:
+            self.fetcher.wake()
+        self._notify()
+
+    def _ignores_range(self, m: Mirror) -> None:
+        logs.event("mirror_ignores_range", model=self.id, mirror=m.label, reason=m.reason)
+        self._notify()
+
+    def _streams_from_zero(self, m: Mirror, have: int) -> None:
+        """Only ``m`` is left and it ignores Range: a resume must fetch from byte 0."""
+        if have:
+            self._from_zero(
+                f"{m.label} ignores Range requests and no other mirror is left, so the file "
+                f"is fetched again from byte 0 (the {have} bytes already here are not "
+                "written again)"
+            )
+
+    def _from_zero(self, reason: str) -> None:
+        """This pull starts from byte 0 though a partial was there: the progress and the log
+        say why."""
+        self.from_zero = reason
+        logs.event("download_from_zero", model=self.id, reason=reason)
+        self._notify()
+
+    async def _probe_ended(self, task: asyncio.Task[None]) -> None:
+        """A probe's end: its error (a ``DigestConflict`` names both sources), else a hub's
+        answer is kept."""
+        self._ended.add(task)
+        try:
+            task.result()
+        except DigestConflict:
+            if not self._crcs:  # nothing of value in the partial yet
+                await self._cancel_fetch()
+                self.partial.unlink(missing_ok=True)
+                await self.journal.clear(self.id)
+            raise
+        await self._keep_hub_answer()
+
+    async def _first_answer(self) -> None:
+        """Wait until one mirror answered its probe with the right size, and every mirror
+        whose journaled blocks are kept has answered (its ETag says whether they hold);
+        or until every probe has ended."""
+        keep = {b.mirror for b in self._crcs.values()}
+        waiting = set(self._probes)
+        while waiting:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                await self._probe_ended(task)
+            answered = any(
+                m.state in (MirrorState.OK, MirrorState.STREAM_ONLY) for m in self._probes.values()
+            )
+            if answered and not any(self._probes[task].label in keep for task in waiting):
+                return
+
+    async def _fetch(self, f: Fetcher) -> None:
+        """Run the fetcher while the probes still out come in: each answer joins the schedule
+        (or drops its mirror), and a source that contradicts another fails the pull. Returns
+        once every block is done and every probe has ended, so the sha256 is compared with
+        every source there is."""
+        # Probes that ended since the first answer, before the fetch starts (no await
+        # between this check and the start).
+        while ended := [t for t in self._probes if t.done() and t not in self._ended]:
+            await self._probe_ended(ended[0])
+        fetch = asyncio.create_task(f.run(), name=f"fetch-{self.id}")
+        self._fetching = fetch
+        waiting: set[asyncio.Task[None]] = {t for t in self._probes if not t.done()} | {fetch}
+        try:
+            while waiting:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in done - {fetch}:
+                    await self._probe_ended(task)
+                if fetch in done:
+                    fetch.result()  # a failed fetch fails the pull now
+        finally:
+            await self._cancel_fetch()
+
+    async def _cancel_fetch(self) -> None:
+        fetch = self._fetching
+        if fetch is not None and not fetch.done():
+            fetch.cancel()
+            await asyncio.gather(fetch, return_exceptions=True)
+
+    async def _cancel_probes(self) -> None:
+        left = [t for t in self._probes if not t.done()]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
     def _hub_answers(self) -> list[tuple[str, str]]:
         """(host, sha256) of each Hugging Face redirect seen for this file (X-Linked-Etag)."""
@@ -549,7 +690,7 @@ class DownloadJob:
             f.hasher.advance(min(self.target.size, f.prefix_blocks * block))
             self._set(DownloadState.DOWNLOADING)
             try:
-                await f.run()
+                await self._fetch(f)
             except BaseException:
                 f.hasher.stop()
                 raise
@@ -621,13 +762,18 @@ class DownloadJob:
                 self.metrics.download_repairs.inc(len(fixed))
             for m in self.mirrors:
                 if m.label == label:
-                    m.state, m.reason = "banned", f"sent {len(fixed)} blocks with wrong bytes"
+                    m.state, m.reason = (
+                        MirrorState.BANNED,
+                        f"sent {len(fixed)} blocks with wrong bytes",
+                    )
             logs.event("mirror_banned", model=self.id, mirror=label, blocks=len(fixed))
             hasher = PrefixHasher(fd, self.target.size)
             digest = await hasher.digest()
             if digest == expected:
                 return digest
-        unreached = [m.label for m in self.mirrors if m.state == "dropped" and not m.answered]
+        unreached = [
+            m.label for m in self.mirrors if m.state is MirrorState.DROPPED and not m.answered
+        ]
         if unreached:
             # Given up as unreachable for this pull, not proven wrong: one may answer later.
             raise DownloadError(

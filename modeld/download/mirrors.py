@@ -11,6 +11,7 @@ back to the original URL for a fresh signature.
 from __future__ import annotations
 
 import asyncio
+import enum
 import errno
 import ipaddress
 import random
@@ -40,6 +41,11 @@ if TYPE_CHECKING:
     from modeld.metrics import Metrics
 
 MAX_REDIRECTS = 10
+# A mirror's ``reason`` once it answered a Range request with 200 (the progress shows it).
+IGNORES_RANGE = (
+    "ignores Range requests (answered 200): used only as one stream from byte 0, and only "
+    "when no other mirror is left"
+)
 # Consecutive transient failures before a mirror is given up for this download.
 MAX_STRIKES = 6
 # Consecutive stalls before it is given up: a stall uses up no try (it is retried at once),
@@ -192,13 +198,29 @@ def os_error_to_modeld(exc: OSError, path: str) -> DownloadError:
     return DownloadError(f"cannot write {path}: {exc}; the partial is kept, pull again to resume")
 
 
+class MirrorState(enum.StrEnum):
+    """Where a mirror stands in one download; the progress shows the value (a plain string)."""
+
+    NEW = "new"  # not asked yet
+    PROBING = "probing"  # its probe is out; the pull may already run on other mirrors
+    OK = "ok"  # answered; serves ranges
+    STREAM_ONLY = "stream_only"  # answered a range request with 200: only a stream from byte 0
+    BACKOFF = "backoff"  # failed; waits before its next request (``not_before``)
+    DROPPED = "dropped"  # given up for this download (``reason`` says why)
+    BANNED = "banned"  # sent wrong bytes (repair found them)
+
+
+# States in which a mirror may still be sent requests.
+USABLE = frozenset({MirrorState.NEW, MirrorState.OK, MirrorState.BACKOFF, MirrorState.STREAM_ONLY})
+
+
 @dataclass
 class Mirror:
     """One URL of the entry and what this download learnt about it."""
 
     url: URL
     primary: bool = False
-    state: str = "new"  # new → ok | slow | stream_only | backoff | dropped | banned
+    state: MirrorState = MirrorState.NEW
     reason: str | None = None
     resolved: URL | None = None  # cached redirect target (a signed CDN URL)
     # Whether the entry's own URL is on a loopback, link-local or private address: only
@@ -230,11 +252,11 @@ class Mirror:
 
     @property
     def usable(self) -> bool:
-        return self.state in ("new", "ok", "slow", "backoff", "stream_only")
+        return self.state in USABLE
 
     @property
     def ranges(self) -> bool:
-        return self.state != "stream_only"
+        return self.state is not MirrorState.STREAM_ONLY
 
     def count(self, n: int, seconds: float) -> None:
         """Account ``n`` bytes that took ``seconds`` on one connection."""
@@ -264,10 +286,10 @@ class Mirror:
         if self.metrics is not None:
             self.metrics.download_errors.labels(self.label, failure.kind).inc()
         if failure.kind == "gone":
-            self.state = "dropped"
+            self.state = MirrorState.DROPPED
             return
         if failure.kind == "no_ranges":
-            self.state = "stream_only"
+            self.state, self.reason = MirrorState.STREAM_ONLY, IGNORES_RANGE
             return
         if failure.kind == "expired":
             self.resolved = None
@@ -278,7 +300,7 @@ class Mirror:
             and self.strikes + 1 >= MAX_UNREACHABLE
         ):
             self.strikes += 1
-            self.state = "dropped"
+            self.state = MirrorState.DROPPED
             self.reason = f"{failure} ({self.strikes} tries; never reached)"
             return
         # tenacity's view of this mirror's tries: the attempt number counts strikes only.
@@ -290,24 +312,24 @@ class Mirror:
             self.stalls = 0
             tries, limit = self.strikes, MAX_STRIKES
         if stop_after_attempt(limit)(_call_state(tries, failure)):
-            self.state = "dropped"
+            self.state = MirrorState.DROPPED
             self.reason = f"{failure} ({tries} times in a row)"
             return
         self.not_before = time.monotonic() + MIRROR_WAIT(_call_state(self.strikes, failure))
-        if self.state != "stream_only":
-            self.state = "backoff"
+        if self.state is not MirrorState.STREAM_ONLY:
+            self.state = MirrorState.BACKOFF
 
     def succeed(self) -> None:
         self.answered = True
         self.strikes = self.stalls = 0
-        if self.state in ("new", "backoff"):
-            self.state = "ok"
+        if self.state in (MirrorState.NEW, MirrorState.BACKOFF):
+            self.state = MirrorState.OK
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "url": self.url.human_repr(),
             "host": self.label,
-            "state": self.state,
+            "state": self.state.value,
             "reason": self.reason,
             "received": self.received,
             "speed": round(self.current_speed()),
@@ -509,73 +531,94 @@ async def open_range(  # noqa: PLR0917 (a range is start, end and total)
 
 
 class ProbeTimeout(MirrorFailure):
-    """A probe's answer did not come whole in time; the mirror is tried again later, by the
-    fetcher, while the others start (a probe never retries it)."""
+    """A probe's answer did not come in time (its headers, or its first body byte): the
+    mirror is dropped for this download, while the others go on (a probe never retries it)."""
 
 
-async def probe(
+def _read_probe_answer(resp: aiohttp.ClientResponse, mirror: Mirror, size: int) -> None:
+    """The probe's answer: a 206 of byte 0 (or a 200: the mirror ignores Range) of a file
+    of ``size`` bytes; its strong ETag is kept for If-Range."""
+    if resp.status == 206:
+        parsed = parse_content_range(resp.headers.get("Content-Range"))
+        if parsed is None or parsed[:2] != (0, 0) or parsed[2] is None:
+            raise MirrorFailure("gone", f"bad Content-Range {resp.headers.get('Content-Range')!r}")
+        total = parsed[2]
+    elif resp.status == 200:
+        total = resp.content_length if resp.content_length is not None else -1
+        mirror.state, mirror.reason = MirrorState.STREAM_ONLY, IGNORES_RANGE
+    else:
+        raise classify_status(resp.status, resp)
+    if total != size:
+        raise MirrorFailure("gone", f"file is {total} bytes, the entry says {size}")
+    mirror.etag = strong_etag(resp.headers.get("ETag"))
+
+
+async def probe(  # noqa: PLR0917 (two timeouts beside the mirror, size and token)
     session: aiohttp.ClientSession,
     mirror: Mirror,
     size: int,
     token: str | None,
-    answer_timeout: float = 10.0,
+    header_timeout: float = 10.0,
+    first_byte_timeout: float = 10.0,
 ) -> None:
     """``Range: bytes=0-0``: learn the size, ETag and range support; drop a wrong size.
 
-    The headers and the one byte must arrive within ``answer_timeout`` in all (read
-    timeouts alone restart with every header line a slow mirror trickles).
+    The answer's headers (redirects included) must all arrive within ``header_timeout``,
+    then its first body byte within ``first_byte_timeout`` (read timeouts alone restart with
+    every header line a slow mirror trickles). The mirror is ``probing`` meanwhile, and
+    ``ok``, ``stream_only``, ``backoff`` or ``dropped`` (``reason`` says why) after.
     """
 
     async def once() -> None:
         try:
-            async with asyncio.timeout(answer_timeout):
+            async with asyncio.timeout(header_timeout):
                 resp = await request(session, mirror, {"Range": "bytes=0-0"}, token)
-                if resp.status == 206:
-                    await resp.content.read(1)
         except TimeoutError:
             raise ProbeTimeout(
-                "transient", f"no whole answer to the probe within {answer_timeout:g} s"
+                "gone", f"no answer headers to the probe within {header_timeout:g} s"
             ) from None
         try:
-            if resp.status == 206:
-                parsed = parse_content_range(resp.headers.get("Content-Range"))
-                if parsed is None or parsed[:2] != (0, 0) or parsed[2] is None:
-                    raise MirrorFailure(
-                        "gone", f"bad Content-Range {resp.headers.get('Content-Range')!r}"
-                    )
-                total = parsed[2]
-            elif resp.status == 200:
-                total = resp.content_length if resp.content_length is not None else -1
-                mirror.state = "stream_only"
-            else:
-                raise classify_status(resp.status, resp)
-            if total != size:
-                raise MirrorFailure("gone", f"file is {total} bytes, the entry says {size}")
-            mirror.etag = strong_etag(resp.headers.get("ETag"))
+            try:
+                async with asyncio.timeout(first_byte_timeout):
+                    if resp.status in (200, 206):
+                        await resp.content.read(1)
+            except TimeoutError:
+                mirror.answered = True
+                raise ProbeTimeout(
+                    "gone", f"no first byte of the probe's answer within {first_byte_timeout:g} s"
+                ) from None
+            _read_probe_answer(resp, mirror, size)
         finally:
             resp.release()
 
-    # The probe holds up the pull's start, so it waits at most 5 s between its tries; a longer
-    # Retry-After is honoured by the mirror's back-off once the probe gave up (Mirror.fail).
+    # Other mirrors may already serve the pull, but the probe still waits at most 5 s between
+    # its tries; a longer Retry-After is honoured by the mirror's back-off once the probe gave
+    # up (Mirror.fail).
     retrying = AsyncRetrying(
         retry=retry_if_exception(lambda e: is_transient(e) and not isinstance(e, ProbeTimeout)),
         wait=wait_mirror(cap=5.0),
         stop=stop_after_attempt(PROBE_TRIES),
         reraise=True,
     )
+    mirror.state = MirrorState.PROBING
     try:
         async for attempt in retrying:
             with attempt:
                 await once()
+    except ProbeTimeout as e:
+        mirror.state, mirror.reason = MirrorState.DROPPED, f"probe: {e}"
+        return
     except (TimeoutError, MirrorFailure, aiohttp.ClientError, ConnectionError) as e:
         failure = classify_exception(e) or MirrorFailure("gone", str(e))
         if failure.kind == "gone":
             mirror.answered = True
-            mirror.state, mirror.reason = "dropped", f"probe failed: {failure}"
+            mirror.state, mirror.reason = MirrorState.DROPPED, f"probe failed: {failure}"
         else:
             # Still worth trying later: every range answer is checked against the size anyway.
             mirror.fail(failure)
+            if mirror.state is MirrorState.PROBING:  # ``expired`` changes no state
+                mirror.state = MirrorState.BACKOFF
         return
     mirror.answered = True
-    if mirror.state == "new":
-        mirror.state = "ok"
+    if mirror.state is MirrorState.PROBING:
+        mirror.state = MirrorState.OK

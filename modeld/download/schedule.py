@@ -9,7 +9,9 @@ mirror holds at the hash front (an early misjudged rate, a probe, a stall) is mo
 best mirror at once: the slow one keeps only the block it is on, or loses the piece when
 even that block would take it long. When the queue is empty (endgame), idle connections
 split in-flight pieces at a block boundary so both parts end together, or take over their
-last block on a faster mirror.
+last block, on the fastest mirror per connection (a fresh connection to the piece's own
+mirror when that is the fastest: a slower mirror is never handed the end of a faster one's
+piece).
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ import aiohttp
 from modeld.download.mirrors import Mirror
 from modeld.download.rangeio import RangeConn
 
+# Blocks in the first piece a mirror gets (its probe piece, which measures it). A single
+# block is no measure: socket buffers hand over the first megabytes of any answer at once,
+# so a mirror limited to 20 MB/s per connection measured ~1 GB/s on one block, was taken for
+# the best mirror and given the file's front (the hash front) until its live rate showed.
+PROBE_BLOCKS = 4
+# A piece silent this long counts as stalled for the endgame (its rate is 0), long before the
+# stall timeout.
+SILENT = 1.0
 # A piece at the hash front is moved to a faster mirror only when the one holding it would
 # need longer than this for it (shorter waits cost the hasher less than a restarted block).
 FRONT_WAIT = 0.1
@@ -43,11 +53,20 @@ class Piece:
     resp: aiohttp.ClientResponse | None = None  # the open answer, closed on a takeover
     raw: RangeConn | None = None  # or the raw reader's connection, closed on a takeover
     crc: int = 0  # CRC-32 of [start of pos's block, pos): a piece may resume mid-block
+    # A mirror's first piece (its probe): its size. The mirror's rate is measured once, over
+    # the whole of it; not at all when it was cut short (a burst alone is no measure).
+    probe: int = 0
     window: int = 0  # bytes not yet counted into the mirror's rate, since window_start
     window_start: float = 0.0
+    last: float = 0.0  # when its last bytes came (or it began)
 
     def rate(self) -> float:
-        elapsed = time.monotonic() - self.began
+        """Bytes per second since the piece began; 0 once it has been silent for ``SILENT``
+        seconds (a piece that stalled near its end keeps a high average for long)."""
+        now = time.monotonic()
+        if self.last and now - self.last > SILENT:
+            return 0.0
+        elapsed = now - self.began
         return self.got / elapsed if elapsed > 0 else 0.0
 
 
@@ -152,18 +171,22 @@ class Schedule:
     def _next_piece(self) -> tuple[Mirror, Piece] | None:
         """The next (mirror, piece) for a free connection, if any.
 
-        A mirror not measured yet gets one connection and one block (a probe; off the back
-        unless it is the primary). Otherwise the piece holding the hash front is moved off a
-        slower mirror first (``_free_front``); then the fastest mirror per connection takes
-        the queue's front. A mirror more than twice slower per connection gets no more work
-        (the endgame takes over what it holds); a near-best one gets the back (``_spread``).
+        A mirror not measured yet gets one connection and a probe piece of ``PROBE_BLOCKS``
+        blocks (off the back unless it is the primary), measured as a whole. Otherwise the
+        piece holding the hash front is moved off a slower mirror first (``_free_front``);
+        then the fastest mirror per connection takes the queue's front. A mirror more than
+        twice slower per connection gets no more work (the endgame takes over what it
+        holds); a near-best one gets the back (``_spread``).
         """
         if not self.queue:
             return None
         ready, rates = self._rates()
         for m in ready:
             if m.conn_rate is None and m.active == 0:
-                return m, self._take(front=m is ready[0] and m.primary, blocks=1)
+                front = m is ready[0] and m.primary
+                piece = self._take(front=front, blocks=min(PROBE_BLOCKS, self.piece_blocks))
+                piece.probe = piece.end - piece.pos
+                return m, piece
         measured = [m for m in ready if id(m) in rates]
         if not measured:
             return None  # only probes in flight: wait for a rate
@@ -230,14 +253,31 @@ class Schedule:
             return None
         return None
 
+    def _helper(self, p: Piece, ready: list[Mirror], rates: dict[int, float]) -> Mirror | None:
+        """Who takes a share of ``p`` in the endgame: the fastest other mirror per
+        connection; or ``p``'s own mirror over a fresh connection, when it is faster per
+        connection and ``p``'s connection runs at least half that rate (a fast mirror's piece
+        is not handed in part to a slower mirror, whose share would end last), or when it
+        is the only mirror (a fresh connection may beat a stuck one)."""
+        others = [m for m in ready if id(m) in rates and m is not p.mirror]
+        best = max(others, key=lambda m: rates[id(m)], default=None)
+        own = p.mirror
+        if own is None or id(own) not in rates:
+            return best
+        if best is None:
+            return own if len(ready) == 1 else None
+        healthy = p.rate() >= 0.5 * rates[id(own)]
+        return own if healthy and rates[id(own)] > rates[id(best)] else best
+
     def _steal(self) -> tuple[Mirror, Piece] | None:
         """Endgame: free the hash front, else split or take over an in-flight piece that
         would finish late.
 
         For each piece, lowest in the file first (it holds the prefix hasher back), the
-        fastest other mirror (by current rate) gets the share it would finish first: the
-        piece is split at a block boundary so both parts end together, or, inside its last
-        block, taken over. Judged on the piece's current rate.
+        fastest mirror per connection (the piece's own too, over a fresh connection) gets
+        the share it would finish first: the piece is split at a block boundary so both
+        parts end together, or, inside its last block, taken over. Judged on the piece's
+        current rate.
         """
         ready, rates = self._rates()
         if rates:
@@ -250,13 +290,9 @@ class Schedule:
         for p in sorted(self.inflight, key=lambda p: p.pos):
             if p.abandoned or p.stream or p.mirror is None or now - p.began < 0.05:
                 continue
-            helpers = [m for m in ready if id(m) in rates and m is not p.mirror]
-            if not helpers:
-                # One mirror only: a fresh connection to it may still beat a stuck one.
-                helpers = [m for m in ready if id(m) in rates and len(ready) == 1]
-            if not helpers:
+            mirror = self._helper(p, ready, rates)
+            if mirror is None:
                 continue
-            mirror = max(helpers, key=lambda m: rates[id(m)])
             rate_f = rates[id(mirror)]  # at least 1 B/s (``_rate``)
             rate_s = max(p.rate(), 1.0)
             t_slow = (p.end - p.pos) / rate_s

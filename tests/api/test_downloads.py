@@ -25,6 +25,7 @@ from modeld.errors import (
     ModelNotFound,
 )
 from tests.support.daemon import DaemonProcess, daemon_env
+from tests.support.faults import journaled_blocks
 from tests.support.mirror import Faults, Mirror, ThreadMirror
 from tests.support.state import MODELS
 from tests.support.unix import unix_request
@@ -278,3 +279,50 @@ def test_cli_cancel_detach_and_import(
     assert local.returncode == 0, local.stderr
     assert "imported tiny-text" in local.stdout and "local entry" in local.stdout
     assert "local = true" in (d.home / "registry" / "tiny-text.toml").read_text()
+
+
+def test_cli_names_a_mirror_that_ignores_range(
+    proc_env: tuple[DaemonProcess, ThreadMirror],
+) -> None:
+    """The only mirror answers Range requests with 200: the pull streams the file from byte 0,
+    and `modeld pull`, its JSON record and the daemon's log all name the mirror as one that
+    ignores Range requests."""
+    d, tm = proc_env
+    tm.mirror.faults.throttle = None
+    tm.mirror.faults.ignore_range = True
+    host = f"127.0.0.1:{tm.mirror.port}"
+    out = d.cli("pull", "m1")
+    assert out.returncode == 0, out.stderr
+    assert f"mirror ignores Range requests: {host}" in out.stdout, out.stdout
+    assert "from byte 0" not in out.stdout  # nothing was on disk: not a resume
+    assert (d.home / "blobs" / f"sha256-{SHA}").read_bytes() == DATA
+    d.wait_log(f"mirror_ignores_range model=m1 mirror={host}")
+    assert d.cli("rm", "m1").returncode == 0
+    doc = d.cli_json("pull", "m1")
+    assert doc["state"] == "installed", doc
+    (mirror,) = doc["mirrors"]
+    assert mirror["state"] == "stream_only"
+    assert mirror["reason"].startswith("ignores Range requests"), mirror
+
+
+def test_cli_says_when_a_resume_must_start_from_byte_0(
+    proc_env: tuple[DaemonProcess, ThreadMirror],
+) -> None:
+    """A pull cancelled with blocks journaled, resumed when its only mirror ignores Range: the
+    stream starts at byte 0, and the CLI, the record and the log say so and why."""
+    d, tm = proc_env
+    assert d.cli("pull", "m1", "--detach").returncode == 0
+    wait_sync(lambda: journaled_blocks(d.home, "m1") >= 2, what="two blocks journaled")
+    assert d.cli_json("pull", "m1", "--cancel")["state"] == "cancelled"
+    tm.mirror.faults.throttle = None
+    tm.mirror.faults.ignore_range = True
+    out = d.cli("pull", "m1")
+    assert out.returncode == 0, out.stderr
+    host = f"127.0.0.1:{tm.mirror.port}"
+    assert f"fetched from byte 0, not resumed: {host} ignores Range requests" in out.stdout, (
+        out.stdout
+    )
+    assert "resumed from" not in out.stdout
+    assert (d.home / "blobs" / f"sha256-{SHA}").read_bytes() == DATA
+    log = d.wait_log("download_from_zero model=m1")
+    assert f'reason="{host} ignores Range requests' in log

@@ -225,11 +225,12 @@ async def test_two_hubs_that_disagree_fail_the_pull(
     assert not (short_tmp / "blobs").exists() or not any((short_tmp / "blobs").iterdir())
 
 
-async def test_hub_contradicting_the_entry_fails_before_downloading(
+async def test_hub_contradicting_the_entry_fails_the_pull(
     short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An X-Linked-Etag other than the entry's sha256 fails the pull with ``digest_conflict``,
-    naming both digests, before the file is fetched."""
+    naming both digests, and installs nothing (the other mirror's probe may have started the
+    fetch: test_mirrors has the hub that answers late)."""
     monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
     bogus = "e" * 64
     the_hub = await hub(data, Faults(linked_sha256=bogus))
@@ -241,8 +242,8 @@ async def test_hub_contradicting_the_entry_fails_before_downloading(
     assert hashlib.sha256(data).hexdigest() in exc.value.message
     assert bogus in exc.value.message
     assert f"localhost:{the_hub.port}" in exc.value.message
-    assert the_hub.sent + mirror.sent <= 2  # the probes' one byte each, nothing more
-    assert not (short_tmp / "partial" / "m1.partial").exists()
+    assert the_hub.sent == 1  # its probe's one byte: no piece went to a mirror that conflicts
+    assert not (short_tmp / "blobs").exists() or not any((short_tmp / "blobs").iterdir())
 
 
 async def test_kept_answer_verifies_a_pull_from_the_mirror_alone(
@@ -389,6 +390,7 @@ async def test_resume_uses_journal_and_rechecks_blocks(
     await job2.wait()
     assert installed_bytes(job2) == data
     assert job2.resumed == (len(state.blocks) - 1) * PIECE
+    assert job2.from_zero is None and "from_zero" not in job2.snapshot()  # a plain resume
     assert ms[0].sent - before <= SIZE - job2.resumed + PIECE  # only the missing part again
     assert "m1" not in journal.states
 
@@ -404,6 +406,24 @@ async def test_changed_file_on_mirror_discards_its_blocks(
     await job2.wait()
     assert job2.resumed == 0
     assert installed_bytes(job2) == data
+    assert job2.from_zero is not None and "journaled blocks still holds" in job2.from_zero
+    assert job2.snapshot()["from_zero"] == job2.from_zero
+
+
+async def test_a_partial_without_its_journal_says_it_starts_from_byte_0(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """A partial whose journal is gone cannot be checked: the pull starts from byte 0 and its
+    progress says why."""
+    ms, target, journal = await cancelled_pull(short_tmp, data, stop_later, SIZE // 4)
+    ms[0].faults.throttle = None
+    await journal.clear("m1")
+    job = memory_job(target, short_tmp, tuning(), journal=journal)
+    job.start()
+    await job.wait()
+    assert job.from_zero == "the partial on disk has no journal: its blocks cannot be checked"
+    assert job.snapshot()["from_zero"] == job.from_zero and job.resumed == 0
+    assert installed_bytes(job) == data
 
 
 async def test_disk_full_stops_at_once(
@@ -500,25 +520,37 @@ async def test_endgame_splits_pieces_of_a_mirror_that_stalls(
     assert stalled.reason is None and stalled.strikes == 0
 
 
+async def fast_and_slow_pull(
+    home: Path, big: bytes, stop_later: list[Mirror], slow: Faults, piece_size: int
+) -> tuple[list[Mirror], Fetcher, mirrors_mod.Mirror, list[int]]:
+    """Pull ``big`` from a fast primary and a mirror with ``slow`` faults: the mirrors, the
+    fetcher, the slow mirror's state and the blocks it served."""
+    ms = await start_mirrors(big, Faults(), slow)
+    job = await run_pull(
+        home,
+        ms,
+        stop_later,
+        sha=hashlib.sha256(big).hexdigest(),
+        size=BIG,
+        tuning=tuning(connections=4, piece_size=piece_size, stall_timeout=60.0),
+    )
+    assert installed_bytes(job) == big
+    f = job.fetcher
+    assert f is not None
+    second = job.mirrors[1]
+    return ms, f, second, [i for i, label in f.sources.items() if label == second.label]
+
+
 async def test_a_throttled_mirror_never_holds_the_hash_front(
     short_tmp: Path, big: bytes, stop_later: list[Mirror]
 ) -> None:
     """A fast primary and a throttled mirror: the throttled one's blocks lie at the file's end,
     and the last block releases little to the hasher (the hash tail is bounded)."""
-    ms = await start_mirrors(big, Faults(), Faults(throttle=2_000_000))
-    job = await run_pull(
-        short_tmp,
-        ms,
-        stop_later,
-        sha=hashlib.sha256(big).hexdigest(),
-        size=BIG,
-        tuning=tuning(connections=4, piece_size=2 * 1024 * 1024, stall_timeout=60.0),
+    throttled = Faults(throttle=2_000_000)
+    ms, f, _, slow_blocks = await fast_and_slow_pull(
+        short_tmp, big, stop_later, throttled, 2 * 1024 * 1024
     )
-    assert installed_bytes(job) == big
-    f = job.fetcher
-    assert f is not None and f.hasher is not None
-    slow = job.mirrors[1]
-    slow_blocks = [i for i, label in f.sources.items() if label == slow.label]
+    assert f.hasher is not None
     # The throttled mirror was asked for work (its probe), but only ever got the back.
     assert [r["Range"] for r in ms[1].requests if r.get("Range") != "bytes=0-0"]
     assert all(i >= f.nblocks * 3 // 4 for i in slow_blocks), slow_blocks
@@ -528,6 +560,21 @@ async def test_a_throttled_mirror_never_holds_the_hash_front(
     assert f.prefix_blocks == f.nblocks
 
 
+async def test_a_mirror_that_bursts_then_crawls_is_measured_on_its_probe_piece(
+    short_tmp: Path, big: bytes, stop_later: list[Mirror]
+) -> None:
+    """A mirror that sends each answer's first block at once (as socket buffers do) and then
+    2 MB/s: its probe piece of several blocks measures it as slow, so it never gets the file's
+    front; on one block it had looked as fast as the fast mirror."""
+    bursty = Faults(throttle=2_000_000, burst=1024 * 1024)
+    _, f, slow, slow_blocks = await fast_and_slow_pull(
+        short_tmp, big, stop_later, bursty, 4 * 1024 * 1024
+    )
+    # Measured as slow, or never measured (its probe piece cut short by the endgame).
+    assert slow.conn_rate is None or slow.conn_rate < 10e6, slow.conn_rate
+    assert all(i >= f.nblocks // 2 for i in slow_blocks), slow_blocks
+
+
 def test_a_near_best_slower_mirror_takes_the_queues_back() -> None:
     """Scheduler unit: the best mirror takes the queue's front, a near-best slower one its back,
     and a piece at the hash front on a far slower mirror is moved to the best one."""
@@ -535,8 +582,12 @@ def test_a_near_best_slower_mirror_takes_the_queues_back() -> None:
     from modeld.download.schedule import Piece, Schedule
 
     mb = 1024 * 1024
-    fast = MirrorState(URL("http://127.0.0.1:1/f"), primary=True, state="ok", conn_rate=100e6)
-    slower = MirrorState(URL("http://127.0.0.1:2/s"), state="ok", conn_rate=60e6)
+    fast = MirrorState(
+        URL("http://127.0.0.1:1/f"), primary=True, state=mirrors_mod.MirrorState.OK, conn_rate=100e6
+    )
+    slower = MirrorState(
+        URL("http://127.0.0.1:2/s"), state=mirrors_mod.MirrorState.OK, conn_rate=60e6
+    )
     fast.speed = slower.speed = 1e6
     s = Schedule(
         size=64 * mb, block_size=mb, piece_size=4 * mb, mirrors=[fast, slower], done=bytearray(64)

@@ -1,14 +1,13 @@
-"""Mirrors that misbehave on purpose (a trickling probe answer; credentials kept from them), and
+"""Mirrors that misbehave on purpose (slow probe answers; credentials kept from them), and
 the retry policy (tenacity) a mirror's failures follow."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import hashlib
+import logging
 import random
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,9 @@ from yarl import URL
 
 from modeld.download import mirrors as m
 from modeld.download.job import DownloadJob, DownloadTarget, Tuning, memory_job
-from modeld.errors import DownloadError
-from tests.support.mirror import Faults, Mirror
+from modeld.errors import DigestConflict, DownloadError
+from tests.support.mirror import Faults, Mirror, SlowHeadMirror
+from tests.support.wait import wait_until
 
 SIZE = 1024 * 1024 + 777
 DATA = random.Random(12).randbytes(SIZE)
@@ -35,52 +35,112 @@ async def pull(home: Path, urls: list[str], **kw: Any) -> DownloadJob:
     return job
 
 
-@contextlib.asynccontextmanager
-async def trickling_mirror() -> AsyncIterator[str]:
-    """A server that answers every request with one more header line every 0.2 s, forever:
-    each read timeout restarts, the answer never completes."""
-
-    writers: list[asyncio.StreamWriter] = []
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writers.append(writer)
-        with contextlib.suppress(ConnectionError):
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 206 Partial Content\r\n")
-            n = 0
-            while True:
-                n += 1
-                writer.write(f"X-Line-{n}: x\r\n".encode())
-                await writer.drain()
-                await asyncio.sleep(0.2)
-
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}/m.litertlm"
-    finally:
-        server.close()
-        for writer in writers:
-            writer.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(server.wait_closed(), 1.0)
-
-
 async def test_a_trickling_mirror_does_not_hold_the_pull_in_probing(short_tmp: Path) -> None:
-    """One mirror trickles header lines; the probe gives up on it after its answer timeout
-    and the other mirror's bytes are installed."""
-    good = Mirror(DATA, Faults())
-    await good.start()
+    """One mirror trickles header lines for ever; its probe gives up after the header
+    timeout, the mirror is dropped saying so, and the other mirror's bytes are installed."""
+    good = await Mirror(DATA, Faults()).start()
+    slow = await SlowHeadMirror(DATA, interval=0.2).start()
     try:
-        async with trickling_mirror() as slow:
-            job = await pull(short_tmp, [slow, good.url], probe_timeout=1.0)
+        job = await pull(short_tmp, [slow.url, good.url], probe_header_timeout=1.0)
     finally:
+        slow.release.set()
+        await slow.stop()
         await good.stop()
     assert job.state == "installed", job.error
     assert Path(job.result["path"]).read_bytes() == DATA
-    (trickler,) = [m for m in job.mirrors if m.url.human_repr() == slow]
-    assert trickler.received == 0
-    assert "probe" in str(trickler.snapshot()["reason"]), trickler.snapshot()
+    (trickler,) = [m for m in job.mirrors if m.url.human_repr() == slow.url]
+    assert trickler.received == 0 and trickler.state == "dropped"
+    assert "probe: no answer headers" in str(trickler.snapshot()["reason"]), trickler.snapshot()
+
+
+async def test_the_pull_starts_on_the_first_answer_and_a_late_one_joins(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub sends one header line a second and answers only when released: the good
+    mirror's probe starts the pull, every block lands while the hub's probe is still out,
+    and the pull then waits for it: the late X-Linked-Etag joins and verifies the file
+    (an entry without sha256 is never installed unverified while a source may answer)."""
+    monkeypatch.setattr(m, "HF_HOSTS", ("127.0.0.1",))
+    good = await Mirror(DATA, Faults()).start()
+    slow = await SlowHeadMirror(DATA, interval=1.0, redirect_to=good.url).start()
+    tuning = Tuning(2, 256 * 1024, stall_timeout=5.0, probe_header_timeout=300.0)
+    job = memory_job(DownloadTarget("m1", [slow.url, good.url], SIZE, None), short_tmp, tuning)
+    try:
+        job.start()
+        await wait_until(lambda: job.fetcher is not None and job.fetcher.done_bytes > 0, 30)
+        hub_mirror = job.mirrors[0]
+        assert hub_mirror.state == "probing" and slow.waiting == 1  # the first block is in
+        assert job.snapshot()["mirrors"][0]["state"] == "probing"
+        await wait_until(lambda: job.fetcher is not None and job.fetcher.done_bytes == SIZE, 30)
+        assert hub_mirror.state == "probing" and slow.waiting == 1  # every block is in
+        assert job.state == "downloading"  # not verified before every probe has ended
+        slow.release.set()
+        await job.wait()
+    finally:
+        slow.release.set()
+        await slow.stop()
+        await good.stop()
+    assert job.state == "installed", job.error
+    assert hub_mirror.state == "ok" and hub_mirror.received == 0
+    assert job.verified_by == f"x-linked-etag (127.0.0.1:{slow.port})"
+    assert Path(job.result["path"]).read_bytes() == DATA
+    assert len(slow.requests) == 1  # the probe
+
+
+async def test_a_late_contradicting_hub_still_fails_the_pull(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pull runs on the good mirror while a hub's probe is out; the hub's late
+    X-Linked-Etag contradicts the entry's sha256: the pull fails naming both, nothing is
+    installed."""
+    monkeypatch.setattr(m, "HF_HOSTS", ("127.0.0.1",))
+    bogus = "e" * 64
+    good = await Mirror(DATA, Faults(throttle=2_000_000)).start()
+    slow = await SlowHeadMirror(
+        DATA, interval=1.0, redirect_to=good.url, linked_sha256=bogus
+    ).start()
+    tuning = Tuning(2, 256 * 1024, stall_timeout=5.0, probe_header_timeout=300.0)
+    job = memory_job(DownloadTarget("m1", [slow.url, good.url], SIZE, SHA), short_tmp, tuning)
+    try:
+        job.start()
+        await wait_until(lambda: job.fetcher is not None and job.fetcher.done_bytes > 0, 30)
+        assert job.mirrors[0].state == "probing"
+        slow.release.set()
+        with pytest.raises(DigestConflict) as exc:
+            await job.wait()
+    finally:
+        slow.release.set()
+        await slow.stop()
+        await good.stop()
+    assert exc.value.code == "digest_conflict"
+    assert SHA in exc.value.message and bogus in exc.value.message
+    assert f"127.0.0.1:{slow.port}" in exc.value.message
+    assert job.state == "failed"
+    assert not (short_tmp / "blobs").exists() or not any((short_tmp / "blobs").iterdir())
+
+
+async def test_a_probe_without_a_first_byte_is_dropped_with_a_logged_reason(
+    short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mirror sends its answer's head at once but never a body byte: after the first-byte
+    timeout it is dropped, the log says why, and the other mirror's bytes are installed."""
+    good = await Mirror(DATA, Faults()).start()
+    mute = await SlowHeadMirror(DATA, hold_body=True, interval=0.2).start()
+    try:
+        with caplog.at_level(logging.INFO, logger="modeld"):
+            job = await pull(short_tmp, [mute.url, good.url], probe_first_byte_timeout=0.5)
+    finally:
+        mute.release.set()
+        await mute.stop()
+        await good.stop()
+    assert job.state == "installed", job.error
+    assert Path(job.result["path"]).read_bytes() == DATA
+    silent = job.mirrors[0]
+    assert silent.state == "dropped" and silent.received == 0
+    assert silent.reason == "probe: no first byte of the probe's answer within 0.5 s"
+    lines = [r.getMessage() for r in caplog.records if "mirror_dropped" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert f"mirror=127.0.0.1:{mute.port}" in lines[0] and "first byte" in lines[0]
 
 
 def test_hub_token_goes_only_over_https() -> None:
@@ -250,3 +310,25 @@ def test_a_stall_is_retried_at_once_without_using_up_a_try() -> None:
     mir.fail(m.MirrorFailure("stall", "no bytes within the stall timeout"))
     assert mir.state == "dropped"
     assert f"({m.MAX_STALLS} times in a row)" in (mir.reason or "")
+
+
+def test_mirror_state_is_typed_and_shown_as_a_plain_string() -> None:
+    """``Mirror.state`` is a ``MirrorState``; the progress record carries its plain value,
+    which JSON writes as before (``"backoff"``)."""
+    import json
+
+    mir = _mirror()
+    seen: list[tuple[m.MirrorState, bool, bool]] = [(mir.state, mir.usable, mir.ranges)]
+    for failure in ("transient", "no_ranges", "gone"):
+        mir.fail(m.MirrorFailure(failure, "why"))
+        seen.append((mir.state, mir.usable, mir.ranges))
+        if failure == "transient":
+            record = json.loads(json.dumps(mir.snapshot()))
+            assert record["state"] == "backoff" and type(mir.snapshot()["state"]) is str
+    assert seen == [
+        (m.MirrorState.NEW, True, True),
+        (m.MirrorState.BACKOFF, True, True),
+        (m.MirrorState.STREAM_ONLY, True, False),
+        (m.MirrorState.DROPPED, False, True),
+    ]
+    assert all(type(state) is m.MirrorState for state, _, _ in seen)

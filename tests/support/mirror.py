@@ -1,10 +1,14 @@
 """A test mirror: aiohttp on 127.0.0.1 (ephemeral port) serving one file, with switchable faults.
 
 Each fault is a field of ``Faults`` and can be changed while the mirror runs:
-throttle, stall after N bytes, drop mid-piece, ignore Range (200), short 206, wrong
-Content-Range, flip a byte, wrong total size, a fixed status (404), 500-then-OK, a redirect
-loop, a redirect to any URL (e.g. https → http or ftp), and a Hugging Face-like redirect
-that carries ``X-Linked-Etag``/``X-Linked-Size`` and whose signed target expires (403).
+throttle (after a burst, as socket buffers give one), stall after N bytes, drop mid-piece,
+ignore Range (200), short 206, wrong Content-Range, flip a byte, wrong total size, a fixed
+status (404), 500-then-OK, a redirect loop, a redirect to any URL (e.g. https → http or
+ftp), and a Hugging Face-like redirect that carries ``X-Linked-Etag``/``X-Linked-Size`` and
+whose signed target expires (403).
+
+``SlowHeadMirror`` is a raw server for what aiohttp cannot do: an answer whose header lines
+come one at a time (or whose body never starts) until the test releases it.
 
 A mirror serves its file at ``path`` (``/f``, or a Hugging Face-style pinned path from
 ``pinned_path``); ``tests.support.hub`` has the stand-in for huggingface.co itself.
@@ -13,6 +17,7 @@ A mirror serves its file at ``path`` (``/f``, or a Hugging Face-style pinned pat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import ssl
 import threading
@@ -35,6 +40,7 @@ def pinned_path(file: str = "m.litertlm", commit: str = COMMIT, repo: str = "org
 @dataclass
 class Faults:
     throttle: float | None = None  # bytes per second per response
+    burst: int = 0  # bytes of each response sent at once before the throttle applies
     stall_after: int | None = None  # after this many body bytes in total, stop sending
     drop_after: int | None = None  # abort the connection after this many bytes of a response
     drop_times: int = 1_000_000  # how many responses to drop
@@ -181,8 +187,8 @@ class Mirror:
             pos += n
             sent_here += n
             self.sent += n
-            if f.throttle:
-                ahead = sent_here / f.throttle - (time.monotonic() - began)
+            if f.throttle and sent_here > f.burst:
+                ahead = (sent_here - f.burst) / f.throttle - (time.monotonic() - began)
                 if ahead > 0:
                     await asyncio.sleep(ahead)
         await resp.write_eof()
@@ -210,3 +216,103 @@ class ThreadMirror:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+class SlowHeadMirror:
+    """A raw HTTP/1.1 server for slow answers, on 127.0.0.1 (ephemeral port).
+
+    Each answer sends its status line, then (``trickle``) one made-up header line every
+    ``interval`` seconds, or (``hold_body``) its whole head but no body, until ``release``
+    is set; then the rest of a proper answer to the asked range of ``data`` (206 with
+    ``Content-Range``), and the connection closes. ``waiting`` counts answers held now.
+    With ``redirect_to``, the answer is instead a hub's 302 there, carrying
+    ``X-Linked-Etag: linked_sha256`` and ``X-Linked-Size``.
+    """
+
+    def __init__(
+        self,
+        data: bytes,
+        *,
+        trickle: bool = True,
+        hold_body: bool = False,
+        interval: float = 1.0,
+        redirect_to: str | None = None,
+        linked_sha256: str | None = None,
+    ) -> None:
+        self.data, self.trickle, self.hold_body, self.interval = data, trickle, hold_body, interval
+        self.redirect_to = redirect_to
+        self.linked_sha256 = linked_sha256 or hashlib.sha256(data).hexdigest()
+        self.release = asyncio.Event()
+        self.requests: list[str] = []
+        self.waiting = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/f"
+
+    async def start(self) -> SlowHeadMirror:
+        self._server = await asyncio.start_server(self._answer, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in self._writers:
+            writer.close()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+    async def _hold(self, writer: asyncio.StreamWriter) -> None:
+        self.waiting += 1
+        try:
+            n = 0
+            while not self.release.is_set():
+                if self.trickle and not self.hold_body:
+                    n += 1
+                    writer.write(f"X-Line-{n}: x\r\n".encode())
+                    await writer.drain()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.release.wait(), self.interval)
+        finally:
+            self.waiting -= 1
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+            self.requests.append(head)
+            size = len(self.data)
+            start, end = 0, size - 1
+            for line in head.split("\r\n"):
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "range":
+                    a, _, b = value.strip().removeprefix("bytes=").partition("-")
+                    start, end = int(a), min(int(b) if b else size - 1, size - 1)
+            if self.redirect_to is not None:
+                writer.write(b"HTTP/1.1 302 Found\r\n")
+                rest = (
+                    f"Location: {self.redirect_to}\r\n"
+                    f'X-Linked-Etag: "{self.linked_sha256}"\r\nX-Linked-Size: {size}\r\n'
+                    "Content-Length: 0\r\nConnection: close\r\n\r\n"
+                ).encode()
+                start, end = 0, -1  # no body
+            else:
+                writer.write(b"HTTP/1.1 206 Partial Content\r\n")
+                rest = (
+                    f"Content-Range: bytes {start}-{end}/{size}\r\n"
+                    f"Content-Length: {end - start + 1}\r\nConnection: close\r\n\r\n"
+                ).encode()
+            if self.hold_body:
+                writer.write(rest)
+            await writer.drain()
+            await self._hold(writer)
+            if not self.hold_body:
+                writer.write(rest)
+            writer.write(self.data[start : end + 1])
+            await writer.drain()
+            writer.close()
