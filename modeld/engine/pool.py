@@ -23,6 +23,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from types import TracebackType
 from typing import Any, Self
 
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
+
 from modeld import logs
 from modeld.config import format_size
 from modeld.engine.budget import Budget
@@ -68,6 +70,11 @@ __all__ = [
     "engine_view",
     "validate_keep_alive",
 ]
+
+
+class CrashedWhileQueued(EngineCrashed):
+    """An engine crashed while a request waited for its turn; the pool gives the request a
+    fresh engine, once."""
 
 
 # Models whose latest runner (and its stderr, up to runner_client.STDERR_LIMIT) is kept.
@@ -484,42 +491,67 @@ class Pool:
         before the request reaches the pool); it is reported as its own phase.
         """
         arrived = time.monotonic()
-        for attempt in range(2):
-            e = await self._engine_for(target, keep_alive)
-            started = False
-            try:
-                await self._wait_ready(e)
-                loaded_at = time.monotonic()
-                async with e.lock:
-                    if e.state not in (State.READY, State.BUSY):
-                        if attempt == 0 and e.state is State.FAILED:
-                            continue  # crashed while we queued: a fresh engine is fine
-                        raise EngineError(f"model {target.model_id}: its engine was unloaded")
-                    started = True
-                    self._set_state(e, State.BUSY)
-                    self._note_queue(target.model_id)
-                    e.served += 1
-                    async for rec in self._run(e, job, arrived, loaded_at, prepare=image_prepare):
-                        yield rec
-                    return
-            except RunnerError as err:
-                e.tainted = True
-                cls = BadRequest if err.code == "bad_request" else EngineError
-                raise cls(f"model {target.model_id}: {err.message}") from err
-            except RunnerDied as died:
-                if not started or e.runner is None or e.runner.closing:
-                    raise EngineError(
-                        f"model {target.model_id}: its engine was stopped during the request"
-                    ) from died
-                raise EngineCrashed(
-                    f"model {target.model_id}: its engine process was {died.how}"
-                    + (f" ({died.reason})" if died.reason else "")
-                    + "; the daemon is fine and the next request starts a new engine",
-                    model=target.model_id,
-                    signal=died.signal_name,
+        e, loaded_at = await self._admit(target, keep_alive)
+        try:
+            self._set_state(e, State.BUSY)
+            self._note_queue(target.model_id)
+            e.served += 1
+            async for rec in self._run(e, job, arrived, loaded_at, prepare=image_prepare):
+                yield rec
+        except RunnerError as err:
+            e.tainted = True
+            cls = BadRequest if err.code == "bad_request" else EngineError
+            raise cls(f"model {target.model_id}: {err.message}") from err
+        except RunnerDied as died:
+            if e.runner is None or e.runner.closing:
+                raise EngineError(
+                    f"model {target.model_id}: its engine was stopped during the request"
                 ) from died
-            finally:
-                self._release(e)
+            raise EngineCrashed(
+                f"model {target.model_id}: its engine process was {died.how}"
+                + (f" ({died.reason})" if died.reason else "")
+                + "; the daemon is fine and the next request starts a new engine",
+                model=target.model_id,
+                signal=died.signal_name,
+            ) from died
+        finally:
+            e.lock.release()
+            self._release(e)
+
+    async def _admit(self, target: Target, keep_alive: float | None) -> tuple[Engine, float]:
+        """The target's engine, ready, with its lock held (FIFO) and the caller counted as a
+        user: the caller releases both. An engine that crashed while the request queued is
+        replaced once, since a fresh engine serves it as well. Returns the engine and when
+        it was ready."""
+        fresh_engine_once = AsyncRetrying(
+            stop=stop_after_attempt(2),
+            retry=retry_if_exception_type(CrashedWhileQueued),
+            reraise=True,
+        )
+        async for attempt in fresh_engine_once:
+            with attempt:
+                return await self._admit_once(target, keep_alive)
+        raise AssertionError("tenacity ends with a result or the last exception")
+
+    async def _admit_once(self, target: Target, keep_alive: float | None) -> tuple[Engine, float]:
+        e = await self._engine_for(target, keep_alive)
+        try:
+            await self._wait_ready(e)
+            loaded_at = time.monotonic()
+            await e.lock.acquire()
+        except BaseException:
+            self._release(e)
+            raise
+        if e.state in (State.READY, State.BUSY):
+            return e, loaded_at
+        e.lock.release()
+        self._release(e)
+        if e.state is State.FAILED:
+            raise CrashedWhileQueued(
+                f"model {target.model_id}: its engine crashed while this request waited; "
+                "send it again"
+            )
+        raise EngineError(f"model {target.model_id}: its engine was unloaded")
 
     async def _run(
         self, e: Engine, job: dict[str, Any], arrived: float, loaded_at: float, *, prepare: float

@@ -148,6 +148,27 @@ async def test_crash_mid_request_then_reload_then_held_back() -> None:
     await pool.stop()
 
 
+async def test_request_queued_behind_a_crash_gets_a_fresh_engine() -> None:
+    """The running request fails with engine_crashed; the one queued behind it is served by
+    a fresh engine (the pool's one retry), not failed with it."""
+    factory = FakeFactory(hold=True)
+    pool = await make_pool(factory)
+    t = target("m")
+    first = asyncio.create_task(consume(pool, t))
+    await wait_until(lambda: len(factory.gates) == 1)  # the first generation runs
+    queued = asyncio.create_task(consume(pool, t))
+    await wait_until(lambda: pool.list()[0]["queued"] == 1)  # the second waits its turn
+    factory.alive()[-1].crash("SIGSEGV")
+    with pytest.raises(EngineCrashed):
+        await first
+    await wait_until(lambda: len(factory.gates) == 2)  # the queued one runs on a new engine
+    factory.release_all()
+    records = await queued
+    assert records[-1]["done"] and records[-1]["finish"] == "stop"
+    assert factory.creates == 2
+    await pool.stop()
+
+
 async def test_load_cancelled_when_every_waiter_leaves() -> None:
     """A load whose only waiter is cancelled stops its runner instead of finishing."""
     factory = FakeFactory(create_seconds=1.0)
