@@ -15,6 +15,10 @@ the daemon's every file descriptor. Each accepted connection is therefore wrappe
 - ``idle_timeout`` (aiohttp's ``keepalive_timeout``): a connection with no request running
   is closed after this long, counted from its opening or from its last response.
 
+aiohttp sees a connection only once its first bytes arrive: one that never sends any (a
+flood) costs an accept, a guard entry and its idle timer here, not a request handler and
+its task. That keeps the daemon answering others while thousands arrive.
+
 ``track_requests`` (a middleware) tells the wrapper when a request starts and ends.
 """
 
@@ -52,10 +56,13 @@ class ConnectionGuard:
     def __init__(self, settings: Settings) -> None:
         self.max_connections = settings.max_connections
         self.header_timeout = settings.header_timeout
+        self.idle_timeout = settings.idle_timeout
         # Made and not yet lost; ``closing`` are those this guard closed (their fds go at
         # connection_lost, a loop turn later: they no longer count).
         self.open: set[GuardedConnection] = set()
         self.closing: set[GuardedConnection] = set()
+        # Refused: answering their 503, closed after _REFUSED_LINGER.
+        self.refusing: set[GuardedConnection] = set()
         # Connections with no request running, by peer, each peer's idle the longest first.
         self.idle: dict[str, OrderedDict[GuardedConnection, None]] = {}
         # Open connections by peer (``uid:N`` on the socket, ``ip:ADDRESS`` on TCP).
@@ -101,7 +108,14 @@ class ConnectionGuard:
             if self.by_peer[conn.peer] <= 0:
                 del self.by_peer[conn.peer]
         self.closing.discard(conn)
+        self.refusing.discard(conn)
         self.set_busy(conn)
+
+    def close_unstarted(self) -> None:
+        """Close the connections aiohttp never had (it closes its own at shutdown)."""
+        for conn in [*self.open, *self.refusing]:
+            if not conn.started:
+                conn.close()
 
     def _evict_one(self, newcomer: GuardedConnection) -> bool:
         """Close an idle connection of the peer holding the most (the newcomer counted);
@@ -153,7 +167,11 @@ class GuardedConnection(asyncio.Protocol):
         self.in_request = False
         # Refused at connection_made: answered with a 503, and aiohttp never sees it.
         self.refused: _Refused | None = None
+        # Whether aiohttp has the connection (from its first bytes on).
+        self.started = False
         self._header_timer: asyncio.TimerHandle | None = None
+        # Until the first bytes: the idle timeout that aiohttp keeps afterwards.
+        self._silent_timer: asyncio.TimerHandle | None = None
 
     def quiet(self) -> bool:
         """Made, and nothing queued to send."""
@@ -186,14 +204,28 @@ class GuardedConnection(asyncio.Protocol):
         self.transport = transport
         self.peer = _peer_key(transport)
         if not self.guard.admit(self):
+            self.guard.refusing.add(self)
             self.refused = _Refused()
             self.refused.connection_made(transport)
             return
-        self.inner.connection_made(transport)
+        if self.guard.idle_timeout > 0:
+            loop = asyncio.get_running_loop()
+            self._silent_timer = loop.call_later(self.guard.idle_timeout, self.close)
+
+    def _start(self) -> None:
+        """Hand the connection to aiohttp, at its first bytes."""
+        self.started = True
+        if self._silent_timer is not None:
+            self._silent_timer.cancel()
+            self._silent_timer = None
+        assert self.transport is not None
+        self.inner.connection_made(self.transport)
 
     def data_received(self, data: bytes) -> None:
-        if self.refused is not None:
+        if self.refused is not None or not data:
             return
+        if not self.started:
+            self._start()
         # The first bytes of a request head start its clock (once per head).
         if not self.in_request and self._header_timer is None and data:
             loop = asyncio.get_running_loop()
@@ -203,23 +235,28 @@ class GuardedConnection(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         if self.refused is not None:
             return self.refused.eof_received()
+        if not self.started:
+            return None  # closed before a byte: close our side too
         return self.inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
+        if self._silent_timer is not None:
+            self._silent_timer.cancel()
+            self._silent_timer = None
         self.guard.lost(self)
         self.transport = None
         if self.refused is not None:
             self.refused.connection_lost(exc)
-        else:
+        elif self.started:
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        if self.refused is None:
+        if self.refused is None and self.started:
             self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self.refused is None:
+        if self.refused is None and self.started:
             self.inner.resume_writing()
 
     def _cancel_timer(self) -> None:
@@ -330,3 +367,7 @@ class GuardedSite(web.SockSite):
         self._server = await loop.create_server(
             self.guard.wrap(server), sock=self._sock, backlog=self._backlog
         )
+
+    async def stop(self) -> None:
+        self.guard.close_unstarted()
+        await super().stop()
