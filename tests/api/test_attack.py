@@ -278,24 +278,19 @@ def arena() -> Iterator[Arena]:
         HTTP_PROXY=f"http://127.0.0.1:{mirrors['proxy'].port}",
     )
     d = _Daemon(home=home, env=env)
-    d.start_quick()
-    os.chown(d.socket, 0, PEER_GID)  # as SocketGroup= would
-    assert d.proc is not None
     watch_log = root / "watch.jsonl"
-    watcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.support.watcher",
-            str(d.socket),
-            str(d.proc.pid),
-            str(home),
-            str(watch_log),
-        ],
-        cwd=REPO,
-    )
-    arena = Arena(root, d, peer_home, bodies, tmpdir, daemon_home, watch_log, loop, mirrors, urls)
+    watcher: subprocess.Popen[bytes] | None = None
     try:
+        d.start_quick()
+        os.chown(d.socket, 0, PEER_GID)  # as SocketGroup= would
+        assert d.proc is not None
+        watch = [str(d.socket), str(d.proc.pid), str(home), str(watch_log)]
+        watcher = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.watcher", *watch], cwd=REPO
+        )
+        arena = Arena(
+            root, d, peer_home, bodies, tmpdir, daemon_home, watch_log, loop, mirrors, urls
+        )
         wait_sync(lambda: watch_log.exists() and watch_log.stat().st_size > 0, 30, "a first sample")
         yield arena
         # SIGTERM still stops it, promptly, after everything (a FIFO once hung it for good).
@@ -306,9 +301,11 @@ def arena() -> Iterator[Arena]:
             f"{FIGURES.rss / MiB:.0f} MiB (bound {RSS_BOUND / MiB:.0f} MiB); load {os.getloadavg()}"
         )
     finally:
-        watcher.kill()
-        watcher.wait()
-        d.stop()
+        if watcher is not None:
+            watcher.kill()
+            watcher.wait()
+        if d.proc is not None:
+            d.stop()
         for m in mirrors.values():
             loop.run(m.stop())
         loop.run(trickler.stop())
@@ -324,10 +321,11 @@ _TMP_NAMES = (".litertlm", ".partial", ".import-", "sha256-", "modeld", "netrc")
 def _tmp_entries() -> dict[str, int]:
     """The names in /tmp that look like the daemon's, with their owner."""
     found = {}
-    for entry in os.scandir("/tmp"):
-        if any(n in entry.name for n in _TMP_NAMES):
-            with contextlib.suppress(OSError):
-                found[entry.name] = entry.stat(follow_symlinks=False).st_uid
+    with os.scandir("/tmp") as entries:
+        for entry in entries:
+            if any(n in entry.name for n in _TMP_NAMES):
+                with contextlib.suppress(OSError):
+                    found[entry.name] = entry.stat(follow_symlinks=False).st_uid
     return found
 
 
