@@ -63,6 +63,8 @@ class ConnectionGuard:
         self.closing: set[GuardedConnection] = set()
         # Refused: answering their 503, closed after _REFUSED_LINGER.
         self.refusing: set[GuardedConnection] = set()
+        # Set when the sites stop: a connection made later (an accept in flight) is closed.
+        self.stopped = False
         # Connections with no request running, by peer, each peer's idle the longest first.
         self.idle: dict[str, OrderedDict[GuardedConnection, None]] = {}
         # Open connections by peer (``uid:N`` on the socket, ``ip:ADDRESS`` on TCP).
@@ -112,7 +114,9 @@ class ConnectionGuard:
         self.set_busy(conn)
 
     def close_unstarted(self) -> None:
-        """Close the connections aiohttp never had (it closes its own at shutdown)."""
+        """Close the connections aiohttp never had (it closes its own at shutdown), and
+        any made from now on."""
+        self.stopped = True
         for conn in [*self.open, *self.refusing]:
             if not conn.started:
                 conn.close()
@@ -202,6 +206,10 @@ class GuardedConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        if self.guard.stopped:
+            self.refused = _Refused()  # no 503 sent: the daemon is stopping
+            transport.close()
+            return
         self.peer = _peer_key(transport)
         if not self.guard.admit(self):
             self.guard.refusing.add(self)
