@@ -42,7 +42,7 @@ import pytest
 from PIL import Image
 
 from modeld.store.store import sha256_file
-from tests.support.daemon import DaemonProcess, daemon_env, serve_to_exit, spawn_daemon
+from tests.support.daemon import DaemonProcess, daemon_env, serve_to_exit
 from tests.support.faults import runner_pids
 from tests.support.hub import hub
 from tests.support.mirror import Faults, LoopThread, Mirror, SlowHeadMirror, pinned_path
@@ -71,12 +71,6 @@ TINY = MODELS / "tiny-text.litertlm"
 OTHER = MODELS / "tiny-text-b.litertlm"  # another real model of the same size
 PULLED = OTHER.read_bytes()  # what the mirrors serve
 HUGE = 2 * shutil.disk_usage("/tmp").free
-# The daemon trusts X-Linked-Etag from the loopback hub (tests/download patch it in-process).
-SERVE = (
-    "import sys; from modeld.download import mirrors; "
-    "mirrors.HF_HOSTS = ('huggingface.co', 'localhost'); "
-    "sys.argv = ['modeld', 'serve']; from modeld.cli import main; main()"
-)
 
 
 @dataclass
@@ -176,13 +170,6 @@ def _as(uid: int, *argv: str) -> list[str]:
     return ["setpriv", f"--reuid={uid}", f"--regid={PEER_GID}", "--clear-groups", *argv]
 
 
-class _Daemon(DaemonProcess):
-    """``modeld serve`` that trusts the loopback hub's X-Linked-Etag."""
-
-    def spawn(self) -> None:
-        self.proc = spawn_daemon(self.env, self.log_path, argv=[sys.executable, "-c", SERVE])
-
-
 def _hf_like(path: str) -> str:
     return f"http://93.184.216.34{path}"
 
@@ -276,8 +263,10 @@ def arena() -> Iterator[Arena]:
         HOME=str(daemon_home),
         TMPDIR=str(tmpdir),
         HTTP_PROXY=f"http://127.0.0.1:{mirrors['proxy'].port}",
+        # The loopback hubs are hub hosts (token, X-Linked-Etag), as huggingface.co is.
+        HF_ENDPOINT=f"http://localhost:{mirrors['hub'].port}",
     )
-    d = _Daemon(home=home, env=env)
+    d = DaemonProcess(home=home, env=env)
     watch_log = root / "watch.jsonl"
     watcher: subprocess.Popen[bytes] | None = None
     try:
