@@ -23,6 +23,7 @@ import io
 import json
 import os
 import socket
+import struct
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import TracebackType
@@ -304,6 +305,32 @@ class _Response:
         self._sock.close()
 
 
+def connect_unix(path: Path | str, timeout: float) -> socket.socket:
+    """Connect to a Unix socket, waiting up to ``timeout`` while its backlog is full.
+
+    With a timeout set (``settimeout``) a Unix socket connects non-blocking, and a full
+    backlog (a flood of connections the daemon has not accepted yet) fails at once with
+    EAGAIN. A blocking connect waits for room instead; ``SO_SNDTIMEO`` bounds that wait.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    seconds = max(timeout, 0.001)
+    sock.setsockopt(
+        socket.SOL_SOCKET,
+        socket.SO_SNDTIMEO,
+        struct.pack("ll", int(seconds), int(seconds % 1 * 1_000_000)),
+    )
+    try:
+        sock.connect(str(path))
+    except BlockingIOError as e:  # still no room when SO_SNDTIMEO ran out
+        sock.close()
+        raise TimeoutError(errno.ETIMEDOUT, "the socket's backlog stayed full") from e
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(timeout)
+    return sock
+
+
 class Client:
     """A sync client for one daemon: ``with Client() as c: c.status()``.
 
@@ -342,14 +369,7 @@ class Client:
         where = self.endpoint
         try:
             if where.socket is not None:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self.connect_timeout)
-                try:
-                    sock.connect(str(where.socket))
-                except BaseException:
-                    sock.close()
-                    raise
-                return sock
+                return connect_unix(where.socket, self.connect_timeout)
             parts = urlsplit(str(where.url))
             return socket.create_connection(
                 (str(parts.hostname), parts.port or 80), timeout=self.connect_timeout
@@ -790,9 +810,7 @@ def _send_with_fd(
         f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
         "Connection: close\r\n\r\n"
     ).encode()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(answer_timeout)
-        s.connect(str(socket_path))
+    with connect_unix(socket_path, answer_timeout) as s:
         s.sendall(head + payload)
         data = b""
         while b"\r\n\r\n" not in data:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from modeld.config import (
     parse_size,
 )
 from modeld.errors import SettingsError
+from tests.support.daemon import serve_to_exit
 
 
 @pytest.mark.parametrize(
@@ -115,18 +114,6 @@ def test_memory_default_is_half_of_memory(clean_env: Path) -> None:
     assert load_settings().memory_budget == memory_total_bytes() // 2
 
 
-def _serve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """`modeld serve` in a subprocess that is expected to stop at start-up."""
-    return subprocess.run(
-        [sys.executable, "-m", "modeld", "serve"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 @pytest.mark.parametrize(
     ("key", "value", "needle"),
     [
@@ -143,7 +130,7 @@ def test_bad_value_exits_2_with_one_line(
     import os
 
     env = dict(os.environ, **{key: value})
-    result = _serve(env)
+    result = serve_to_exit(env)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -165,7 +152,7 @@ def test_non_utf8_config_file_is_one_line_exit_2(clean_env: Path) -> None:
     cfg = clean_env / "modeld.toml"
     cfg.write_bytes(b'log_level = "caf\xe9"\n')
     env = dict(os.environ, MODELD_CONFIG=str(cfg))
-    result = _serve(env)
+    result = serve_to_exit(env)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "UTF-8" in result.stderr

@@ -4,14 +4,20 @@ aiohttp bounds neither the number of connections nor the time a request head may
 its idle timeout (``keepalive_timeout``) defaults to an hour: 20,000 idle connections took
 the daemon's every file descriptor. Each accepted connection is therefore wrapped here:
 
-- ``max_connections``: past it, the connection idle the longest (no request running) is
-  closed to make room; when every connection is running a request, the new one gets a 503
-  ``busy`` with ``Retry-After`` and is closed. An app holding idle connections cannot lock
-  out a new client.
+- ``max_connections``: past it, an idle connection (no request running) is closed to make
+  room: the one idle the longest of the peer holding the most connections (a uid on the
+  socket, an address on TCP). When every other connection is running a request, the new one
+  gets a 503 ``busy`` with ``Retry-After`` and is closed. An app flooding the socket with
+  idle connections only ever closes its own, never another client's, even one whose request
+  is on its way (a flood of 20,000 reset other clients' fresh connections before).
 - ``header_timeout``: a request head must be complete this long after its first byte; a
   client sending one header line a second is dropped.
 - ``idle_timeout`` (aiohttp's ``keepalive_timeout``): a connection with no request running
   is closed after this long, counted from its opening or from its last response.
+
+aiohttp sees a connection only once its first bytes arrive: one that never sends any (a
+flood) costs an accept, a guard entry and its idle timer here, not a request handler and
+its task. That keeps the daemon answering others while thousands arrive.
 
 ``track_requests`` (a middleware) tells the wrapper when a request starts and ends.
 """
@@ -22,7 +28,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -40,17 +46,29 @@ _LOG_EVERY = 1.0
 
 
 class ConnectionGuard:
-    """The connections of one listening socket: their count, and which ones are idle."""
+    """The connections of one listening socket: their count, and which ones are idle.
+
+    The room is made when a connection is made (``admit``), not when it is accepted: only
+    then is its peer known, and a burst of accepts (up to the backlog at once) cannot close
+    a connection before it had a chance to send its request.
+    """
 
     def __init__(self, settings: Settings) -> None:
         self.max_connections = settings.max_connections
         self.header_timeout = settings.header_timeout
-        # Accepted and not yet lost; ``closing`` are those this guard closed (their fds go
-        # at connection_lost, a loop turn later: a burst of accepts must not count them).
+        self.idle_timeout = settings.idle_timeout
+        # Made and not yet lost; ``closing`` are those this guard closed (their fds go at
+        # connection_lost, a loop turn later: they no longer count).
         self.open: set[GuardedConnection] = set()
         self.closing: set[GuardedConnection] = set()
-        # Connections with no request running, the one idle the longest first.
-        self.idle: OrderedDict[GuardedConnection, None] = OrderedDict()
+        # Refused: answering their 503, closed after _REFUSED_LINGER.
+        self.refusing: set[GuardedConnection] = set()
+        # Set when the sites stop: a connection made later (an accept in flight) is closed.
+        self.stopped = False
+        # Connections with no request running, by peer, each peer's idle the longest first.
+        self.idle: dict[str, OrderedDict[GuardedConnection, None]] = {}
+        # Open connections by peer (``uid:N`` on the socket, ``ip:ADDRESS`` on TCP).
+        self.by_peer: Counter[str] = Counter()
         self.refused = 0
         self.evicted = 0
         self._logged_at = 0.0
@@ -60,30 +78,65 @@ class ConnectionGuard:
         """A protocol factory for ``loop.create_server`` around aiohttp's ``factory``."""
 
         def make() -> asyncio.Protocol:
-            full = len(self.open) - len(self.closing) >= self.max_connections
-            if full and not self._evict_one():
-                self.refused += 1
-                self._log()
-                return _Refused()
-            # Counted (and evictable) from here, not from connection_made: accept() runs in
-            # bursts, and each new connection's connection_made comes a loop turn later.
-            conn = GuardedConnection(self, factory())
-            self.open.add(conn)
-            self.idle[conn] = None
-            return conn
+            return GuardedConnection(self, factory())
 
         return make
 
-    def _evict_one(self) -> bool:
-        """Close the connection idle the longest; False when none is idle."""
-        for conn in list(self.idle):
-            transport = conn.transport
-            # Output still queued is a response being sent: that connection is not idle.
-            if transport is not None and transport.get_write_buffer_size():
+    def admit(self, conn: GuardedConnection) -> bool:
+        """Count ``conn`` in, making room if the limit is reached; False: refuse it."""
+        if len(self.open) - len(self.closing) >= self.max_connections and not self._evict_one(conn):
+            self.refused += 1
+            self._log()
+            return False
+        self.open.add(conn)
+        self.by_peer[conn.peer] += 1
+        self.set_idle(conn)
+        return True
+
+    def set_idle(self, conn: GuardedConnection) -> None:
+        self.idle.setdefault(conn.peer, OrderedDict())[conn] = None
+
+    def set_busy(self, conn: GuardedConnection) -> None:
+        mine = self.idle.get(conn.peer)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self.idle[conn.peer]
+
+    def lost(self, conn: GuardedConnection) -> None:
+        if conn in self.open:
+            self.open.discard(conn)
+            self.by_peer[conn.peer] -= 1
+            if self.by_peer[conn.peer] <= 0:
+                del self.by_peer[conn.peer]
+        self.closing.discard(conn)
+        self.refusing.discard(conn)
+        self.set_busy(conn)
+
+    def close_unstarted(self) -> None:
+        """Close the connections aiohttp never had (it closes its own at shutdown), and
+        any made from now on."""
+        self.stopped = True
+        for conn in [*self.open, *self.refusing]:
+            if not conn.started:
+                conn.close()
+
+    def _evict_one(self, newcomer: GuardedConnection) -> bool:
+        """Close an idle connection of the peer holding the most (the newcomer counted);
+        False when no connection is idle."""
+
+        def held(peer: str) -> int:
+            return self.by_peer[peer] + (peer == newcomer.peer)
+
+        for peer in sorted(self.idle, key=held, reverse=True):
+            # The one idle the longest; output still queued is a response being sent, so a
+            # connection with some is not idle.
+            victim = next((c for c in self.idle[peer] if c.quiet()), None)
+            if victim is None:
                 continue
-            del self.idle[conn]
-            if conn.close():
-                self.closing.add(conn)
+            self.set_busy(victim)
+            if victim.close():
+                self.closing.add(victim)
                 self.evicted += 1
                 self._log()
                 return True
@@ -95,6 +148,7 @@ class ConnectionGuard:
             return
         refused, evicted = self.refused - self._logged[0], self.evicted - self._logged[1]
         self._logged_at, self._logged = now, (self.refused, self.evicted)
+        top = self.by_peer.most_common(1)
         logs.event(
             "connections_bounded",
             logging.WARNING,
@@ -102,6 +156,7 @@ class ConnectionGuard:
             limit=self.max_connections,
             refused=refused,
             idle_closed=evicted,
+            most=f"{top[0][0]}x{top[0][1]}" if top else "-",
         )
 
 
@@ -112,18 +167,24 @@ class GuardedConnection(asyncio.Protocol):
         self.guard = guard
         self.inner = inner
         self.transport: asyncio.Transport | None = None
+        self.peer = "-"
         self.in_request = False
-        # Closed before connection_made: closed there, and aiohttp never sees it.
-        self.doomed = False
+        # Refused at connection_made: answered with a 503, and aiohttp never sees it.
+        self.refused: _Refused | None = None
+        # Whether aiohttp has the connection (from its first bytes on).
+        self.started = False
         self._header_timer: asyncio.TimerHandle | None = None
+        # Until the first bytes: the idle timeout that aiohttp keeps afterwards.
+        self._silent_timer: asyncio.TimerHandle | None = None
+
+    def quiet(self) -> bool:
+        """Made, and nothing queued to send."""
+        return self.transport is not None and not self.transport.get_write_buffer_size()
 
     def close(self) -> bool:
         """Close the connection; False when it was already closing."""
         transport = self.transport
-        if transport is None:
-            self.doomed = True
-            return True
-        if transport.is_closing():
+        if transport is None or transport.is_closing():
             return False
         transport.close()
         return True
@@ -132,27 +193,47 @@ class GuardedConnection(asyncio.Protocol):
 
     def request_started(self) -> None:
         self.in_request = True
-        self.guard.idle.pop(self, None)
+        self.guard.set_busy(self)
         self._cancel_timer()
 
     def request_finished(self) -> None:
         self.in_request = False
         if self in self.guard.open:
-            self.guard.idle[self] = None
+            self.guard.set_idle(self)
 
     # --- asyncio.Protocol, passed on to aiohttp --------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        if self.doomed:
+        if self.guard.stopped:
+            self.refused = _Refused()  # no 503 sent: the daemon is stopping
             transport.close()
             return
-        self.inner.connection_made(transport)
+        self.peer = _peer_key(transport)
+        if not self.guard.admit(self):
+            self.guard.refusing.add(self)
+            self.refused = _Refused()
+            self.refused.connection_made(transport)
+            return
+        if self.guard.idle_timeout > 0:
+            loop = asyncio.get_running_loop()
+            self._silent_timer = loop.call_later(self.guard.idle_timeout, self.close)
+
+    def _start(self) -> None:
+        """Hand the connection to aiohttp, at its first bytes."""
+        self.started = True
+        if self._silent_timer is not None:
+            self._silent_timer.cancel()
+            self._silent_timer = None
+        assert self.transport is not None
+        self.inner.connection_made(self.transport)
 
     def data_received(self, data: bytes) -> None:
-        if self.doomed:
+        if self.refused is not None or not data:
             return
+        if not self.started:
+            self._start()
         # The first bytes of a request head start its clock (once per head).
         if not self.in_request and self._header_timer is None and data:
             loop = asyncio.get_running_loop()
@@ -160,22 +241,31 @@ class GuardedConnection(asyncio.Protocol):
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return None if self.doomed else self.inner.eof_received()
+        if self.refused is not None:
+            return self.refused.eof_received()
+        if not self.started:
+            return None  # closed before a byte: close our side too
+        return self.inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
-        self.guard.open.discard(self)
-        self.guard.closing.discard(self)
-        self.guard.idle.pop(self, None)
+        if self._silent_timer is not None:
+            self._silent_timer.cancel()
+            self._silent_timer = None
+        self.guard.lost(self)
         self.transport = None
-        if not self.doomed:
+        if self.refused is not None:
+            self.refused.connection_lost(exc)
+        elif self.started:
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        self.inner.pause_writing()
+        if self.refused is None and self.started:
+            self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self.inner.resume_writing()
+        if self.refused is None and self.started:
+            self.inner.resume_writing()
 
     def _cancel_timer(self) -> None:
         if self._header_timer is not None:
@@ -190,6 +280,17 @@ class GuardedConnection(asyncio.Protocol):
         if self.close():
             seconds = self.guard.header_timeout
             logs.event("header_timeout", logging.WARNING, seconds=seconds, peer=peer)
+
+
+def _peer_key(transport: asyncio.Transport) -> str:
+    """Whose connection this is, for fairness: ``uid:N`` on the socket, ``ip:A`` on TCP."""
+    peer = peer_credentials(transport.get_extra_info("socket"))
+    if peer is not None:
+        return f"uid:{peer.uid}"
+    address = transport.get_extra_info("peername")
+    if isinstance(address, tuple) and address:
+        return f"ip:{address[0]}"
+    return "-"
 
 
 def _peer(conn: GuardedConnection) -> str:
@@ -274,3 +375,7 @@ class GuardedSite(web.SockSite):
         self._server = await loop.create_server(
             self.guard.wrap(server), sock=self._sock, backlog=self._backlog
         )
+
+    async def stop(self) -> None:
+        self.guard.close_unstarted()
+        await super().stop()

@@ -52,6 +52,7 @@ from modeld.errors import (
     HeldBack,
     ModeldError,
     ShuttingDown,
+    TooLarge,
 )
 from modeld.metrics import Metrics
 
@@ -500,6 +501,12 @@ class Pool:
                 yield rec
         except RunnerError as err:
             e.tainted = True
+            if err.code == "too_large":
+                raise TooLarge(
+                    f"model {target.model_id}: the prompt is longer than the engine's "
+                    f"window of {target.max_tokens} tokens ({err.message}); send a shorter "
+                    "one, or load the model with a larger max_tokens"
+                ) from err
             cls = BadRequest if err.code == "bad_request" else EngineError
             raise cls(f"model {target.model_id}: {err.message}") from err
         except RunnerDied as died:

@@ -385,6 +385,28 @@ async def test_prompt_past_the_window_is_413_before_any_engine(clean_env: Path) 
         assert status == 200 and engines["engines"] == []
 
 
+async def test_prompt_under_the_byte_bound_but_past_the_window_is_413(clean_env: Path) -> None:
+    """A prompt under 256 x 32 bytes that still holds more than 256 tokens reaches the
+    runtime, which refuses it: a 413 saying the window, not a 500 engine_error."""
+    import asyncio
+
+    home, registry = clean_env / "home", clean_env / "registry"
+    install_fixture(home, "tiny-text", MODELS / "tiny-text.litertlm", registry=registry)
+    async with running_daemon(registry_settings(home, registry)) as d:
+        body = json.dumps({"model": "tiny-text", "prompt": "zq " * 2700}).encode()  # 8,100 B
+        status, _, raw = await asyncio.to_thread(
+            http, d.settings.socket_path, "POST", "/api/generate", body
+        )
+        assert status == 413, raw[:300]
+        err = error_of(raw)
+        assert err["code"] == "too_large" and "window of 256 tokens" in err["message"], err
+        ok = json.dumps({"model": "tiny-text", "prompt": "hello", "max_tokens": 2}).encode()
+        status, _, raw = await asyncio.to_thread(
+            http, d.settings.socket_path, "POST", "/api/generate", ok
+        )
+        assert status == 200, raw[:300]
+
+
 # --- images: pixels from the header, and only for a model that takes them ------------------------
 
 

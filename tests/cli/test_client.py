@@ -143,6 +143,62 @@ def test_sync_client_gives_up_on_a_silent_socket(silent_socket: Path) -> None:
             list(c.generate("tiny-text", "hi"))
 
 
+def test_a_full_backlog_is_waited_on_not_refused(short_tmp: Path) -> None:
+    """A flood can fill the daemon's backlog for a moment: the client waits for room (up to
+    its connect timeout) instead of failing at once with EAGAIN, as a connect under
+    ``settimeout`` does."""
+    import threading
+
+    from modeld.client import connect_unix
+    from tests.support.wait import wait_sync
+
+    path = short_tmp / "full.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(0)
+        queued = []
+        while True:  # fill the backlog
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(str(path))
+            except BlockingIOError:
+                s.close()
+                break
+            queued.append(s)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as plain:
+            plain.settimeout(5.0)
+            with pytest.raises(BlockingIOError):
+                plain.connect(str(path))
+        with pytest.raises(DaemonUnavailable, match=r"sent no answer in 0\.2 s"):
+            Client(path, connect_timeout=0.2).health()
+        got: list[socket.socket | BaseException] = []
+
+        def connect() -> None:
+            try:
+                got.append(connect_unix(path, 30.0))
+            except BaseException as e:
+                got.append(e)
+
+        waiter = threading.Thread(target=connect)
+        waiter.start()
+        # Once it waits in the kernel for room, make some: it connects.
+        wchan = Path(f"/proc/self/task/{_native_id(waiter)}/wchan")
+        wait_sync(lambda: wchan.read_text() == "unix_wait_for_peer" or bool(got), 10, "waiting")
+        listener.accept()[0].close()
+        waiter.join(10)
+        for s in queued:
+            s.close()
+    assert len(got) == 1 and isinstance(got[0], socket.socket), got
+    got[0].close()
+
+
+def _native_id(thread: object) -> int:
+    native = getattr(thread, "native_id", None)
+    assert isinstance(native, int)
+    return native
+
+
 def test_a_bad_url_is_a_settings_error() -> None:
     """MODELD_URL must be http://HOST:PORT; anything else says so before any request."""
     with pytest.raises(SettingsError, match="HOST:PORT"):

@@ -9,7 +9,6 @@ import socket
 import sqlite3
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,24 +17,12 @@ from modeld.config import load_settings
 from modeld.daemon import daemon as daemon_mod
 from modeld.errors import Conflict, SettingsError
 from modeld.store.store import Store
-from tests.support.daemon import daemon_env, spawn_daemon, stop_process, wait_log
+from tests.support.daemon import daemon_env, serve_to_exit, spawn_daemon, stop_process, wait_log
 from tests.support.unix import unix_http
 
 OTHER_UID = 12345
 # The events table's stated bound (modeld.store.store.EVENTS_KEPT).
 EVENTS_KEPT = 10_000
-
-
-def _serve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """`modeld serve` expected to stop at start-up."""
-    return subprocess.run(
-        [sys.executable, "-m", "modeld", "serve"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def _make_db(home: Path) -> Path:
@@ -80,7 +67,7 @@ def test_corrupt_database_stops_start_untouched(
     assert callable(damage)
     damage(db)
     before = _snapshot(db)
-    result = _serve(daemon_env(home))
+    result = serve_to_exit(daemon_env(home))
     assert result.returncode == 1, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -102,7 +89,7 @@ def test_read_only_database_stops_start_untouched(short_tmp: Path) -> None:
         pytest.skip(f"cannot bind-mount here: {mounted.stderr.decode().strip()}")
     try:
         subprocess.run(["mount", "-o", "remount,bind,ro", str(db)], check=True)
-        result = _serve(daemon_env(home))
+        result = serve_to_exit(daemon_env(home))
     finally:
         subprocess.run(["umount", str(db)], check=False)
     assert result.returncode == 1, result.stderr
@@ -154,7 +141,7 @@ def test_socket_dir_of_another_user_or_open_to_all_is_refused(
     os.chown(sock_dir, owner, owner)
     sock_dir.chmod(mode)
     env = daemon_env(short_tmp / "home", MODELD_SOCKET=str(sock_dir / "modeld.sock"))
-    result = _serve(env)
+    result = serve_to_exit(env)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]

@@ -26,6 +26,7 @@ from tests.support.daemon import (
     ACTIVATION_WRAPPER,
     DaemonProcess,
     daemon_env,
+    serve_to_exit,
     spawn_daemon,
     stop_process,
     wait_log,
@@ -329,21 +330,10 @@ def test_keys_never_reach_the_log_and_nothing_in_it_opens_the_api(tcp: Tcp) -> N
         assert status == 401, word
 
 
-def _serve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "modeld", "serve"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_a_public_address_needs_explicit_consent(short_tmp: Path) -> None:
     """MODELD_LISTEN on a non-loopback address stops start-up (one line, exit 2) that says to put
     TLS in front and set MODELD_LISTEN_PUBLIC=1; with it, the setting loads."""
-    result = _serve(daemon_env(short_tmp / "home", MODELD_LISTEN="0.0.0.0:11500"))
+    result = serve_to_exit(daemon_env(short_tmp / "home", MODELD_LISTEN="0.0.0.0:11500"))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr

@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -124,6 +125,31 @@ async def test_cpu_probe_succeeds(tmp_path: Path) -> None:
     result = await probe(TINY, "cpu", tmp_path / "cache")
     assert result == ProbeResult(ok=True, backend="cpu", reason=None, seconds=result.seconds)
     assert 0 < result.seconds < 30
+
+
+@needs_tiny
+async def test_a_probe_child_gets_no_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe child starts with the scrubbed environment of a runner: the hub token (and
+    any other secret or systemd variable) in the daemon's environment never reaches it."""
+    for name, value in (
+        ("MODELD_HF_TOKEN", "hf_modeldsecret"),
+        ("HF_TOKEN", "hf_hubsecret"),
+        ("NOTIFY_SOCKET", "/run/systemd/notify"),
+    ):
+        monkeypatch.setenv(name, value)
+    envs: list[dict[str, str] | None] = []
+    real = asyncio.create_subprocess_exec
+
+    async def recording(*args: Any, **kw: Any) -> asyncio.subprocess.Process:
+        envs.append(kw.get("env"))  # observed, then the real call
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", recording)
+    result = await probe(TINY, "cpu", tmp_path / "cache")
+    assert result.ok, result.reason
+    (env,) = envs
+    assert env is not None and "PATH" in env  # not inherited whole
+    assert not [v for v in env.values() if "secret" in v or "notify" in v], env
 
 
 @needs_tiny

@@ -173,6 +173,18 @@ def spawn_daemon(
         )
 
 
+def serve_to_exit(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``modeld serve`` expected to stop at start-up: its exit status and output."""
+    return subprocess.run(
+        [sys.executable, "-m", "modeld", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def stop_process(
     proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30.0
 ) -> int:

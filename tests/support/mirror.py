@@ -22,12 +22,14 @@ import hashlib
 import ssl
 import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 CHUNK = 64 * 1024
+T = TypeVar("T")
 # A made-up pinned commit: tests never reach a real hub.
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -200,21 +202,33 @@ async def start_mirrors(data: bytes, *faults: Faults) -> list[Mirror]:
     return [await Mirror(data, f).start() for f in (faults or (Faults(),))]
 
 
+class LoopThread:
+    """An event loop in a thread, for servers that tests driving subprocesses need."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
+        """Run ``coro`` on the thread's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
 class ThreadMirror:
     """A test mirror on its own event loop in a thread, for tests that drive subprocesses."""
 
     def __init__(self, data: bytes, faults: Faults) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.mirror = asyncio.run_coroutine_threadsafe(
-            Mirror(data, faults).start(), self.loop
-        ).result(10)
+        self.loop = LoopThread()
+        self.mirror = self.loop.run(Mirror(data, faults).start())
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.mirror.stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.loop.run(self.mirror.stop())
         self.loop.close()
 
 

@@ -7,6 +7,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from modeld.client import connect_unix
+
 
 def _request_bytes(method: str, target: str, body: Any = None) -> bytes:
     payload = b"" if body is None else json.dumps(body).encode()
@@ -20,9 +22,8 @@ def unix_request(
     path: Path | str, method: str, target: str, body: Any = None, timeout: float = 30.0
 ) -> tuple[int, Any]:
     """One request over a Unix socket: ``(status, decoded JSON body)``; NDJSON is a list."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(path))
+    # connect_unix waits while a flood fills the backlog (a plain timeout fails at once).
+    with connect_unix(path, timeout) as s:
         s.sendall(_request_bytes(method, target, body))
         data = b""
         while chunk := s.recv(65536):
@@ -43,8 +44,6 @@ def unix_http(
 
 def unix_fire(path: Path | str, method: str, target: str, body: Any = None) -> socket.socket:
     """Send a request and do not wait for its answer (the caller closes the socket)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5.0)
-    s.connect(str(path))
+    s = connect_unix(path, 5.0)
     s.sendall(_request_bytes(method, target, body))
     return s

@@ -64,6 +64,20 @@ TOKEN_FLAG = 0x8000_0000
 MAX_FRAME = 80 * 1024 * 1024
 
 
+# The runtime's refusal of a prompt longer than the engine's window (after tokenizing it).
+_PROMPT_TOO_LONG = "Input token ids are too long"
+
+
+def generate_error_code(exc: Exception, reason: str) -> str:
+    """The code of a failed generation: the client's fault (4xx) or the engine's (500)."""
+    if isinstance(exc, ValueError):
+        return "bad_request"
+    # A prompt under the daemon's byte bound can still hold more tokens than the window.
+    if _PROMPT_TOO_LONG in reason:
+        return "too_large"
+    return "engine_error"
+
+
 class ProtocolError(Exception):
     """The other side sent something that is not a frame."""
 
@@ -373,8 +387,8 @@ class _Child:
             except (BrokenPipeError, ConnectionError):
                 return
             except Exception as e:
-                code = "bad_request" if isinstance(e, ValueError) else "engine_error"
-                self.error(rid, code, self.runtime_reason(e))
+                reason = self.runtime_reason(e)
+                self.error(rid, generate_error_code(e, reason), reason)
             finally:
                 with self.current_lock:
                     self.current = None
