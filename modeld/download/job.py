@@ -200,7 +200,6 @@ class DownloadJob:
     timings: dict[str, float] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
-    _pending: list[Block] = field(default_factory=list)
     _crcs: dict[int, Block] = field(default_factory=dict)
     _speed: tuple[float, int, float] = (0.0, 0, 0.0)  # (time, done bytes, bytes/s)
     _digest: str | None = None
@@ -661,30 +660,15 @@ class DownloadJob:
 
     def _on_block(self, block: Block) -> None:
         self._crcs[block.index] = block
-        self._pending.append(block)
+        # Handed to the journal's writer now: a kill -9 loses only the blocks in flight.
+        self.journal.record(self.id, [block])
         if self.metrics is not None and self.fetcher is not None:
             start, end = self.fetcher.block_range(block.index)
             self.metrics.download_bytes.labels(block.mirror).inc(end - start)
-        if len(self._pending) == 1:
-            self._notify()
-
-    async def _flush_journal(self, stop: asyncio.Event) -> None:
-        """Journal finished blocks as they come (one small transaction at a time)."""
-        while True:
-            if self._pending:
-                batch, self._pending = self._pending, []
-                await self.journal.record(self.id, batch)
-                continue
-            if stop.is_set():
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), 0.1)
 
     async def _fetch_and_install(self, fd: int, block: int) -> None:
         f = self.fetcher
         assert f is not None
-        stop = asyncio.Event()
-        flusher = asyncio.create_task(self._flush_journal(stop))
         try:
             f.hasher = PrefixHasher(fd, self.target.size)
             f.hasher.advance(min(self.target.size, f.prefix_blocks * block))
@@ -703,12 +687,11 @@ class DownloadJob:
             await self._keep_hub_answer()
             if expected is not None and digest != expected:
                 digest = await self._repair(fd, expected, digest, by)
-            stop.set()
             self._digest, self.verified_by = digest, by
-            self._set(DownloadState.INSTALLING)  # also wakes the flusher, which now drains and ends
+            self._set(DownloadState.INSTALLING)
             self.result = await self.installer(self.id, self.partial, digest, self.target.size, by)
             self.install_latency = round(time.monotonic() - last_byte, 4)
-            await flusher  # no journal write may land after the clear
+            await self.journal.flush(self.id)  # no journal write may land after the clear
             await self.journal.clear(self.id)
             logs.event(
                 "download_installed",
@@ -720,9 +703,9 @@ class DownloadJob:
             )
             self._set(DownloadState.INSTALLED)
         finally:
-            stop.set()
+            # Also on a cancel or a failure: what was recorded is written before the end.
             with contextlib.suppress(Exception):
-                await asyncio.shield(flusher)
+                await self.journal.flush(self.id)
 
     # --- repair, not re-download -----------------------------------------------------
     # On a whole-file sha256 mismatch, the blocks each mirror served are re-fetched from
@@ -824,7 +807,7 @@ class DownloadJob:
                     if crc != self._crcs[idx].crc:
                         os.pwrite(fd, data, start)
                         self._crcs[idx] = Block(idx, crc, m.label)
-                        self._pending.append(self._crcs[idx])
+                        self.journal.record(self.id, [self._crcs[idx]])
                         fixed.append(idx)
                     return
                 raise DownloadError(f"no other mirror could serve block {idx}")
