@@ -259,11 +259,11 @@ BIG_SHA = hashlib.sha256(BIG_DATA).hexdigest()
 
 
 def started_daemon(
-    tmp: Path, model_id: str, mirrors: list[ThreadMirror], size: int, sha: str
+    tmp: Path, model_id: str, mirrors: list[ThreadMirror], size: int, sha: str, connections: int = 4
 ) -> DaemonProcess:
-    """A started ``modeld serve`` whose one entry is served by ``mirrors`` (64 KiB pieces,
-    4 connections; the log at info: per-piece debug lines slow the loop down enough that
-    the endgame takes pieces over)."""
+    """A started ``modeld serve`` whose one entry is served by ``mirrors`` (64 KiB pieces;
+    the log at info: per-piece debug lines slow the loop down enough that the endgame
+    takes pieces over)."""
     reg = tmp / "reg"
     write_entry(reg, model_id, [tm.mirror.url for tm in mirrors], size, sha)
     home = tmp / "home"
@@ -271,7 +271,7 @@ def started_daemon(
         home,
         MODELD_REGISTRY=str(reg),
         MODELD_PIECE_SIZE="64KiB",
-        MODELD_DOWNLOAD_CONNECTIONS="4",
+        MODELD_DOWNLOAD_CONNECTIONS=str(connections),
         MODELD_LOG_LEVEL="info",
     )
     d = DaemonProcess(home=home, env=env)
@@ -283,11 +283,10 @@ def test_kill_9_at_half_then_resume_fetches_at_most_5_percent_more(short_tmp: Pa
     """A daemon killed with -9 halfway through a pull: the next daemon's pull resumes from
     the journal, and the mirror serves at most 1.05x the file in all (what the kill loses:
     the blocks in flight, and blocks finished but not yet journaled)."""
-    # Throttled per connection (about 2 s in all), also after the kill: unthrottled, on a
-    # loaded machine, the endgame took over up to 50 blocks from connections held up
-    # (what that costs is the endgame's, not the kill's).
-    tm = ThreadMirror(BIG_DATA, Faults(throttle=2_000_000))
-    d = started_daemon(short_tmp, "big", [tm], BIG, BIG_SHA)
+    # One connection (about 2 s in all): with several, a loaded machine's endgame took over
+    # up to 50 blocks from connections held up, which is the endgame's cost, not the kill's.
+    tm = ThreadMirror(BIG_DATA, Faults(throttle=8_000_000))
+    d = started_daemon(short_tmp, "big", [tm], BIG, BIG_SHA, connections=1)
     try:
         assert d.cli("pull", "big", "--detach").returncode == 0
         assert wait_pull_progress(d.socket, BIG // 2), "the pull made no progress"
@@ -298,9 +297,9 @@ def test_kill_9_at_half_then_resume_fetches_at_most_5_percent_more(short_tmp: Pa
         d.stop()
         tm.close()
     assert doc["state"] == "installed"
-    assert doc["resumed"] >= BIG // 2
+    assert doc["resumed"] >= BIG // 3  # about half: less the blocks not yet journaled
     assert (d.home / "blobs" / f"sha256-{BIG_SHA}").read_bytes() == BIG_DATA
-    assert tm.mirror.sent <= 1.05 * BIG, tm.mirror.sent / BIG
+    assert tm.mirror.sent <= 1.05 * BIG, (tm.mirror.sent / BIG, doc["resumed"])
 
 
 def test_cli_cancel_detach_and_import(
