@@ -302,6 +302,26 @@ def test_kill_9_at_half_then_resume_fetches_at_most_5_percent_more(short_tmp: Pa
     assert tm.mirror.sent <= 1.05 * BIG, (tm.mirror.sent / BIG, doc["resumed"])
 
 
+def test_cli_pull_repairs_a_flipped_byte_for_half_the_file_at_most(short_tmp: Path) -> None:
+    """`modeld pull` from two mirrors, the primary flipping one byte: the daemon repairs the
+    file from the other mirror (checking its few blocks, then the liar's from the start)
+    and installs it verified; both mirrors serve at most 1.5x the file in all."""
+    liar = ThreadMirror(DATA, Faults(flip_byte=100))
+    other = ThreadMirror(DATA, Faults(throttle=300_000))
+    d = started_daemon(short_tmp, "m1", [liar, other], SIZE, SHA)
+    try:
+        doc = d.cli_json("pull", "m1")
+    finally:
+        d.stop()
+        liar.close()
+        other.close()
+    assert doc["state"] == "installed"
+    assert doc["verified_by"] == "registry sha256"
+    assert doc["repaired"] == 1
+    assert (d.home / "blobs" / f"sha256-{SHA}").read_bytes() == DATA
+    assert liar.mirror.sent + other.mirror.sent <= 1.5 * SIZE
+
+
 def test_cli_cancel_detach_and_import(
     proc_env: tuple[DaemonProcess, ThreadMirror], short_tmp: Path
 ) -> None:
