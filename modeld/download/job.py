@@ -6,9 +6,10 @@ the first mirror that answers, later answers joining, while a thread hashes the 
 prefix → once every probe has ended, settle the expected sha256 (the entry's, a hub's
 ``X-Linked-Etag``, or the one a hub vouched for earlier for this pinned revision; sources
 that disagree fail the pull as soon as the second one answers) → compare the sha256 → on a
-mismatch, repair (re-fetch elsewhere only the blocks one mirror served, ban the mirror that
-lied) → install (fsync, rename, fsync dir, row). The journal, the kept digests and the
-installer are injected, so the downloader runs without the store (tests, the benchmark);
+mismatch, repair (re-fetch elsewhere the blocks of one suspect mirror at a time, re-hash
+from each fixed block on, stop once the file matches, ban the mirror that lied) → install
+(fsync, rename, fsync dir, row). The journal, the kept digests and the installer are
+injected, so the downloader runs without the store (tests, the benchmark);
 ``modeld.download.downloads`` wires it into the daemon.
 """
 
@@ -200,7 +201,6 @@ class DownloadJob:
     timings: dict[str, float] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
-    _pending: list[Block] = field(default_factory=list)
     _crcs: dict[int, Block] = field(default_factory=dict)
     _speed: tuple[float, int, float] = (0.0, 0, 0.0)  # (time, done bytes, bytes/s)
     _digest: str | None = None
@@ -661,32 +661,17 @@ class DownloadJob:
 
     def _on_block(self, block: Block) -> None:
         self._crcs[block.index] = block
-        self._pending.append(block)
+        # Handed to the journal's writer now: a kill -9 loses only the blocks in flight.
+        self.journal.record(self.id, [block])
         if self.metrics is not None and self.fetcher is not None:
             start, end = self.fetcher.block_range(block.index)
             self.metrics.download_bytes.labels(block.mirror).inc(end - start)
-        if len(self._pending) == 1:
-            self._notify()
-
-    async def _flush_journal(self, stop: asyncio.Event) -> None:
-        """Journal finished blocks as they come (one small transaction at a time)."""
-        while True:
-            if self._pending:
-                batch, self._pending = self._pending, []
-                await self.journal.record(self.id, batch)
-                continue
-            if stop.is_set():
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), 0.1)
 
     async def _fetch_and_install(self, fd: int, block: int) -> None:
         f = self.fetcher
         assert f is not None
-        stop = asyncio.Event()
-        flusher = asyncio.create_task(self._flush_journal(stop))
         try:
-            f.hasher = PrefixHasher(fd, self.target.size)
+            f.hasher = PrefixHasher(fd, self.target.size, block)
             f.hasher.advance(min(self.target.size, f.prefix_blocks * block))
             self._set(DownloadState.DOWNLOADING)
             try:
@@ -703,12 +688,11 @@ class DownloadJob:
             await self._keep_hub_answer()
             if expected is not None and digest != expected:
                 digest = await self._repair(fd, expected, digest, by)
-            stop.set()
             self._digest, self.verified_by = digest, by
-            self._set(DownloadState.INSTALLING)  # also wakes the flusher, which now drains and ends
+            self._set(DownloadState.INSTALLING)
             self.result = await self.installer(self.id, self.partial, digest, self.target.size, by)
             self.install_latency = round(time.monotonic() - last_byte, 4)
-            await flusher  # no journal write may land after the clear
+            await self.journal.flush(self.id)  # no journal write may land after the clear
             await self.journal.clear(self.id)
             logs.event(
                 "download_installed",
@@ -720,33 +704,48 @@ class DownloadJob:
             )
             self._set(DownloadState.INSTALLED)
         finally:
-            stop.set()
+            # Also on a cancel or a failure: what was recorded is written before the end.
             with contextlib.suppress(Exception):
-                await asyncio.shield(flusher)
+                await self.journal.flush(self.id)
 
     # --- repair, not re-download -----------------------------------------------------
-    # On a whole-file sha256 mismatch, the blocks each mirror served are re-fetched from
-    # another mirror, one mirror at a time (the one that served most first); blocks whose
-    # CRC-32 differs are rewritten, the mirror that sent them is banned, and the file is
-    # hashed again.
+    # On a whole-file sha256 mismatch, the blocks of one mirror at a time (the suspect) are
+    # re-fetched from another mirror, in file order; a block whose CRC-32 differs is
+    # rewritten, and the file is re-hashed from that block on (from the hash state kept at
+    # or before it). The repair stops as soon as the file matches: one flipped byte costs
+    # the suspects' blocks up to the bad one, not every block of every mirror. The suspect
+    # that sent a differing block is banned.
+
+    def _suspects(self) -> list[tuple[str, list[int]]]:
+        """(mirror, the blocks it served) in the order they are checked: the mirror that
+        served the fewest blocks first (the cheapest to clear; a mirror that lies is as
+        likely one as another), a hub that vouched for the expected sha256 last."""
+        f = self.fetcher
+        assert f is not None
+        by_mirror: dict[str, list[int]] = {}
+        for idx, label in f.sources.items():
+            by_mirror.setdefault(label, []).append(idx)
+        vouching = {host for host, _ in self._hub_answers()}
+        return sorted(
+            ((label, sorted(blocks)) for label, blocks in by_mirror.items()),
+            key=lambda kv: (kv[0] in vouching, len(kv[1])),
+        )
 
     async def _repair(self, fd: int, expected: str, digest: str, by: str | None = None) -> str:
-        """Re-fetch elsewhere the blocks each mirror served, fix those that differ, ban liars.
+        """Find and fix the blocks that make the file's sha256 differ from ``expected``.
 
         ``by`` names who vouches for ``expected`` (the failure message says so)."""
         f = self.fetcher
         assert f is not None
         self._set(DownloadState.REPAIRING)
         source = f" ({by})" if by else ""
-        by_mirror: dict[str, list[int]] = {}
-        for idx, label in f.sources.items():
-            by_mirror.setdefault(label, []).append(idx)
-        for label, blocks in sorted(by_mirror.items(), key=lambda kv: -len(kv[1])):
+        for label, blocks in self._suspects():
             others = [m for m in self.mirrors if m.usable and m.ranges and m.label != label]
             if not others:
                 continue
+            fixed: list[int] = []
             try:
-                fixed = await self._refetch(fd, sorted(blocks), others)
+                found = await self._search(fd, blocks, others, expected, fixed)
             except DownloadError as e:
                 # The partial stays: a pull once another mirror answers can still repair it.
                 raise DownloadError(
@@ -755,22 +754,21 @@ class DownloadJob:
                     "(partial kept). Pull again once another of the entry's URLs answers, or "
                     "add another mirror to the entry"
                 ) from e
-            if not fixed:
-                continue
-            self.repaired += len(fixed)
-            if self.metrics is not None:
-                self.metrics.download_repairs.inc(len(fixed))
-            for m in self.mirrors:
-                if m.label == label:
-                    m.state, m.reason = (
-                        MirrorState.BANNED,
-                        f"sent {len(fixed)} blocks with wrong bytes",
-                    )
-            logs.event("mirror_banned", model=self.id, mirror=label, blocks=len(fixed))
-            hasher = PrefixHasher(fd, self.target.size)
-            digest = await hasher.digest()
-            if digest == expected:
-                return digest
+            if fixed:
+                self.repaired += len(fixed)
+                if self.metrics is not None:
+                    self.metrics.download_repairs.inc(len(fixed))
+                for m in self.mirrors:
+                    if m.label == label:
+                        m.state, m.reason = (
+                            MirrorState.BANNED,
+                            f"sent {len(fixed)} blocks with wrong bytes",
+                        )
+                logs.event("mirror_banned", model=self.id, mirror=label, blocks=len(fixed))
+            if found is not None:
+                digest = found
+                if found == expected:
+                    return found
         unreached = [
             m.label for m in self.mirrors if m.state is MirrorState.DROPPED and not m.answered
         ]
@@ -791,46 +789,77 @@ class DownloadJob:
             "mirror to the entry"
         )
 
-    async def _refetch(self, fd: int, blocks: list[int], others: list[Mirror]) -> list[int]:
+    async def _search(
+        self, fd: int, blocks: list[int], others: list[Mirror], expected: str, fixed: list[int]
+    ) -> str | None:
+        """Re-fetch ``blocks`` from ``others`` in file order, ``connections`` at a time.
+
+        After a block that differs (rewritten, appended to ``fixed``), no new fetch starts:
+        once those in flight are done, the file is re-hashed from the earliest block fixed
+        since the last check, and the search stops when it matches. Returns the last digest
+        computed (None when no block differed)."""
         f = self.fetcher
-        assert f is not None
-        sem = asyncio.Semaphore(self.tuning.connections)
-        fixed: list[int] = []
+        assert f is not None and f.hasher is not None
+        hasher = f.hasher
+        todo = iter([i for i in blocks if i in self._crcs])
+        inflight: set[asyncio.Task[int | None]] = set()
+        unchecked: list[int] = []
+        digest: str | None = None
+        try:
+            while True:
+                while not unchecked and len(inflight) < self.tuning.connections:
+                    idx = next(todo, None)
+                    if idx is None:
+                        break
+                    inflight.add(asyncio.create_task(self._refetch_block(fd, idx, others)))
+                if not inflight:
+                    return digest
+                done, inflight = await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    idx_fixed = task.result()
+                    if idx_fixed is not None:
+                        unchecked.append(idx_fixed)
+                        fixed.append(idx_fixed)
+                if unchecked and not inflight:
+                    start = f.block_range(min(unchecked))[0]
+                    unchecked.clear()
+                    digest = await asyncio.to_thread(hasher.rehash, start)
+                    if digest == expected:
+                        return digest
+        finally:
+            for task in inflight:
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
 
-        async def one(idx: int) -> None:
-            start, end = f.block_range(idx)
-            async with sem:
-                for m in others:
-                    if not m.usable:
-                        continue
-                    try:
-                        assert self._session is not None
-                        resp = await open_range(
-                            self._session, m, start, end, self.target.size, self.tuning.hf_token
-                        )
-                        try:
-                            data = await resp.content.readexactly(end - start)
-                        finally:
-                            resp.close()
-                        await f.pace(len(data))
-                    except (
-                        MirrorFailure,
-                        aiohttp.ClientError,
-                        asyncio.IncompleteReadError,
-                        TimeoutError,
-                    ):
-                        continue
-                    crc = zlib.crc32(data)
-                    if crc != self._crcs[idx].crc:
-                        os.pwrite(fd, data, start)
-                        self._crcs[idx] = Block(idx, crc, m.label)
-                        self._pending.append(self._crcs[idx])
-                        fixed.append(idx)
-                    return
-                raise DownloadError(f"no other mirror could serve block {idx}")
-
-        await asyncio.gather(*(one(i) for i in blocks if i in self._crcs))
-        return fixed
+    async def _refetch_block(self, fd: int, idx: int, others: list[Mirror]) -> int | None:
+        """Fetch block ``idx`` from the first of ``others`` that serves it; rewrite it when
+        its CRC-32 differs from what was written. Returns ``idx`` when rewritten."""
+        f = self.fetcher
+        assert f is not None and self._session is not None
+        start, end = f.block_range(idx)
+        for m in others:
+            if not m.usable:
+                continue
+            try:
+                resp = await open_range(
+                    self._session, m, start, end, self.target.size, self.tuning.hf_token
+                )
+                try:
+                    data = await resp.content.readexactly(end - start)
+                finally:
+                    resp.close()
+                await f.pace(len(data))
+            except (MirrorFailure, aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError):
+                continue
+            crc = zlib.crc32(data)
+            if crc == self._crcs[idx].crc:
+                return None
+            os.pwrite(fd, data, start)
+            self._crcs[idx] = Block(idx, crc, m.label)
+            f.sources[idx] = m.label
+            self.journal.record(self.id, [self._crcs[idx]])
+            return idx
+        raise DownloadError(f"no other mirror could serve block {idx}")
 
 
 def memory_job(target: DownloadTarget, home: Path, tuning: Tuning, **kw: Any) -> DownloadJob:

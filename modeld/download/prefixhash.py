@@ -1,7 +1,10 @@
 """The whole-file sha256 of a download, computed in a thread over its contiguous written prefix.
 
 The thread also starts the writeback of each finished block (``sync_file_range``), so that
-syscall is off the event loop and the final fsync is short.
+syscall is off the event loop and the final fsync is short. It keeps a copy of the hash
+state at block boundaries (every ``stride`` bytes, at most ``MAX_STATES`` of them: about
+250 bytes each, so at most about 250 KiB per download), so a repair that rewrites a block
+re-hashes only from that block on (``rehash``), not the whole file.
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ import threading
 import time
 from collections import deque
 from hashlib import sha256
+from typing import Any
 
 # The hashing thread reads the prefix in slices of this size (into one reused buffer).
 HASH_READ = 8 * 1024 * 1024
+# Hash states kept at most (one every ``stride`` bytes): the stride is the block size up to
+# MAX_STATES blocks (1 GiB of 1 MiB blocks), and a multiple of it beyond.
+MAX_STATES = 1024
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _SYNC_FILE_RANGE_WRITE = 2
@@ -40,8 +47,12 @@ class PrefixHasher:
     is read back from the page cache into one reused buffer.
     """
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, block_size: int = 1024 * 1024) -> None:
         self.fd, self.size = fd, size
+        blocks = -(-size // block_size)
+        self.stride = block_size * max(1, -(-blocks // MAX_STATES))
+        # offset (a multiple of ``stride``) -> the hash state of the file's bytes before it
+        self.states: dict[int, Any] = {0: sha256()}
         self.hashed = 0
         # Bytes still to hash when the last byte arrived (``last_byte``): the hash tail.
         self.tail_bytes = 0
@@ -99,9 +110,7 @@ class PrefixHasher:
                 if stop:
                     return
                 while self.hashed < target:
-                    n = min(HASH_READ, target - self.hashed)
-                    self._hash.update(self._read(self.hashed, n))
-                    self.hashed += n
+                    self.hashed = self._hash_range(self._hash, self.hashed, target)
                 if self.hashed >= self.size and not self._jobs:
                     self._digest = self._hash.hexdigest()
                     return
@@ -109,6 +118,26 @@ class PrefixHasher:
             self._error = e
         finally:
             self.cpu = time.thread_time()
+
+    def _hash_range(self, h: Any, pos: int, end: int) -> int:
+        """Feed ``[pos, end)`` into ``h`` (up to the next state boundary or HASH_READ bytes,
+        whichever is first), keep the state at a boundary; return the new position."""
+        n = min(HASH_READ, end - pos, self.stride - pos % self.stride)
+        h.update(self._read(pos, n))
+        pos += n
+        if pos % self.stride == 0 and pos < self.size:
+            self.states[pos] = h.copy()
+        return pos
+
+    def rehash(self, offset: int) -> str:
+        """The digest again after bytes from ``offset`` on changed: from the state kept at or
+        before it (call after ``digest``; the states past ``offset`` are replaced)."""
+        start = offset // self.stride * self.stride
+        h = self.states[start].copy()
+        pos = start
+        while pos < self.size:
+            pos = self._hash_range(h, pos, self.size)
+        return str(h.hexdigest())
 
     async def digest(self) -> str:
         """Wait for the whole file's digest (call after advancing to ``size``)."""

@@ -73,7 +73,10 @@ _FAILED = ".FAILED"
 # The events table keeps this many rows, the newest; older ones are deleted as new ones come.
 EVENTS_KEPT = 10_000
 
-_Job = tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any], asyncio.AbstractEventLoop]
+# (transaction, its future, the caller's loop, whether its COMMIT waits for an fsync)
+_Job = tuple[
+    Callable[[sqlite3.Connection], Any], asyncio.Future[Any], asyncio.AbstractEventLoop, bool
+]
 
 
 class Store:
@@ -164,10 +167,15 @@ class Store:
                 "store_schema_migrated", path=str(self.db_path), from_version=found, to_version=now
             )
         loop.call_soon_threadsafe(started.set_result, None)
+        durable = True  # migrate() set synchronous = FULL
         try:
             while (job := self._queue.get()) is not None:
-                fn, fut, job_loop = job
+                fn, fut, job_loop, want = job
                 try:
+                    if want != durable:
+                        # Only between transactions: SQLite refuses it inside one.
+                        conn.execute(f"PRAGMA synchronous = {'FULL' if want else 'NORMAL'}")
+                        durable = want
                     conn.execute("BEGIN IMMEDIATE")
                     result = fn(conn)
                     # executescript() commits on its own (fine for idempotent DDL).
@@ -205,15 +213,28 @@ class Store:
 
     # --- transactions ----------------------------------------------------------------
 
-    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn`` in one ``BEGIN IMMEDIATE`` transaction on the single writer thread."""
+    async def write(self, fn: Callable[[sqlite3.Connection], T], *, durable: bool = True) -> T:
+        """Run ``fn`` in one ``BEGIN IMMEDIATE`` transaction on the single writer thread.
+
+        ``durable=False``: the COMMIT does not wait for an fsync (``synchronous = NORMAL``).
+        Such a transaction survives a crash of the process (kill -9) but may be rolled back
+        by a power cut; the next durable COMMIT makes it durable too. For rows that are
+        re-checked anyway (the download journal's blocks, each CRC-checked on resume).
+        """
+        return await self.submit(fn, durable=durable)
+
+    def submit(
+        self, fn: Callable[[sqlite3.Connection], T], *, durable: bool = True
+    ) -> asyncio.Future[T]:
+        """``write``, queued at once (no await before the writer thread sees it): a caller
+        on the event loop hands it work without waiting for the loop's next turn."""
         if self._writer is None:
             raise RuntimeError("Store.write before Store.open")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         self.generation = next(self._generations)
-        self._queue.put((fn, fut, loop))
-        return await fut
+        self._queue.put((fn, fut, loop, durable))
+        return fut
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn`` on the read connection in a thread (WAL: never blocked by the writer)."""

@@ -7,6 +7,7 @@ import hashlib
 import os
 import random
 import time
+import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from yarl import URL
 from modeld.download import mirrors as mirrors_mod
 from modeld.download.fetch import Fetcher
 from modeld.download.job import DownloadJob, DownloadTarget, Tuning, memory_job
-from modeld.download.journal import MemoryJournal
+from modeld.download.journal import Block, JournalState, MemoryJournal
 from modeld.download.mirrors import MirrorFailure, check_url
 from modeld.errors import DigestConflict, DiskFull, DownloadError, IntegrityError
 from modeld.store.vouches import MemoryVouches, Vouch
@@ -175,14 +176,54 @@ async def test_lying_mirror_is_repaired_not_redownloaded(
     short_tmp: Path, data: bytes, stop_later: list[Mirror]
 ) -> None:
     """A mirror that flips a byte: only its blocks are re-fetched elsewhere, and it is banned."""
-    ms = await start_mirrors(data, Faults(flip_byte=100), Faults(throttle=4_000_000))
+    ms = await start_mirrors(data, Faults(flip_byte=100), Faults(throttle=300_000))
     job = await run_pull(short_tmp, ms, stop_later, sha=hashlib.sha256(data).hexdigest())
     assert installed_bytes(job) == data
     liar = job.mirrors[0]
     assert job.repaired == 1
     assert liar.state == "banned"
-    # Re-fetched: only the liar's blocks, far less than the file.
-    assert ms[1].sent < SIZE * 2
+    assert job.mirrors[1].state != "banned"
+    # The other mirror's few blocks are checked first, then the liar's from the start of the
+    # file: the bad block is its first, and the repair stops there.
+    assert ms[0].sent + ms[1].sent <= 1.5 * SIZE
+
+
+async def test_repair_checks_the_smaller_mirrors_blocks_first_and_stops_at_the_match(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """A partial whose blocks came from two mirrors (from the journal), one of which flipped a
+    byte in the middle of its share: its blocks are the fewer, so they are checked first,
+    in file order, against the other mirror; once the bad block is rewritten, the file is
+    re-hashed from that block on and the repair stops. It costs about a quarter of the file
+    (and the blocks in flight), not every block of both mirrors again."""
+    honest, liar = await start_mirrors(data, Faults(), Faults())
+    stop_later += [honest, liar]
+    nblocks = -(-SIZE // PIECE)
+    split = nblocks // 2 + 1  # the liar sent blocks [split, nblocks): the fewer
+    bad = (split + nblocks) // 2 * PIECE + 123
+    got = bytearray(data)
+    got[bad] ^= 0xFF
+    partial = short_tmp / "partial" / "m1.partial"
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(got)
+    label = {i: (liar if i >= split else honest) for i in range(nblocks)}
+    blocks = {
+        i: Block(i, zlib.crc32(got[i * PIECE : (i + 1) * PIECE]), f"127.0.0.1:{label[i].port}")
+        for i in range(nblocks)
+    }
+    journal = MemoryJournal()
+    await journal.begin("m1", JournalState(SIZE, PIECE, None, {}, blocks))
+    job = await run_pull(
+        short_tmp, [honest, liar], stop_later, sha=hashlib.sha256(data).hexdigest(), journal=journal
+    )
+    assert installed_bytes(job) == data
+    assert job.resumed == SIZE and job.repaired == 1
+    assert [m.state == "banned" for m in job.mirrors] == [False, True]
+    assert liar.sent <= 1  # its probe: its blocks were checked against the other mirror
+    # The liar's blocks up to the bad one, and those in flight beside it (6 connections).
+    checked = bad // PIECE - split + 1
+    assert honest.sent <= 1 + (checked + 5) * PIECE
+    assert liar.sent + honest.sent <= 0.4 * SIZE
 
 
 async def test_single_lying_mirror_is_an_integrity_error(

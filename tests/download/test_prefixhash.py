@@ -1,0 +1,48 @@
+"""The prefix hasher keeps hash states at block boundaries, bounded, for a cheap re-hash."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from pathlib import Path
+
+from modeld.download.prefixhash import MAX_STATES, PrefixHasher
+
+
+async def test_rehash_from_a_changed_block_matches_a_full_hash(short_tmp: Path) -> None:
+    """States are kept every ``stride`` bytes (at most MAX_STATES+1 of them, whatever the
+    file's block count); after a byte changes, ``rehash`` from its offset gives the whole
+    file's new sha256, and again after a second change further back."""
+    block = 16
+    size = 100_000 + 7  # 6251 blocks of 16 bytes: more than MAX_STATES
+    data = bytearray(random.Random(3).randbytes(size))
+    path = short_tmp / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        hasher = PrefixHasher(fd, size, block)
+        assert hasher.stride % block == 0 and hasher.stride > block
+        assert await hasher.digest() == hashlib.sha256(data).hexdigest()
+        assert len(hasher.states) <= MAX_STATES + 1
+        assert all(offset % hasher.stride == 0 for offset in hasher.states)
+        for offset in (70_001, 5):  # later first: the states past 5 were replaced since
+            data[offset] ^= 0xFF
+            os.pwrite(fd, bytes(data[offset : offset + 1]), offset)
+            assert hasher.rehash(offset) == hashlib.sha256(data).hexdigest()
+    finally:
+        os.close(fd)
+
+
+async def test_one_state_per_block_for_a_small_file(short_tmp: Path) -> None:
+    """Up to MAX_STATES blocks, a state is kept at every block boundary."""
+    size = 10 * 1024 + 3
+    path = short_tmp / "f"
+    path.write_bytes(random.Random(4).randbytes(size))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hasher = PrefixHasher(fd, size, 1024)
+        await hasher.digest()
+        assert sorted(hasher.states) == [i * 1024 for i in range(11)]
+    finally:
+        os.close(fd)
