@@ -250,7 +250,9 @@ class EndToEnd:
             MODELD_DOWNLOAD_CONNECTIONS=str(a.connections),
             MODELD_PIECE_SIZE=a.piece_size,
         )
-        env["PYTHONPATH"] = str(REPO)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
+        )
         # The CLI as installed: with its bytecode.
         self.cli_env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
         self.daemon = DaemonProcess(home=self.home, env=env)
