@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.support.daemon import DaemonProcess, daemon_env  # noqa: E402
+from tests.support.daemon import DaemonProcess, checkout_pythonpath, daemon_env  # noqa: E402
 from tests.support.state import MODELS, install_fixture  # noqa: E402
 
 # What the `modeld` console script runs.
@@ -139,8 +139,7 @@ def main() -> None:
     home, registry = root / "home", root / "registry"
     install_fixture(home, "tiny-text", MODELS / "tiny-text.litertlm", registry=registry)
     env = daemon_env(home, MODELD_REGISTRY=str(registry), MODELD_LOG_LEVEL="warning")
-    # This checkout first; a PYTHONPATH the caller set (packages outside a venv) after it.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = checkout_pythonpath()
     d = DaemonProcess(home=home, env=env)
     d.start()
     sock = home / "modeld.sock"

@@ -35,7 +35,7 @@ from modeld.download import fetch  # noqa: E402
 from modeld.download.job import DownloadJob, DownloadTarget, Tuning  # noqa: E402
 from modeld.download.journal import Block, SqliteJournal  # noqa: E402
 from modeld.store.store import Store  # noqa: E402
-from tests.support.daemon import DaemonProcess, daemon_env  # noqa: E402
+from tests.support.daemon import DaemonProcess, checkout_pythonpath, daemon_env  # noqa: E402
 from tests.support.state import write_entry  # noqa: E402
 
 # Goal (2): a fast mirror plus a 20 MB/s-per-connection one takes at most this times the
@@ -250,9 +250,7 @@ class EndToEnd:
             MODELD_DOWNLOAD_CONNECTIONS=str(a.connections),
             MODELD_PIECE_SIZE=a.piece_size,
         )
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
-        )
+        env["PYTHONPATH"] = checkout_pythonpath()
         # The CLI as installed: with its bytecode.
         self.cli_env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
         self.daemon = DaemonProcess(home=self.home, env=env)

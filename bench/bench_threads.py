@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from modeld.config import default_cpu_threads  # noqa: E402 - after the repo is on sys.path
+from tests.support.daemon import checkout_pythonpath  # noqa: E402
 
 TINY = REPO / "tests" / "models" / "tiny-text.litertlm"
 LARGE_CACHE = Path(
@@ -84,9 +85,7 @@ def measure(path: Path, threads: int, runs: int, tokens: int, prompt: str) -> di
             check=False,
             env={
                 **os.environ,
-                "PYTHONPATH": os.pathsep.join(
-                    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
-                ),
+                "PYTHONPATH": checkout_pythonpath(),
             },
         )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("[")]

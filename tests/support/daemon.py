@@ -20,6 +20,13 @@ from modeld.config import Settings
 from tests.support.unix import unix_request
 
 
+def checkout_pythonpath() -> str:
+    """PYTHONPATH for a child that runs this checkout: the checkout first, then whatever
+    PYTHONPATH the caller set (packages installed outside a venv)."""
+    repo = str(Path(__file__).resolve().parents[2])
+    return os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
+
+
 def daemon_env(home: Path, **extra: str) -> dict[str, str]:
     """Environment for a daemon or CLI subprocess bound to ``home``."""
     # No token, endpoint, offline switch or cache of the developer's Hugging Face setup.
