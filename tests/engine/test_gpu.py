@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -161,3 +162,33 @@ def test_an_image_runs_through_vision_on_the_gpu(gpu_daemon: DaemonProcess) -> N
     engine = engines["tiny-vision:gpu+vision-gpu"]
     assert engine["engine_options"]["vision_backend"] == "gpu"
     assert engine["adapter"]
+
+
+def test_a_streamed_reply_runs_on_the_gpu(gpu_daemon: DaemonProcess) -> None:
+    """The runner's stream callback on the GPU engine: SSE deltas, the finish, usage, [DONE].
+
+    The GPU's decoding of these random weights is not reproducible for a seed (two whole
+    replies with the same seed differ), so the text is not compared with a whole reply.
+    """
+    import httpx
+
+    body = {
+        "model": "tiny-text",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 24,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    transport = httpx.HTTPTransport(uds=str(gpu_daemon.socket))
+    with httpx.Client(transport=transport, base_url="http://modeld", timeout=120) as http:
+        streamed = http.post("/v1/chat/completions", json=body)
+    assert streamed.status_code == 200, streamed.text
+    events = [e[6:] for e in streamed.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1]["usage"]["completion_tokens"] == 24
+    engines = [e for e in gpu_daemon.cli_json("ps")["engines"] if e["model"] == "tiny-text"]
+    assert [e["id"] for e in engines] == ["tiny-text:gpu"]

@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import ctypes
 import json
+import math
 import os
 import queue
 import signal
@@ -163,7 +164,9 @@ class _TokenBatcher:
         self.cv = threading.Condition(threading.Lock())
         self.rid = 0
         self.parts: list[str] = []
-        self.last = 0.0
+        # No frame yet: the first token goes at once, whatever the clock (time.monotonic()
+        # counts from boot, so on a host up for less than a window 0.0 would hold it back).
+        self.last = -math.inf
         threading.Thread(target=self._flusher, name="tokens", daemon=True).start()
 
     def add(self, rid: int, text: str) -> None:
@@ -173,7 +176,7 @@ class _TokenBatcher:
                 if self.parts:
                     self._flush_locked(now)
                 # A new reply's first token goes at once, however soon after the last one's.
-                self.rid, self.last = rid, 0.0
+                self.rid, self.last = rid, -math.inf
             self.parts.append(text)
             if now - self.last >= self.window:
                 self._flush_locked(now)
