@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -173,6 +174,81 @@ def test_the_bash_script_completes_through_modeld(tiny: Tiny, short_tmp: Path) -
     assert result.returncode == 0, result.stderr
     assert "ids: tiny-text" in result.stdout.splitlines()
     assert "options: --detach" in result.stdout.splitlines()
+
+
+def _completion_env(tiny: Tiny, short_tmp: Path) -> dict[str, str]:
+    """The daemon's environment, with a ``modeld`` on PATH as an installed one would be."""
+    wrapper = short_tmp / "modeld"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m modeld "$@"\n')
+    wrapper.chmod(0o755)
+    return dict(tiny.daemon.env, PATH=f"{short_tmp}:{os.environ['PATH']}")
+
+
+# zsh completes only in an interactive shell with its line editor: a second zsh drives one
+# on a pseudo-terminal (zpty), loads compinit and the script `zsh_source` prints, types
+# `modeld show tiny-t` and TAB, and waits for the line to read `tiny-text` (READY is typed
+# as RE""ADY so that the echo of the typed line does not match it).
+ZSH_DRIVER = r"""
+zmodload zsh/zpty zsh/datetime
+# Read what the terminal shows until it matches $1, for at most 20 s; print it if it never does.
+expect() {
+  local seen= chunk= deadline=$(( EPOCHREALTIME + 20 ))
+  while (( EPOCHREALTIME < deadline )); do
+    chunk=; zpty -rt z chunk && seen+=$chunk
+    [[ $seen == $~1 ]] && return 0
+    sleep 0.05
+  done
+  print -r -- "NEVER SAW $1 IN: ${(q+)seen}"; return 1
+}
+zpty -b z 'zsh -f -i'
+zpty -w z 'PS1="> "; autoload -U compinit; compinit -u -D'
+zpty -w z 'eval "$(_MODELD_COMPLETE=zsh_source modeld)"; echo RE""ADY'
+expect '*READY*' || exit 1
+zpty -w -n z $'modeld show tiny-t\t'
+expect '*tiny-text*' && print -r -- COMPLETED
+zpty -w -n z $'\x15modeld pull --de\t'  # ^U empties the line (^C would drop typeahead)
+expect '*--detach*' && print -r -- OPTION
+zpty -d z
+"""
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed (apt install zsh)")
+def test_the_zsh_script_completes_through_modeld(tiny: Tiny, short_tmp: Path) -> None:
+    """TAB in a real interactive zsh after `modeld show tiny-t` completes the daemon's model;
+    after `modeld pull --de`, the option."""
+    result = subprocess.run(
+        ["zsh", "-f", "-c", ZSH_DRIVER],
+        env=_completion_env(tiny, short_tmp),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    lines = result.stdout.splitlines()
+    assert lines[-2:] == ["COMPLETED", "OPTION"], (result.stdout, result.stderr)
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed (apt install fish)")
+def test_the_fish_script_completes_through_modeld(tiny: Tiny, short_tmp: Path) -> None:
+    """fish's own completion engine (`complete -C`) with the script `fish_source` prints."""
+    script = (
+        "_MODELD_COMPLETE=fish_source modeld | source\n"
+        'complete -C "modeld show tin"\n'
+        "echo SPLIT\n"
+        'complete -C "modeld pull --de"\n'
+    )
+    result = subprocess.run(
+        ["fish", "--no-config", "-c", script],
+        env=_completion_env(tiny, short_tmp),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    ids, options = result.stdout.split("SPLIT\n")
+    assert ids.split() == ["tiny-text"], result.stdout
+    assert options.split() == ["--detach"], result.stdout
 
 
 def _listed(tiny: Tiny, model_id: str) -> None:
