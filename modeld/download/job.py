@@ -575,6 +575,11 @@ class DownloadJob:
                     await self._probe_ended(task)
                 if fetch in done:
                     fetch.result()  # a failed fetch fails the pull now
+                    if self.target.sha256:
+                        # The entry's own sha256 is checked next: a probe still out could
+                        # only add a claim about bytes that are all here (or, on a
+                        # mismatch, join the repair), so the pull does not wait for it.
+                        return
         finally:
             await self._cancel_fetch()
 
@@ -583,6 +588,16 @@ class DownloadJob:
         if fetch is not None and not fetch.done():
             fetch.cancel()
             await asyncio.gather(fetch, return_exceptions=True)
+
+    async def _drop_late_probes(self) -> None:
+        """The file matched the entry's sha256 while some probes were still out: their
+        mirrors are dropped for this pull, saying so, and their probes cancelled."""
+        for task, m in self._probes.items():
+            if not task.done():
+                m.state = MirrorState.DROPPED
+                m.reason = "probe: no answer before the file was complete and verified"
+                logs.event("mirror_dropped", model=self.id, mirror=m.label, reason=m.reason)
+        await self._cancel_probes()
 
     async def _cancel_probes(self) -> None:
         left = [t for t in self._probes if not t.done()]
@@ -688,6 +703,7 @@ class DownloadJob:
             await self._keep_hub_answer()
             if expected is not None and digest != expected:
                 digest = await self._repair(fd, expected, digest, by)
+            await self._drop_late_probes()
             self._digest, self.verified_by = digest, by
             self._set(DownloadState.INSTALLING)
             self.result = await self.installer(self.id, self.partial, digest, self.target.size, by)

@@ -38,7 +38,9 @@ async def pull(home: Path, urls: list[str], **kw: Any) -> DownloadJob:
 async def test_a_trickling_mirror_does_not_hold_the_pull_in_probing(short_tmp: Path) -> None:
     """One mirror trickles header lines for ever; its probe gives up after the header
     timeout, the mirror is dropped saying so, and the other mirror's bytes are installed."""
-    good = await Mirror(DATA, Faults()).start()
+    # Throttled so that the fetch outlasts the timeout (a file complete and verified first
+    # would drop the trickler for that reason instead).
+    good = await Mirror(DATA, Faults(throttle=250_000)).start()
     slow = await SlowHeadMirror(DATA, interval=0.2).start()
     try:
         job = await pull(short_tmp, [slow.url, good.url], probe_header_timeout=1.0)
@@ -87,6 +89,32 @@ async def test_the_pull_starts_on_the_first_answer_and_a_late_one_joins(
     assert len(slow.requests) == 1  # the probe
 
 
+async def test_a_pinned_entry_installs_without_waiting_for_a_probe_still_out(
+    short_tmp: Path,
+) -> None:
+    """The entry pins the sha256 and every block came from the good mirror while the other
+    mirror's probe is still out (its header timeout is 300 s): the file is verified and
+    installed at once, and the silent mirror is dropped saying why."""
+    good = await Mirror(DATA, Faults()).start()
+    slow = await SlowHeadMirror(DATA, interval=1.0).start()
+    tuning = Tuning(2, 256 * 1024, stall_timeout=5.0, probe_header_timeout=300.0)
+    job = memory_job(DownloadTarget("m1", [slow.url, good.url], SIZE, SHA), short_tmp, tuning)
+    try:
+        job.start()
+        await job.wait()
+        assert slow.waiting == 1 and not slow.release.is_set()  # its probe never ended
+    finally:
+        slow.release.set()
+        await slow.stop()
+        await good.stop()
+    assert job.state == "installed", job.error
+    assert job.verified_by == "registry sha256"
+    assert Path(job.result["path"]).read_bytes() == DATA
+    silent = job.mirrors[0]
+    assert (silent.state, silent.received) == ("dropped", 0)
+    assert "no answer before the file was complete and verified" in str(silent.reason)
+
+
 async def test_a_late_contradicting_hub_still_fails_the_pull(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -124,7 +152,7 @@ async def test_a_probe_without_a_first_byte_is_dropped_with_a_logged_reason(
 ) -> None:
     """A mirror sends its answer's head at once but never a body byte: after the first-byte
     timeout it is dropped, the log says why, and the other mirror's bytes are installed."""
-    good = await Mirror(DATA, Faults()).start()
+    good = await Mirror(DATA, Faults(throttle=250_000)).start()  # outlasts the timeout
     mute = await SlowHeadMirror(DATA, hold_body=True, interval=0.2).start()
     try:
         with caplog.at_level(logging.INFO, logger="modeld"):
