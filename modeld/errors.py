@@ -160,6 +160,12 @@ class NotEmbeddingModel(Refused):
     code = "not_embedding_model"
 
 
+class NotTextModel(Refused):
+    """Text asked of an embedding model (it has a text encoder and no decoder)."""
+
+    code = "not_text_model"
+
+
 class ImageProbeFailed(Refused):
     """The plan could not run an image when probed on this host; text still runs."""
 

@@ -18,6 +18,8 @@ from PIL import Image
 
 MODELS = Path(__file__).resolve().parent / "models"
 MANIFEST: dict[str, Any] = json.loads((MODELS / "fixtures.json").read_text())["fixtures"]
+TEXT = {n: f for n, f in MANIFEST.items() if f["kind"] == "text"}
+EMBEDDING = {n: f for n, f in MANIFEST.items() if f["kind"] == "embedding"}
 VISION = {n: f for n, f in MANIFEST.items() if f["vision_backend_constraint"] is not None}
 IMAGES = {n: f for n, f in VISION.items() if f["accepts_images"]}
 
@@ -98,7 +100,7 @@ def test_fixture_digests_are_distinct() -> None:
     assert len(set(digests)) == len(digests)
 
 
-@pytest.mark.parametrize("name", sorted(MANIFEST))
+@pytest.mark.parametrize("name", sorted(TEXT))
 def test_fixture_generates_on_cpu(name: str, tmp_path: Path) -> None:
     """The real runtime loads each fixture on cpu, text only, and streams back tokens."""
     result, stderr = run_child(MODELS / MANIFEST[name]["file"], tmp_path)
@@ -170,3 +172,64 @@ def test_embedderless_vision_fixture_fails_an_image_at_prefill(name: str, tmp_pa
     )
     assert result["step"] == "message", f"{result}\n{stderr[-4000:]}"
     assert "EMBEDDING_LOOKUP" in stderr
+
+
+# Runs in the child: argv = [model, cache_dir]. Prints "RESULT {json}": what the runtime's
+# model info says, and the vectors of a few inputs (one batch, then one by one).
+EMBED_CHILD = r"""
+import json, sys
+import litert_lm
+
+litert_lm.set_min_log_severity(litert_lm.LogSeverity.ERROR)
+path, cache_dir = sys.argv[1:]
+info = litert_lm.ModelInfo(path)
+out = {
+    "embedding_model": info.is_embedding_model,
+    "llm_model": info.is_llm_model,
+    "dimension": info.embedding.dimension,
+    "lengths": info.embedding.signature_selection,
+}
+engine = litert_lm.EmbeddingEngine(path, backend=litert_lm.Backend.CPU(), cache_dir=cache_dir)
+texts = ["Hello world", "The quick brown fox", "Hello world"]
+out["batch"] = [r.embedding for r in engine.compute_embedding_batch(texts)]
+out["single"] = [engine.compute_embedding(t).embedding for t in texts]
+short = litert_lm.EmbeddingOptions(output_size=8)
+out["short"] = engine.compute_embedding("Hello world", short).embedding
+try:
+    engine.compute_embedding(" ".join(["word"] * 100))
+    out["long"] = "embedded"
+except RuntimeError as e:
+    out["long"] = str(e)
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.parametrize("name", sorted(EMBEDDING))
+def test_embedding_fixture_embeds_on_cpu(name: str, tmp_path: Path) -> None:
+    """The runtime sees an embedding model and its EmbeddingEngine gives seeded vectors:
+    normalised, the same for the same text, different for another, batch order kept."""
+    entry = MANIFEST[name]
+    proc = subprocess.run(
+        [sys.executable, "-c", EMBED_CHILD, str(MODELS / entry["file"]), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    out = json.loads(line.removeprefix("RESULT "))
+    shape = entry["embedding"]
+    assert out["embedding_model"] and not out["llm_model"]
+    assert out["dimension"] == shape["dimension"]
+    assert out["lengths"] == shape["lengths"]
+    hello, fox, again = out["batch"]
+    assert len(hello) == shape["dimension"]
+    assert sum(x * x for x in hello) == pytest.approx(1.0, abs=1e-5)
+    assert hello == again != fox
+    assert out["single"] == out["batch"]
+    assert len(out["short"]) == 8
+    assert sum(x * x for x in out["short"]) == pytest.approx(1.0, abs=1e-5)
+    # Over the longest signature the runtime's default is to refuse, not to cut.
+    assert out["long"] == "Failed to compute embedding."
+    assert "exceeds maximum supported signature length (64)" in proc.stderr

@@ -28,10 +28,12 @@ not used.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
 import secrets
+import struct
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Annotated, Any, Literal
@@ -54,6 +56,8 @@ from modeld.services.inference import Generation, Turn
 from modeld.services.parts import Services
 
 SSE = "text/event-stream"
+# OpenAI's own limit on the inputs of one embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
 _DONE = b"data: [DONE]\n\n"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -206,13 +210,21 @@ class CompletionBody(_Sampled):
 
 
 class EmbeddingBody(_Body):
-    """``POST /v1/embeddings``."""
+    """``POST /v1/embeddings``; ``keep_alive``, ``backends`` and ``allow_unverified`` are
+    modeld's."""
 
     model: ModelId
-    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    input: (
+        StrictStr
+        | Annotated[list[StrictStr], Field(max_length=MAX_EMBEDDING_INPUTS)]
+        | list[StrictInt]
+        | list[list[StrictInt]]
+    )
     encoding_format: Literal["float", "base64"] | None = None
-    dimensions: Annotated[StrictInt, Field(ge=1)] | None = None
+    dimensions: Annotated[StrictInt, Field(ge=1, le=INT32)] | None = None
     keep_alive: Duration | None = None
+    allow_unverified: StrictBool = False
+    backends: Backends | None = None
 
 
 # Fields of OpenAI's bodies that modeld cannot honour, with why; each is a 400 when it asks for
@@ -655,6 +667,49 @@ async def _sse(
     return response
 
 
+def embedding_texts(body: EmbeddingBody) -> list[str]:
+    """The texts to embed, in order; token ids and empty strings are a 400 naming ``input``."""
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    if not texts:
+        raise BadRequest("input is empty; send a string or a list of strings")
+    if not all(isinstance(t, str) for t in texts):
+        raise BadRequest(
+            "input: token ids are not taken (the LiteRT-LM embedding engine tokenizes the "
+            "text itself); send a string or a list of strings"
+        )
+    strings = [str(t) for t in texts]
+    if "" in strings:
+        raise BadRequest(
+            f"input[{strings.index('')}] is an empty string, which has nothing to embed; "
+            "leave it out"
+        )
+    return strings
+
+
+def embeddings_doc(body: EmbeddingBody, rec: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``list`` of ``embedding`` objects, floats or base64 (little-endian float32).
+
+    ``usage`` counts are null: LiteRT-LM 0.18.1's embedding API reports no token counts.
+    """
+    data: list[dict[str, Any]] = []
+    for index, vector in enumerate(rec["embeddings"]):
+        value: Any = vector
+        if body.encoding_format == "base64":
+            value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        data.append({"object": "embedding", "index": index, "embedding": value})
+    return {
+        "object": "list",
+        "data": data,
+        "model": body.model,
+        "usage": {"prompt_tokens": None, "total_tokens": None},
+        "modeld": {
+            "engine": rec.get("engine"),
+            "dimensions": rec.get("dimensions"),
+            "timings": rec.get("timings"),
+        },
+    }
+
+
 def _model_doc(model_id: str, created: float) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": int(created), "owned_by": "modeld"}
 
@@ -706,7 +761,18 @@ def add_routes(app: web.Application, services: Services) -> None:
     @openai_errors
     async def embeddings(request: web.Request) -> web.StreamResponse:
         body = await read_openai_body(request, EmbeddingBody)
-        await services.models.embed(body.model)
+        texts = embedding_texts(body)
+        rec = await services.inference.embed(
+            body.model,
+            texts,
+            dimensions=body.dimensions,
+            keep_alive=body.keep_alive,
+            allow_unverified=body.allow_unverified,
+            backends=body.backends.model_dump(exclude_none=True) if body.backends else None,
+        )
+        return web.Response(
+            body=_compact(embeddings_doc(body, rec)), content_type="application/json"
+        )
 
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)

@@ -27,11 +27,13 @@ from modeld.errors import (
     ImageProbeFailed,
     ModeldError,
     ModelNotInstalled,
+    NotEmbeddingModel,
+    NotTextModel,
     RuntimeTooOld,
     Unverified,
 )
 from modeld.hostinfo import RUNTIME_PACKAGE, at_least, runtime_version
-from modeld.modelfile.header import ModelInfo, read_header
+from modeld.modelfile.header import Kind, ModelInfo, read_header
 from modeld.modelfile.plan import Plan, Prefs, needs_probe, resolve
 from modeld.modelfile.runtime import CreateSpec
 from modeld.store.store import Installed, Store
@@ -146,6 +148,23 @@ def check_runtime(model_id: str, entry: Entry | None, info: ModelInfo, runtime: 
                 installed=runtime,
                 needed=needed,
             )
+
+
+def check_kind(model_id: str, info: ModelInfo, kind: Kind) -> None:
+    """Refuse a request for ``kind`` (text or embedding) of a file of the other kind."""
+    if info.kind == kind:
+        return
+    if kind == "embedding":
+        raise NotEmbeddingModel(
+            f"model {model_id} is not an embedding model (it generates text: its file has a "
+            "prefill/decode section); use /v1/chat/completions with it, or send an "
+            "embedding model's id"
+        )
+    raise NotTextModel(
+        f"model {model_id} is an embedding model (its file has a text encoder and no "
+        "decoder), so it cannot generate text; use /v1/embeddings with it, or choose a "
+        "text model"
+    )
 
 
 # A measured peak above this many times the file's estimate is learned only once confirmed:
@@ -533,8 +552,12 @@ class Engines:
         backends: dict[str, Any] | None = None,
         allow_unverified: bool = False,
         images: bool = False,
+        kind: Kind | None = "text",
     ) -> Target:
         """The engine target for ``model_id``, or a clear refusal (before any runner starts).
+
+        ``kind`` is what the request needs (text generation or embeddings): a file of the
+        other kind is refused. None (a load) takes the file's own kind.
 
         A plan with a vision backend is probed with an image first (``_image_probe``);
         with ``images`` (the request carries some) a failed image probe refuses it. An
@@ -564,6 +587,8 @@ class Engines:
                 f"model {model_id}: its file {path} is missing; run `modeld pull {model_id}`"
             )
         info = await self.header(model_id, installed.digest, path)
+        if kind is not None:
+            check_kind(model_id, info, kind)
         modalities = tuple(modalities)
         check_runtime(model_id, entry, info, self.runtime)
         probes = await self._probes(installed.digest)
@@ -590,7 +615,10 @@ class Engines:
             digest=installed.digest,
             plan=plan,
             spec=spec,
-            estimate=estimate_memory(info, plan, max_tokens, base or RUNNER_BASE),
+            # An embedding engine keeps no KV cache: its window term is nought.
+            estimate=estimate_memory(
+                info, plan, max_tokens if info.kind == "text" else 0, base or RUNNER_BASE
+            ),
             max_tokens=max_tokens,
             learned=learned,
             runtime=self.runtime,
@@ -622,6 +650,7 @@ class Engines:
             speculative=limits.speculative_decoding,
             # Always an explicit count: the runtime's own default ignores the machine.
             threads=entry.runtime.threads or self.settings.cpu_threads,
+            kind=info.kind,
         )
         return spec, max_tokens
 

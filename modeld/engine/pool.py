@@ -501,6 +501,11 @@ class Pool:
                 yield rec
         except RunnerError as err:
             e.tainted = True
+            if err.code == "too_large" and target.spec.kind == "embedding":
+                raise TooLarge(
+                    f"model {target.model_id}: an input is longer than the model takes "
+                    f"({err.message}); send shorter inputs"
+                ) from err
             if err.code == "too_large":
                 raise TooLarge(
                     f"model {target.model_id}: the prompt is longer than the engine's "

@@ -42,9 +42,15 @@ MAX_ITEMS = 64
 MAX_TOTAL_ITEMS = 1024
 
 MAIN_MODEL_TYPES = ("tf_lite_prefill_decode", "tf_lite_artisan_text_decoder")
+# An embedding model's main section: the encoder whose output is the vector.
+TEXT_ENCODER_TYPE = "tf_lite_text_encoder"
+EMBEDDING_METADATA = "EmbeddingMetadataProto"
 VISION_MODEL_TYPE = "tf_lite_vision_encoder"
 AUDIO_MODEL_TYPE = "tf_lite_audio_encoder_hw"
 Role = Literal["main", "vision", "audio"]
+# What the file's engine does: generate text (LiteRT-LM's ``Engine``) or compute embeddings
+# (its ``EmbeddingEngine``).
+Kind = Literal["text", "embedding"]
 
 _DATA_TYPE_NAMES = {v: k for k, v in vars(schema.AnySectionDataType).items() if isinstance(v, int)}
 _VDATA_CLASSES: dict[int, Any] = {
@@ -138,10 +144,33 @@ class ModelInfo:
         """The first section whose ``model_type`` is ``model_type``, if any."""
         return next((s for s in self.sections if s.model_type == model_type), None)
 
+    @property
+    def kind(self) -> Kind:
+        """``embedding`` for an embedding model, else ``text``.
+
+        As the runtime decides (``litert_lm.ModelInfo.model_type``): a file with an
+        ``LlmMetadata`` section generates text; one with ``EmbeddingMetadata`` instead, or
+        a text encoder and no decoder, is an embedding model.
+        """
+        if self.llm_metadata is not None or any(
+            self.section_for(t) is not None for t in MAIN_MODEL_TYPES
+        ):
+            return "text"
+        if self.section_for(TEXT_ENCODER_TYPE) is not None or any(
+            s.data_type == EMBEDDING_METADATA for s in self.sections
+        ):
+            return "embedding"
+        return "text"
+
     def role_section(self, role: Role) -> Section | None:
-        """The section the runtime checks for ``role`` (main, vision or audio)."""
+        """The section the runtime checks for ``role`` (main, vision or audio).
+
+        An embedding model's main section is its text encoder (the runtime checks that
+        section's backend constraint against the main backend).
+        """
         if role == "main":
-            for model_type in MAIN_MODEL_TYPES:
+            types = (TEXT_ENCODER_TYPE,) if self.kind == "embedding" else MAIN_MODEL_TYPES
+            for model_type in types:
                 if (section := self.section_for(model_type)) is not None:
                     return section
             return None
@@ -172,6 +201,7 @@ class ModelInfo:
             constraints[role] = sorted(c) if c is not None else None
         return {
             "version": self.version_string,
+            "kind": self.kind,
             "file_size": self.file_size,
             "header_end": self.header_end,
             "modalities": {"text": True, "vision": self.has_vision, "audio": self.has_audio},

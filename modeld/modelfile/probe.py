@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modeld.errors import CorruptModel
+from modeld.modelfile.header import read_header
 from modeld.modelfile.runtime import CreateSpec, create_engine
 from modeld.proc import die_with_parent
 
@@ -158,8 +160,16 @@ def child_argv(spec: dict[str, Any]) -> list[str]:
 def spec_for(
     path: Path, backend: str, cache_dir: Path, vision: str | None = None, audio: str | None = None
 ) -> CreateSpec:
-    """A minimal ``create`` spec: the file, the backends, the cache dir."""
-    return CreateSpec(str(path), backend, vision, audio, cache_dir=str(cache_dir))
+    """A minimal ``create`` spec: the file, the backends, the cache dir, the file's kind.
+
+    A file whose header cannot be read is probed as a text model: the child then reports
+    what the runtime makes of it.
+    """
+    try:
+        kind = read_header(path).kind
+    except (CorruptModel, OSError):
+        kind = "text"
+    return CreateSpec(str(path), backend, vision, audio, cache_dir=str(cache_dir), kind=kind)
 
 
 async def probe(
@@ -298,12 +308,18 @@ def run_child(doc: dict[str, Any]) -> int:
     try:
         # The runner's own engine creation: same path, cache dir and options.
         engine = create_engine(spec)
-        conversation = engine.create_conversation(max_output_tokens=PROBE_MAX_TOKENS)
+        embedding = spec.kind == "embedding"
+        if not embedding:
+            conversation = engine.create_conversation(max_output_tokens=PROBE_MAX_TOKENS)
         stage = "image" if image else "reply"
         # Said before it starts: a child killed from here on (a GPU delegate's SIGABRT at
         # the first image prefill) leaves this as its last line.
         _report({"stage": stage})
-        reply = conversation.send_message(_message(image), max_output_tokens=PROBE_MAX_TOKENS)
+        if embedding:
+            # An embedding model's reply: one vector.
+            reply: Any = engine.compute_embedding(PROBE_PROMPT).embedding
+        else:
+            reply = conversation.send_message(_message(image), max_output_tokens=PROBE_MAX_TOKENS)
     except Exception as e:
         _report({"ok": False, "stage": stage, "error": f"{type(e).__name__}: {e}"})
         return 1

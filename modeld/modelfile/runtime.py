@@ -35,6 +35,9 @@ class CreateSpec:
     threads: int | None = None
     # A runner's ``create`` only: one short generation after the engine is made.
     warm_up: bool = False
+    # "text": a ``litert_lm.Engine``; "embedding": a ``litert_lm.EmbeddingEngine`` (the
+    # file's kind, ``ModelInfo.kind``: an ``Engine`` aborts the process on an embedding file).
+    kind: str = "text"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -46,7 +49,7 @@ class CreateSpec:
 
 
 def create_engine(spec: CreateSpec) -> Any:
-    """The ``litert_lm.Engine`` that a ``create`` spec describes.
+    """The ``litert_lm.Engine`` (or, for kind ``embedding``, ``EmbeddingEngine``) of a spec.
 
     The runner's ``create`` op and the GPU probe child (``modeld.modelfile.probe``) both call this
     with the same spec, so a probe opens the model exactly as a runner will: same path
@@ -71,6 +74,17 @@ def create_engine(spec: CreateSpec) -> Any:
     if cache_dir:
         # The runtime refuses a cache dir that does not exist yet.
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    if spec.kind == "embedding":
+        # No window, images or decoding: its input lengths are the encoder's signatures.
+        return litert_lm.EmbeddingEngine(
+            spec.path,
+            backend=backend(spec.backend),
+            vision_backend=backend(spec.vision),
+            audio_backend=backend(spec.audio),
+            cache_dir=cache_dir,
+        )
+    if spec.kind != "text":
+        raise ValueError(f"unknown engine kind {spec.kind!r}; use text or embedding")
     speculative = spec.speculative
     return litert_lm.Engine(
         spec.path,
@@ -107,15 +121,22 @@ def engine_options(engine: Any) -> dict[str, Any]:
     settings (litert-lm 0.18.1 ``Engine.__init__``), so a value that got lost on the way
     from the registry entry shows here as what the engine really has.
     """
-    return {
+    common = {
         "model_path": engine.model_path,
         "backend": _backend_name(engine.backend),
         "vision_backend": _backend_name(engine.vision_backend),
         "audio_backend": _backend_name(engine.audio_backend),
-        "max_num_tokens": engine.max_num_tokens,
-        "max_num_images": engine.max_num_images,
         "cache_dir": engine.cache_dir,
-        "enable_speculative_decoding": engine.enable_speculative_decoding,
         # None: no CPU backend, or the runtime's own default count.
         "cpu_threads": _cpu_threads(engine),
+    }
+    if not hasattr(engine, "max_num_tokens"):  # an EmbeddingEngine: no window, no decoding
+        return common | {
+            "max_input_length": engine.max_input_length,
+            "min_input_length": engine.min_input_length,
+        }
+    return common | {
+        "max_num_tokens": engine.max_num_tokens,
+        "max_num_images": engine.max_num_images,
+        "enable_speculative_decoding": engine.enable_speculative_decoding,
     }

@@ -7,12 +7,17 @@ vision modality before any runner starts, and the prompt's size against the engi
 window), prepares it (images re-encoded, only now) and hands it to the pool, whose token
 stream the adapter serializes. Everything that can refuse a request is raised before the
 first record, so a refusal is a plain error response, never a broken stream.
+
+``Inference.embed`` is the same path for an embedding model: its engine (an
+``EmbeddingEngine`` in a runner of its own, under the same budget, queue and keep_alive)
+returns one vector per input in one final record.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import io
 import logging
@@ -238,7 +243,11 @@ class Inference:
         modalities = ["text"] + (["image"] if backends and backends.get("vision") else [])
         alive = validate_keep_alive(keep_alive)
         target = await self.engines.target(
-            model, modalities=modalities, backends=backends, allow_unverified=allow_unverified
+            model,
+            modalities=modalities,
+            backends=backends,
+            allow_unverified=allow_unverified,
+            kind=None,  # a load takes the file's own kind: an embedding model loads too
         )
         if warm_up is None and preload:
             warm_up = True if target.warm_up is None else target.warm_up
@@ -291,6 +300,36 @@ class Inference:
         began = time.perf_counter()
         job = await asyncio.to_thread(gen.job, prepare)
         return Prepared(job, time.perf_counter() - began)
+
+    async def embed(
+        self,
+        model: str,
+        inputs: list[str],
+        *,
+        dimensions: int | None = None,
+        keep_alive: Any = None,
+        allow_unverified: bool = False,
+        backends: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """One vector per input, in order, from ``model``'s embedding engine.
+
+        The final record: ``embeddings``, ``dimensions``, ``engine``, ``timings``. A model
+        that generates text is refused (``not_embedding_model``), as is an input the
+        runtime cannot take: longer than its longest signature (413), or ``dimensions``
+        over the model's own (400).
+        """
+        if not inputs:
+            raise BadRequest("no input to embed; send a string or a list of strings")
+        alive = validate_keep_alive(keep_alive)
+        target = await self.engines.target(
+            model, kind="embedding", backends=backends, allow_unverified=allow_unverified
+        )
+        job = {"op": "embed", "inputs": inputs, "dimensions": dimensions}
+        final: dict[str, Any] = {}
+        async with contextlib.aclosing(self.pool.generate(target, job, keep_alive=alive)) as recs:
+            async for rec in recs:
+                final = rec
+        return final
 
     async def generate(self, gen: Generation) -> tuple[str, AsyncGenerator[dict[str, Any], None]]:
         """``(engine id, token records then a final record)`` for an admitted request.

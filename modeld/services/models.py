@@ -14,7 +14,7 @@ import re
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from modeld import logs
@@ -31,7 +31,6 @@ from modeld.errors import (
     ModeldError,
     ModelNotFound,
     ModelNotInstalled,
-    NotEmbeddingModel,
 )
 from modeld.hostinfo import RUNTIME_PACKAGE, host_facts
 from modeld.modelfile.header import read_header
@@ -272,27 +271,6 @@ class Models:
             logs.event("hf_cache_adopted", model=model_id, path=str(found))
             return doc["installed"], str(found)
         return None
-
-    async def embed(self, model_id: str) -> NoReturn:
-        """Embeddings: refused, saying why for this model (no embedding engine runs yet)."""
-        if self.catalog.find(model_id) is None:
-            raise ModelNotFound(f"no model {model_id!r}; `modeld list` shows the catalog")
-        inst = await self.store.installed(model_id)
-        if inst is None:
-            raise ModelNotInstalled(
-                f"model {model_id} is not installed; run `modeld pull {model_id}` first"
-            )
-        info = await asyncio.to_thread(read_header, inst.path, model_id=model_id)
-        if info.role_section("main") is not None:
-            raise NotEmbeddingModel(
-                f"model {model_id} is not an embedding model (it generates text: its file "
-                "has a prefill/decode section); use /v1/chat/completions with it, or send "
-                "an embedding model's id"
-            )
-        raise NotEmbeddingModel(
-            f"model {model_id} has no text decoder, and modeld does not run LiteRT-LM "
-            "embedding engines yet; no model it can load produces embeddings"
-        )
 
     def _engine_settings(self, entry: Entry | None, model_id: str) -> dict[str, Any]:
         """The CPU threads and warm-up rule an engine of this model gets, and loaded engines'."""

@@ -18,40 +18,15 @@ from PIL import Image
 from pydantic import BaseModel, SecretStr
 
 from modeld.api.openai import _Reply
-from modeld.config import load_settings
 from modeld.engine.runner.generate import calls_of
-from tests.support.daemon import InProcessDaemon, running_daemon
-from tests.support.state import MODELS, install_fixture
+from tests.support.daemon import InProcessDaemon, daemon_with_models
 
 
 @pytest.fixture
-async def daemon_with_models(clean_env: Path) -> AsyncIterator[InProcessDaemon]:
+async def daemon(clean_env: Path) -> AsyncIterator[InProcessDaemon]:
     """An in-process daemon with tiny-text, vision-cpu-ok and gemma3n-like installed."""
-    home, registry = clean_env / "home", clean_env / "registry"
-    for name in ("tiny-text", "vision-cpu-ok", "gemma3n-like"):
-        install_fixture(home, name, MODELS / f"{name}.litertlm", registry=registry)
-    settings = load_settings(
-        home=home, socket=home / "modeld.sock", registry=[registry], main_backend="cpu"
-    )
-    async with running_daemon(settings) as d:
+    async with daemon_with_models(clean_env, ("tiny-text", "vision-cpu-ok", "gemma3n-like")) as d:
         yield d
-
-
-@pytest.fixture
-async def http(daemon_with_models: InProcessDaemon) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.AsyncHTTPTransport(uds=str(daemon_with_models.settings.socket_path))
-    async with httpx.AsyncClient(transport=transport, base_url="http://modeld") as client:
-        yield client
-
-
-@pytest.fixture
-def oa(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url="http://modeld/v1",
-        api_key="x",
-        http_client=http,  # type: ignore[arg-type]  # openai types name its own httpx copy
-        max_retries=0,
-    )
 
 
 WEATHER_TOOL: Any = {

@@ -30,6 +30,7 @@ from modeld.modelfile.header import (
 from tests.support.state import MODELS as MODELS_DIR
 
 FIXTURES = sorted(MODELS_DIR.glob("*.litertlm"))
+MANIFEST = json.loads((MODELS_DIR / "fixtures.json").read_text())["fixtures"]
 
 # (model_type, backend_constraint) per TFLite section.
 SectionSpec = tuple[lb.TfLiteModelType, str | None]
@@ -124,6 +125,30 @@ def test_artisan_text_decoder_is_the_main_section(tmp_path: Path) -> None:
         tmp_path / "w.litertlm", [(lb.TfLiteModelType.ARTISAN_TEXT_DECODER, "gpu_artisan")]
     )
     assert read_header(path).constraint_for("main") == frozenset({"gpu_artisan"})
+
+
+def test_embedding_model_is_its_own_kind(tmp_path: Path) -> None:
+    """A text encoder and no decoder or LlmMetadata is an embedding model; its encoder is the
+    main section (with its constraint). A decoder file stays a text model even with one."""
+    embedding = build_litertlm(
+        tmp_path / "e.litertlm",
+        [(lb.TfLiteModelType.EMBEDDER, None), (lb.TfLiteModelType.TEXT_ENCODER, "cpu")],
+        llm_model=None,
+    )
+    info = read_header(embedding)
+    assert info.kind == "embedding"
+    assert info.role_section("main") is info.sections[1]
+    assert info.constraint_for("main") == frozenset({"cpu"})
+    assert info.to_dict()["kind"] == "embedding"
+    text = build_litertlm(tmp_path / "t.litertlm", GEMMA3N_LIKE)
+    assert read_header(text).kind == "text"
+    both = build_litertlm(
+        tmp_path / "b.litertlm",
+        [(lb.TfLiteModelType.PREFILL_DECODE, None), (lb.TfLiteModelType.TEXT_ENCODER, None)],
+    )
+    mixed = read_header(both)
+    assert mixed.kind == "text"
+    assert mixed.role_section("main") is mixed.sections[1]  # the decoder (after LlmMetadata)
 
 
 def test_to_dict_is_json(tmp_path: Path) -> None:
@@ -318,6 +343,7 @@ def test_committed_fixtures_read(path: Path) -> None:
     info = read_header(path)
     assert info.role_section("main") is not None
     assert all(s.end <= path.stat().st_size for s in info.sections)
+    assert info.kind == MANIFEST[path.stem]["kind"]
     if path.name.startswith("gemma3n-like"):
         assert info.constraint_for("vision") == frozenset({"gpu"})
 

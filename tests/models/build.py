@@ -17,6 +17,14 @@ and adapter for the backend constraints: they have no embedder, so an image
 sent to them fails at prefill on cpu (and on an NVIDIA GPU is answered with
 output that never saw it).
 
+``tiny-embed`` is the embedding model: no decoder and no ``LlmMetadata``, but an
+``EmbeddingMetadata`` section (a generic embedding model with ``<bos>``/``<eos>``),
+the same kind of tokenizer, a ``tf_lite_embedder`` (one token id -> its vector) and a
+``tf_lite_text_encoder`` whose signatures ``encoder_16``/``encoder_64`` take
+``embeddings`` [1, T, 64] and ``input_mask`` [1, T] and give one [1, 32] vector (the
+runtime picks the shortest signature that fits, fills the mask and L2-normalises).
+Both are small torch modules converted with litert-torch, float32.
+
 Rebuilding
 ----------
 The build needs torch and litert-torch, which the daemon does not; use a
@@ -221,6 +229,40 @@ FIXTURES: dict[str, FixtureSpec] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class EmbedSpec:
+    """One embedding model: a token embedder and a text encoder, no decoder."""
+
+    name: str
+    seed: int
+    description: str
+    hidden: int = 64  # token embedding width
+    dimension: int = 32  # the output vector's length
+    vocab: int = 512
+    # One encoder signature per input length; the runtime picks the shortest that fits.
+    lengths: tuple[int, ...] = (16, 64)
+    backends: tuple[str, ...] = ("cpu",)
+    note: str | None = None
+
+
+EMBED_FIXTURES: dict[str, EmbedSpec] = {
+    s.name: s
+    for s in (
+        EmbedSpec(
+            "tiny-embed",
+            seed=9,
+            description="random embedding model: a token embedder (hidden 64) and a text"
+            " encoder (positions, one tanh layer, masked mean pooling, a projection to 32)"
+            " with signatures for 16 and 64 tokens; no decoder",
+            note="an embedding model: litert_lm.EmbeddingEngine loads it (litert_lm.Engine"
+            " aborts the process on it: no LlmMetadata); vectors are L2-normalised,"
+            " output_size truncates (then normalises), and an input over 64 tokens is"
+            " refused by default",
+        ),
+    )
+}
+
+
 def sha256_of(path: Path) -> str:
     """Return the hex sha256 of a file."""
     h = hashlib.sha256()
@@ -230,6 +272,34 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
+def train_tokenizer(vocab: int) -> Any:
+    """A byte-level BPE tokenizer of ``vocab`` entries trained on CORPUS (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    return tok
+
+
+def file_entry(dest: Path, kind: str, description: str) -> dict[str, Any]:
+    """The first fields of a manifest entry: the built file, its kind and description."""
+    return {
+        "file": dest.name,
+        "sha256": sha256_of(dest),
+        "size": dest.stat().st_size,
+        "kind": kind,
+        "description": description,
+    }
+
+
 def make_source_model(spec: TextSpec, out_dir: Path, *, image: bool = False) -> None:
     """Write a random model, its config and a BPE tokenizer.
 
@@ -237,7 +307,6 @@ def make_source_model(spec: TextSpec, out_dir: Path, *, image: bool = False) -> 
     plus its image processor config.
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         GenerationConfig,
         LlamaConfig,
@@ -245,16 +314,7 @@ def make_source_model(spec: TextSpec, out_dir: Path, *, image: bool = False) -> 
         PreTrainedTokenizerFast,
     )
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=spec.vocab,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok = train_tokenizer(spec.vocab)
     # The Gemma-3 exporter reads the image delimiters from these names.
     image_tokens = {
         "boi_token": "<start_of_image>",
@@ -512,8 +572,16 @@ def package(spec: FixtureSpec, export_dir: Path, work: Path, dest: Path) -> list
             {"type": "TFLiteModel", "model_type": "tf_lite_vision_adapter"},
         ]
 
+    write_deterministic(builder, spec.name, dest)
+    return sections
+
+
+def write_deterministic(builder: Any, name: str, dest: Path) -> None:
+    """Write ``builder``'s file to ``dest`` with a fixed uuid and timestamp."""
+    from litert_lm_builder import litertlm_builder as lb
+
     original = lb.populate_system_metadata
-    lb.populate_system_metadata = _deterministic_system_metadata(spec.name)
+    lb.populate_system_metadata = _deterministic_system_metadata(name)
     try:
         tmp = dest.with_suffix(".litertlm.tmp")
         with tmp.open("wb") as f:
@@ -521,7 +589,6 @@ def package(spec: FixtureSpec, export_dir: Path, work: Path, dest: Path) -> list
         tmp.replace(dest)
     finally:
         lb.populate_system_metadata = original
-    return sections
 
 
 def build_one(spec: FixtureSpec, dest: Path) -> dict[str, Any]:
@@ -533,11 +600,7 @@ def build_one(spec: FixtureSpec, dest: Path) -> dict[str, Any]:
         sections = package(spec, export_dir, work, dest)
     seconds = time.monotonic() - start
     vision = spec.vision_constraint
-    entry: dict[str, Any] = {
-        "file": dest.name,
-        "sha256": sha256_of(dest),
-        "size": dest.stat().st_size,
-        "description": spec.description,
+    entry: dict[str, Any] = file_entry(dest, "text", spec.description) | {
         "sections": sections,
         "shape": dataclasses.asdict(spec.text),
         "llm_model_type": "generic_model" if vision is None else "gemma3n",
@@ -547,6 +610,116 @@ def build_one(spec: FixtureSpec, dest: Path) -> dict[str, Any]:
         "vision_backends": ([] if vision is None else [b.strip() for b in vision.split(",")]),
         "vision_backend_constraint": vision,
         "accepts_images": spec.image,
+    }
+    if spec.note is not None:
+        entry["note"] = spec.note
+    print(f"built {dest} ({entry['size']} bytes, {seconds:.1f} s)", flush=True)
+    return entry
+
+
+def make_embedding_models(spec: EmbedSpec, work: Path) -> tuple[Path, Path]:
+    """Export the token embedder and the text encoder LiteRT-LM's embedding engine runs.
+
+    The embedder maps one token id ([1, 1] int32) to its vector ([1, 1, hidden]); the
+    runtime calls it per token to fill the encoder's input. The encoder has one signature
+    per input length, named ``encoder_<length>`` (the runtime looks for the ``encoder``
+    prefix), taking ``embeddings`` [1, length, hidden] and ``input_mask`` [1, length]
+    (1.0 for the input's tokens, 0.0 for the padding) and giving [1, dimension].
+    """
+    import litert_torch
+    import torch
+
+    torch.manual_seed(spec.seed)
+
+    class Embedder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Embedding(spec.vocab, spec.hidden)
+
+        def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+            return self.table(token_ids)
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.positions = torch.nn.Parameter(0.5 * torch.randn(max(spec.lengths), spec.hidden))
+            self.mix = torch.nn.Linear(spec.hidden, spec.hidden)
+            self.out = torch.nn.Linear(spec.hidden, spec.dimension)
+
+        def forward(self, embeddings: torch.Tensor, input_mask: torch.Tensor) -> torch.Tensor:
+            length = embeddings.shape[1]
+            h = torch.tanh(self.mix(embeddings + self.positions[:length]))
+            mask = input_mask.unsqueeze(-1)
+            pooled = (h * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+            return self.out(pooled)
+
+    embedder, encoder = Embedder().eval(), Encoder().eval()
+    emb_path, enc_path = work / "embedder.tflite", work / "text_encoder.tflite"
+    litert_torch.convert(embedder, (torch.zeros((1, 1), dtype=torch.int32),)).export(str(emb_path))
+    converter: Any = litert_torch
+    for length in spec.lengths:
+        converter = converter.signature(
+            f"encoder_{length}",
+            encoder,
+            sample_kwargs={
+                "embeddings": torch.zeros(1, length, spec.hidden),
+                "input_mask": torch.ones(1, length),
+            },
+        )
+    converter.convert().export(str(enc_path))
+    return emb_path, enc_path
+
+
+def build_embed(spec: EmbedSpec, dest: Path) -> dict[str, Any]:
+    """Build one embedding fixture into ``dest`` and return its manifest entry."""
+    from litert_lm_builder import litertlm_builder as lb
+    from litert_lm_builder.runtime.proto import embedding_metadata_pb2
+
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"modeld-{spec.name}-") as tmp:
+        work = Path(tmp)
+        tokenizer = work / "tokenizer.json"
+        train_tokenizer(spec.vocab).save(str(tokenizer))
+        emb_path, enc_path = make_embedding_models(spec, work)
+        meta = embedding_metadata_pb2.EmbeddingMetadata()
+        meta.embedding_model_type.generic_model.SetInParent()
+        meta.bos_token.token_str = "<bos>"
+        meta.eos_token.token_str = "<eos>"
+        meta_path = work / "embedding_metadata.pb"
+        meta_path.write_bytes(meta.SerializeToString())
+
+        builder = lb.LitertLmFileBuilder()
+        builder.add_system_metadata(
+            lb.Metadata(key="Authors", value="modeld test fixtures", dtype=lb.DType.STRING)
+        )
+        builder.add_system_metadata(
+            lb.Metadata(key="fixture", value=spec.name, dtype=lb.DType.STRING)
+        )
+        builder.add_embedding_metadata(str(meta_path))
+        builder.add_hf_tokenizer(str(tokenizer))
+        builder.add_tflite_model(str(emb_path), lb.TfLiteModelType.EMBEDDER)
+        builder.add_tflite_model(str(enc_path), lb.TfLiteModelType.TEXT_ENCODER)
+        write_deterministic(builder, spec.name, dest)
+    seconds = time.monotonic() - start
+    entry: dict[str, Any] = file_entry(dest, "embedding", spec.description) | {
+        "sections": [
+            {"type": "EmbeddingMetadata"},
+            {"type": "HF_Tokenizer_Zlib"},
+            {"type": "TFLiteModel", "model_type": "tf_lite_embedder"},
+            {"type": "TFLiteModel", "model_type": "tf_lite_text_encoder"},
+        ],
+        "embedding": {
+            "seed": spec.seed,
+            "hidden": spec.hidden,
+            "dimension": spec.dimension,
+            "vocab": spec.vocab,
+            "lengths": list(spec.lengths),
+        },
+        "weights": "float32",
+        "backends": list(spec.backends),
+        "vision_backends": [],
+        "vision_backend_constraint": None,
+        "accepts_images": False,
     }
     if spec.note is not None:
         entry["note"] = spec.note
@@ -571,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         action="append",
-        choices=sorted(FIXTURES),
+        choices=sorted(FIXTURES.keys() | EMBED_FIXTURES.keys()),
         help="build only this fixture (repeatable)",
     )
     parser.add_argument(
@@ -581,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    names = list(args.only or [n for n, s in FIXTURES.items() if not s.large])
+    names = list(args.only or [*(n for n, s in FIXTURES.items() if not s.large), *EMBED_FIXTURES])
     if args.large and "large-text" not in names:
         names.append("large-text")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -592,6 +765,9 @@ def main(argv: list[str] | None = None) -> int:
     fixtures: dict[str, Any] = manifest.setdefault("fixtures", {})
 
     for name in names:
+        if name in EMBED_FIXTURES:
+            fixtures[name] = build_embed(EMBED_FIXTURES[name], args.out / f"{name}.litertlm")
+            continue
         spec = FIXTURES[name]
         if spec.large:
             cache = large_cache_dir()

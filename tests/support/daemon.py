@@ -13,11 +13,15 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modeld.client import AsyncClient
 from modeld.config import Settings
 from tests.support.unix import unix_request
+
+if TYPE_CHECKING:
+    import httpx
+    import openai
 
 
 def checkout_pythonpath() -> str:
@@ -159,6 +163,47 @@ async def running_daemon(settings: Settings) -> AsyncIterator[InProcessDaemon]:
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+@contextlib.asynccontextmanager
+async def daemon_with_models(root: Path, names: Sequence[str]) -> AsyncIterator[InProcessDaemon]:
+    """An in-process daemon (main backend cpu) with the named tests/models fixtures installed,
+    each with a registry entry, under ``root``."""
+    from modeld.config import load_settings
+    from tests.support.state import MODELS, install_fixture
+
+    home, registry = root / "home", root / "registry"
+    for name in names:
+        install_fixture(home, name, MODELS / f"{name}.litertlm", registry=registry)
+    settings = load_settings(
+        home=home, socket=home / "modeld.sock", registry=[registry], main_backend="cpu"
+    )
+    async with running_daemon(settings) as d:
+        yield d
+
+
+@contextlib.asynccontextmanager
+async def socket_http(daemon: InProcessDaemon) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client on the daemon's Unix socket (what the ``openai`` package is given)."""
+    import httpx
+
+    transport = httpx.AsyncHTTPTransport(uds=str(daemon.settings.socket_path))
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://modeld", timeout=60
+    ) as client:
+        yield client
+
+
+def openai_over(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
+    """The real ``openai`` client over ``http`` (the socket needs no key; any will do)."""
+    import openai
+
+    return openai.AsyncOpenAI(
+        base_url="http://modeld/v1",
+        api_key="x",
+        http_client=http,  # type: ignore[arg-type]  # openai types name its own httpx copy
+        max_retries=0,
+    )
 
 
 def spawn_daemon(

@@ -20,6 +20,11 @@ JSON object. Parent -> child ops, each with an ``id``:
   -> token frames... then ``{"id", "done": true, "finish", "timings"...}`` (with
   ``tool_calls`` when the model made some); with ``"stream": false`` no token frames, and
   the final record carries ``text``
+- ``embed`` (an engine created with ``kind: "embedding"``): ``inputs`` (texts),
+  ``dimensions`` (None: the model's own) -> ``{"id", "done": true, "finish": "stop",
+  "embeddings": [[float, ...], ...], "dimensions", "timings"}``, one vector per input in
+  order (the runtime's ``compute_embedding_batch``: L2-normalised; ``dimensions``
+  truncates, then normalises)
 - ``cancel``: ``target`` (a generate id) -> no reply of its own; the generation ends
   with ``finish: "cancelled"``
 - ``stats`` -> ``{"id", "ok": true, "pss", "rss"}``
@@ -65,8 +70,9 @@ TOKEN_FLAG = 0x8000_0000
 MAX_FRAME = 80 * 1024 * 1024
 
 
-# The runtime's refusal of a prompt longer than the engine's window (after tokenizing it).
-_PROMPT_TOO_LONG = "Input token ids are too long"
+# The runtime's refusal of a prompt longer than the engine's window (after tokenizing it),
+# and of an embedding input longer than the encoder's longest signature.
+_PROMPT_TOO_LONG = ("Input token ids are too long", "exceeds maximum supported signature length")
 
 
 def generate_error_code(exc: Exception, reason: str) -> str:
@@ -74,7 +80,7 @@ def generate_error_code(exc: Exception, reason: str) -> str:
     if isinstance(exc, ValueError):
         return "bad_request"
     # A prompt under the daemon's byte bound can still hold more tokens than the window.
-    if _PROMPT_TOO_LONG in reason:
+    if any(text in reason for text in _PROMPT_TOO_LONG):
         return "too_large"
     return "engine_error"
 
@@ -223,6 +229,8 @@ class _Child:
         self.sock = sock
         self.send_lock = threading.Lock()
         self.engine: Any = None
+        self.kind = "text"  # or "embedding": the ``create`` spec's kind
+        self.dimension: int | None = None  # an embedding model's vector length
         self.max_tokens: int | None = None
         self.jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.cancelled: set[int] = set()
@@ -301,7 +309,14 @@ class _Child:
         try:
             from modeld.modelfile.runtime import CreateSpec, create_engine
 
-            self.engine = create_engine(CreateSpec.from_json(msg))
+            spec = CreateSpec.from_json(msg)
+            self.engine = create_engine(spec)
+            self.kind = spec.kind
+            if spec.kind == "embedding":
+                import litert_lm
+
+                embedding = litert_lm.ModelInfo(spec.path).embedding
+                self.dimension = embedding.dimension if embedding is not None else None
         except Exception as e:
             reason = self.runtime_reason(e)
             if speculative:
@@ -345,6 +360,10 @@ class _Child:
         that skips this makes its first user wait (~2 s against ~40 ms on an H200).
         """
         started = time.perf_counter()
+        if self.kind == "embedding":
+            self.engine.compute_embedding(WARM_UP_PROMPT)
+            seconds = time.perf_counter() - started
+            return {"seconds": seconds, "prefill": seconds, "prompt_tokens": None, "tokens": 0}
         conversation = self.engine.create_conversation(max_output_tokens=WARM_UP_TOKENS)
         try:
             conversation.send_message(WARM_UP_PROMPT)
@@ -366,7 +385,10 @@ class _Child:
     def _options(self) -> dict[str, Any]:
         from modeld.modelfile.runtime import engine_options
 
-        return engine_options(self.engine)
+        options = engine_options(self.engine)
+        if self.kind == "embedding":
+            options["embedding_dimension"] = self.dimension
+        return options
 
     def cancel(self, target: int) -> None:
         self.cancelled.add(target)
@@ -386,7 +408,10 @@ class _Child:
                 self.send({"id": rid, "done": True, "finish": "cancelled", "timings": {}})
                 continue
             try:
-                self._generate(job)
+                if job.get("op") == "embed":
+                    self._embed(job)
+                else:
+                    self._generate(job)
             except (BrokenPipeError, ConnectionError):
                 return
             except Exception as e:
@@ -433,6 +458,35 @@ class _Child:
             # Cancelled (the client left): nobody reads the text. Any other failure is retried
             # by the streaming path, which carries the runtime's own reason in its exception.
             return {"content": ""} if rid in self.cancelled else None
+
+    def _embed(self, job: dict[str, Any]) -> None:
+        """One vector per input, in order, in one final record (nothing is streamed)."""
+        import litert_lm
+
+        started = time.perf_counter()
+        self.clear_error()
+        inputs = [str(t) for t in job.get("inputs") or []]
+        size = job.get("dimensions")
+        if size is not None and self.dimension is not None and int(size) > self.dimension:
+            raise ValueError(
+                f"dimensions {size} is more than this model's {self.dimension}; ask for at "
+                f"most {self.dimension}, or leave dimensions out"
+            )
+        options = litert_lm.EmbeddingOptions(output_size=None if size is None else int(size))
+        vectors = [r.embedding for r in self.engine.compute_embedding_batch(inputs, options)]
+        seconds = time.perf_counter() - started
+        self.send(
+            {
+                "id": job["id"],
+                "done": True,
+                "finish": "stop",
+                "embeddings": vectors,
+                "dimensions": len(vectors[0]) if vectors else size or self.dimension,
+                # No token counts: 0.18.1's embedding API reports none.
+                "tokens": 0,
+                "timings": {"prefill": seconds, "embed": seconds},
+            }
+        )
 
     def _generate(self, job: dict[str, Any]) -> None:  # noqa: PLR0912, PLR0915
         """Stream one reply for ``job`` to the parent, then a final record with timings.
@@ -607,9 +661,12 @@ def child_main(fd: int, parent_pid: int) -> int:  # noqa: PLR0912 (one branch pe
         rid = msg.get("id")
         if op == "create":
             child.create(msg)
-        elif op == "generate":
+        elif op in ("generate", "embed"):
+            wanted = "embedding" if op == "embed" else "text"
             if child.engine is None:
-                child.error(rid, "engine_error", "generate before create")
+                child.error(rid, "engine_error", f"{op} before create")
+            elif child.kind != wanted:
+                child.error(rid, "bad_request", f"{op} asked of a {child.kind} engine")
             else:
                 child.jobs.put(msg)
         elif op == "cancel":

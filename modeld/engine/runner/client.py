@@ -314,7 +314,11 @@ class Runner:
         return await self.call("create", **spec.to_json())
 
     async def generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        """Token records, then the final ``done`` record; leaving early cancels in the child."""
+        """Token records, then the final ``done`` record; leaving early cancels in the child.
+
+        A job with ``"op": "embed"`` asks an embedding engine for vectors: no token
+        records, the final record carries them.
+        """
         rid = next(self._ids)
         q: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
         self._pending[rid] = q

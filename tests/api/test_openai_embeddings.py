@@ -1,0 +1,154 @@
+"""``/v1/embeddings`` on a real embedding model: the runtime's EmbeddingEngine in a runner,
+through the real daemon over its socket, with the real ``openai`` package and plain HTTP."""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.daemon import InProcessDaemon, daemon_with_models
+
+DIMENSION = 32  # tests/models/fixtures.json: tiny-embed's embedding.dimension
+TEXTS = ["Hello world", "The quick brown fox", "Hello world"]
+
+
+@pytest.fixture
+async def daemon(clean_env: Path) -> AsyncIterator[InProcessDaemon]:
+    """An in-process daemon with tiny-embed (an embedding model) and tiny-text installed."""
+    async with daemon_with_models(clean_env, ("tiny-embed", "tiny-text")) as d:
+        yield d
+
+
+def norm(vector: list[float]) -> float:
+    return math.sqrt(sum(x * x for x in vector))
+
+
+async def embed(http: httpx.AsyncClient, **body: Any) -> httpx.Response:
+    return await http.post("/v1/embeddings", json={"model": "tiny-embed", **body})
+
+
+async def test_openai_client_embeds_a_batch_in_order(oa: openai.AsyncOpenAI) -> None:
+    """The ``openai`` package's ``embeddings.create`` (it asks for base64 and decodes it) gets
+    one normalised vector per input, in order: the same text the same vector, another text
+    another vector; each equals the vector of that text sent alone."""
+    r = await oa.embeddings.create(model="tiny-embed", input=TEXTS)
+    assert r.object == "list" and r.model == "tiny-embed"
+    assert [d.index for d in r.data] == [0, 1, 2]
+    assert {d.object for d in r.data} == {"embedding"}
+    hello, fox, again = (d.embedding for d in r.data)
+    assert len(hello) == len(fox) == DIMENSION
+    assert norm(hello) == pytest.approx(1.0, abs=1e-5)
+    assert hello == again
+    assert hello != fox
+    for text, vector in zip(TEXTS, (hello, fox, again), strict=True):
+        alone = await oa.embeddings.create(model="tiny-embed", input=text)
+        assert [d.embedding for d in alone.data] == [vector]
+
+
+async def test_float_and_base64_give_the_same_vectors(http: httpx.AsyncClient) -> None:
+    """``encoding_format: base64`` is the float vector as little-endian float32, exactly."""
+    floats = await embed(http, input=TEXTS[:2], encoding_format="float")
+    packed = await embed(http, input=TEXTS[:2], encoding_format="base64")
+    assert floats.status_code == packed.status_code == 200, floats.text + packed.text
+    default = await embed(http, input=TEXTS[:2])
+    assert default.json()["data"] == floats.json()["data"]
+    for f, b in zip(floats.json()["data"], packed.json()["data"], strict=True):
+        raw = base64.b64decode(b["embedding"])
+        assert len(raw) == 4 * DIMENSION
+        assert list(struct.unpack(f"<{DIMENSION}f", raw)) == f["embedding"]
+    doc = floats.json()
+    # 0.18.1's embedding API reports no token counts: null, not a made-up number.
+    assert doc["usage"] == {"prompt_tokens": None, "total_tokens": None}
+    assert doc["modeld"]["engine"] == "tiny-embed:cpu"
+    assert doc["modeld"]["dimensions"] == DIMENSION
+
+
+async def test_dimensions_shortens_and_renormalises_or_is_refused(
+    oa: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
+    """``dimensions`` up to the model's own truncates (the runtime's ``output_size``) and the
+    vector stays normalised; more than the model has is a 400 that names the field."""
+    whole = (await oa.embeddings.create(model="tiny-embed", input="Hello world")).data[0]
+    short = await oa.embeddings.create(model="tiny-embed", input="Hello world", dimensions=8)
+    vector = short.data[0].embedding
+    assert len(vector) == 8
+    assert norm(vector) == pytest.approx(1.0, abs=1e-5)
+    scale = norm(whole.embedding[:8])
+    assert vector == pytest.approx([x / scale for x in whole.embedding[:8]], rel=1e-4, abs=1e-6)
+    r = await embed(http, input="Hello world", dimensions=DIMENSION + 1)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "bad_request"
+    assert f"dimensions {DIMENSION + 1} is more than this model's {DIMENSION}" in r.text
+    # The engine still serves after the refusal.
+    assert (await embed(http, input="Hello world")).status_code == 200
+
+
+async def test_inputs_it_cannot_take_are_clear_errors(http: httpx.AsyncClient) -> None:
+    """Token ids, an empty string, an empty list, an unknown field: 400 naming the field; an
+    input longer than the encoder's longest signature: 413 saying so."""
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"input": [1, 2, 3]}, "input: token ids are not taken"),
+        ({"input": [[1, 2], [3]]}, "input: token ids are not taken"),
+        ({"input": ["ok", ""]}, "input[1] is an empty string"),
+        ({"input": []}, "input is empty"),
+        ({"input": "x", "normalize": False}, "normalize"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ]
+    for body, needle in cases:
+        r = await embed(http, **body)
+        assert r.status_code == 400, (body, r.text)
+        assert needle in r.json()["error"]["message"], (body, r.text)
+    r = await embed(http, input=" ".join(["word"] * 100))
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["code"] == "too_large"
+    assert "an input is longer than the model takes" in err["message"]
+    assert "exceeds maximum supported signature length (64)" in err["message"]
+
+
+async def test_each_kind_of_model_refuses_the_other_kinds_request(
+    oa: openai.AsyncOpenAI,
+) -> None:
+    """A text model's embeddings and an embedding model's chat or completion are 422s that
+    say which kind the model is and what to use instead; no engine is left behind."""
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        await oa.embeddings.create(model="tiny-text", input="hello")
+    assert refused.value.code == "not_embedding_model"
+    assert "model tiny-text is not an embedding model" in refused.value.message
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        await oa.chat.completions.create(
+            model="tiny-embed", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert refused.value.code == "not_text_model"
+    assert "model tiny-embed is an embedding model" in refused.value.message
+    assert "use /v1/embeddings" in refused.value.message
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        await oa.completions.create(model="tiny-embed", prompt="hi")
+    assert refused.value.code == "not_text_model"
+
+
+async def test_show_load_and_ps_know_an_embedding_model(http: httpx.AsyncClient) -> None:
+    """``show`` reads the kind from the header; a load creates an embedding engine, which
+    ``ps`` lists with the runtime's options (its vector length) and which then serves."""
+    shown = (await http.get("/api/models/tiny-embed")).json()
+    assert shown["header"]["kind"] == "embedding"
+    assert shown["plans"]["text"]["plan"]["main"] == "cpu"
+    assert (await http.get("/api/models/tiny-text")).json()["header"]["kind"] == "text"
+    r = await http.post("/api/engines", json={"model": "tiny-embed"})
+    assert r.status_code == 200, r.text
+    engines = (await http.get("/api/engines")).json()["engines"]
+    (engine,) = [e for e in engines if e["model"] == "tiny-embed"]
+    assert engine["state"] == "ready"
+    options = engine["engine_options"]
+    assert options["embedding_dimension"] == DIMENSION
+    assert options["backend"] == "cpu"
+    assert "max_num_tokens" not in options
+    assert (await embed(http, input="Hello world")).status_code == 200
