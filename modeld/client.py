@@ -193,6 +193,29 @@ def generation_body(
     return body
 
 
+def embedding_body(
+    model: str,
+    inputs: str | list[str],
+    *,
+    dimensions: int | None = None,
+    keep_alive: str | float | None = None,
+    allow_unverified: bool = False,
+) -> dict[str, Any]:
+    """The body of ``POST /v1/embeddings`` (floats); unset fields are left to the daemon."""
+    body: dict[str, Any] = {"model": model, "input": inputs, "encoding_format": "float"}
+    if dimensions is not None:
+        body["dimensions"] = dimensions
+    if keep_alive is not None:
+        body["keep_alive"] = keep_alive
+    if allow_unverified:
+        body["allow_unverified"] = True
+    return body
+
+
+def _vectors(doc: dict[str, Any]) -> list[list[float]]:
+    return [d["embedding"] for d in sorted(doc["data"], key=lambda d: d["index"])]
+
+
 def _record(line: bytes) -> dict[str, Any] | None:
     """One NDJSON record; an error record is raised as the daemon's error."""
     line = line.strip()
@@ -575,6 +598,14 @@ class Client:
         body = generation_body(model, messages=messages, **options)
         return self.stream("POST", "/api/generate", body)
 
+    def embed(self, model: str, inputs: str | list[str], **options: Any) -> list[list[float]]:
+        """One vector per input, in order, from an embedding model (``/v1/embeddings``).
+        Options: ``dimensions`` (a shorter vector, normalised), ``keep_alive``,
+        ``allow_unverified``. A model that generates text raises ``NotEmbeddingModel``."""
+        return _vectors(
+            self.request("POST", "/v1/embeddings", embedding_body(model, inputs, **options))
+        )
+
     model = show  # the name the async client has always had
 
 
@@ -779,6 +810,10 @@ class AsyncClient:
         return self.stream(
             "POST", "/api/generate", generation_body(model, messages=messages, **options)
         )
+
+    async def embed(self, model: str, inputs: str | list[str], **options: Any) -> list[list[float]]:
+        body = embedding_body(model, inputs, **options)
+        return _vectors(await self.request("POST", "/v1/embeddings", body))
 
 
 def _open_model_file(path: Path | str) -> int:

@@ -1,4 +1,5 @@
-"""One real daemon for the CLI and client tests: tiny-text installed, TCP on with keys."""
+"""One real daemon for the CLI and client tests: tiny-text and an embedding model (tiny-embed's
+file) installed, TCP on with keys."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.support.mirror import Faults, ThreadMirror
 from tests.support.state import MODELS, install_fixture, write_entry
 
 TINY = MODELS / "tiny-text.litertlm"
+EMBED_ID = "embed-tiny"
 
 
 @dataclass
@@ -40,10 +42,13 @@ class Tiny:
 
 @pytest.fixture(scope="package")
 def tiny() -> Iterator[Tiny]:
-    """tiny-text installed; `pulled` (tiny-text's bytes) on a loopback mirror, not installed."""
+    """tiny-text and EMBED_ID (tiny-embed's file, an embedding model) installed; `pulled`
+    (tiny-text's bytes) on a loopback mirror, not installed."""
     root = Path(tempfile.mkdtemp(prefix="md-", dir="/tmp"))
     home, registry = root / "home", root / "registry"
     install_fixture(home, "tiny-text", TINY, registry=registry)
+    # Its own id, not "tiny-...": the completion tests expect `tin` to offer tiny-text alone.
+    install_fixture(home, EMBED_ID, MODELS / "tiny-embed.litertlm", registry=registry)
     data = TINY.read_bytes()
     mirror = ThreadMirror(data, Faults())
     write_entry(

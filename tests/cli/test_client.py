@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from modeld import __version__
@@ -17,10 +18,12 @@ from modeld.errors import (
     DaemonUnavailable,
     Forbidden,
     ModelNotFound,
+    NotEmbeddingModel,
+    NotTextModel,
     SettingsError,
     Unauthorized,
 )
-from tests.cli.conftest import TINY, Tiny
+from tests.cli.conftest import EMBED_ID, TINY, Tiny
 
 
 @pytest.fixture
@@ -132,6 +135,35 @@ async def test_async_client_over_tcp_and_the_socket(tiny: Tiny) -> None:
     async with AsyncClient(tiny.socket) as c:
         chat = [r async for r in c.chat("tiny-text", [{"role": "user", "content": "hi"}])]
         assert chat[-1]["done"]
+
+
+async def test_embed_sync_async_and_openai_agree_over_the_socket_and_tcp(tiny: Tiny) -> None:
+    """``embed`` gives one vector per input, in order, over the socket (sync) and over TCP
+    with a key (async), the same vectors the real ``openai`` package gets over TCP; a text
+    model's embeddings raise ``NotEmbeddingModel``."""
+    texts = ["Hello world", "The quick brown fox"]
+    with Client(tiny.socket) as c:
+        hello, fox = c.embed(EMBED_ID, texts)
+        assert len(hello) == len(fox) == 32 and hello != fox
+        assert c.embed(EMBED_ID, "Hello world") == [hello]
+        (short,) = c.embed(EMBED_ID, "Hello world", dimensions=8)
+        assert len(short) == 8
+        with pytest.raises(NotEmbeddingModel, match="model tiny-text is not an embedding model"):
+            c.embed("tiny-text", "hi")
+    async with AsyncClient(url=tiny.url, api_key=tiny.use_key) as ac:
+        assert await ac.embed(EMBED_ID, texts) == [hello, fox]
+        with pytest.raises(NotTextModel):
+            await ac.request(
+                "POST",
+                "/v1/chat/completions",
+                {"model": EMBED_ID, "messages": [{"role": "user", "content": "hi"}]},
+            )
+    oa = openai.OpenAI(base_url=f"{tiny.url}/v1", api_key=tiny.use_key, max_retries=0)
+    r = oa.embeddings.create(model=EMBED_ID, input=texts)
+    assert [d.embedding for d in r.data] == [hello, fox]
+    stranger = openai.OpenAI(base_url=f"{tiny.url}/v1", api_key="mdk_wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.embeddings.create(model=EMBED_ID, input=texts)
 
 
 def test_sync_client_gives_up_on_a_silent_socket(silent_socket: Path) -> None:
