@@ -135,6 +135,16 @@ async def test_each_kind_of_model_refuses_the_other_kinds_request(
     assert refused.value.code == "not_text_model"
 
 
+async def test_native_generation_on_an_embedding_model_is_refused(
+    http: httpx.AsyncClient,
+) -> None:
+    """``/api/generate`` on an embedding model is the same 422 before any runner starts."""
+    r = await http.post("/api/generate", json={"model": "tiny-embed", "prompt": "hi"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["code"] == "not_text_model"
+    assert (await http.get("/api/engines")).json()["engines"] == []
+
+
 async def test_show_load_and_ps_know_an_embedding_model(http: httpx.AsyncClient) -> None:
     """``show`` reads the kind from the header; a load creates an embedding engine, which
     ``ps`` lists with the runtime's options (its vector length) and which then serves."""
@@ -142,8 +152,11 @@ async def test_show_load_and_ps_know_an_embedding_model(http: httpx.AsyncClient)
     assert shown["header"]["kind"] == "embedding"
     assert shown["plans"]["text"]["plan"]["main"] == "cpu"
     assert (await http.get("/api/models/tiny-text")).json()["header"]["kind"] == "text"
-    r = await http.post("/api/engines", json={"model": "tiny-embed"})
+    r = await http.post("/api/engines", json={"model": "tiny-embed", "warm_up": True})
     assert r.status_code == 200, r.text
+    # The warm-up of an embedding engine is one embedding, not a generation.
+    assert r.json()["warm_up"]["seconds"] > 0
+    assert r.json()["warm_up"]["tokens"] == 0
     engines = (await http.get("/api/engines")).json()["engines"]
     (engine,) = [e for e in engines if e["model"] == "tiny-embed"]
     assert engine["state"] == "ready"

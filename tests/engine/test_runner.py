@@ -19,6 +19,7 @@ from tests.support.state import MODELS
 from tests.support.wait import process_gone, wait_sync, wait_until
 
 TINY = MODELS / "tiny-text.litertlm"
+EMBED = MODELS / "tiny-embed.litertlm"
 
 
 def spec(tmp: Path, path: Path = TINY, **extra: Any) -> CreateSpec:
@@ -167,6 +168,41 @@ async def test_runtime_failure_carries_runtime_reason(short_tmp: Path) -> None:
         assert "tf_lite_prefill_decode" in info.value.message
     finally:
         await runner.close()
+
+
+async def test_embedding_engine_embeds_and_refuses_what_is_not_its_kind(
+    short_tmp: Path,
+) -> None:
+    """A ``kind: embedding`` create makes an EmbeddingEngine: ``embed`` gives one vector per
+    input in order, its options name the vector length, a ``generate`` is a bad_request, as
+    is an ``embed`` on a text engine; a crash of the embedding runner is noticed as any."""
+    runner, text = await Runner.start(), await Runner.start()
+    try:
+        created = await runner.create(spec(short_tmp, EMBED, kind="embedding", warm_up=True))
+        assert created["options"]["embedding_dimension"] == 32
+        assert created["warm_up"]["seconds"] > 0
+        _, final = await collect(runner, {"op": "embed", "inputs": ["a b", "c d", "a b"]})
+        first, second, third = final["embeddings"]
+        assert final["done"] and final["dimensions"] == 32
+        assert first == third != second
+        _, short = await collect(runner, {"op": "embed", "inputs": ["a b"], "dimensions": 4})
+        assert len(short["embeddings"][0]) == 4
+        with pytest.raises(RunnerError) as info:
+            await collect(runner, ask())
+        assert info.value.code == "bad_request"
+        assert "generate asked of an embedding engine" in info.value.message
+        await text.create(spec(short_tmp))
+        with pytest.raises(RunnerError) as info:
+            await collect(text, {"op": "embed", "inputs": ["a"]})
+        assert info.value.code == "bad_request"
+        assert "embed asked of a text engine" in info.value.message
+        os.kill(runner.pid, signal.SIGKILL)
+        with pytest.raises(RunnerDied) as died:
+            await collect(runner, {"op": "embed", "inputs": ["a"]})
+        assert died.value.signal_name == "SIGKILL"
+    finally:
+        await runner.kill()
+        await text.kill()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGKILL])

@@ -666,7 +666,8 @@ def child_main(fd: int, parent_pid: int) -> int:  # noqa: PLR0912 (one branch pe
             if child.engine is None:
                 child.error(rid, "engine_error", f"{op} before create")
             elif child.kind != wanted:
-                child.error(rid, "bad_request", f"{op} asked of a {child.kind} engine")
+                article = "an" if child.kind == "embedding" else "a"
+                child.error(rid, "bad_request", f"{op} asked of {article} {child.kind} engine")
             else:
                 child.jobs.put(msg)
         elif op == "cancel":
