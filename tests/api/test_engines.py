@@ -20,11 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from PIL import Image
 
 from modeld.client import AsyncClient
 from modeld.config import load_settings
+from modeld.engine.runner.child import TOKEN_WINDOW, TOKEN_WINDOW_MAX
 from modeld.errors import BackendConstraint, EngineCrashed
 from tests.support.daemon import DaemonProcess, daemon_env, running_daemon
 from tests.support.state import MODELS, install_fixture
@@ -91,17 +93,25 @@ class _Served(logging.Handler):
             self.tokens.append(int(re.search(r" tokens=(\d+)", text).group(1)))  # type: ignore[union-attr]
 
 
+# tiny-text-long's reply to this prompt runs past 1,024 tokens.
+LONG_PROMPT = "Write a long story about the sea."
+
+
+def long_model_settings(root: Path) -> Any:
+    """Settings for a daemon with tiny-text-long (a 1,280-token window) installed."""
+    home, registry = root / "home", root / "registry"
+    install_fixture(home, "tiny-text-long", MODELS / "tiny-text-long.litertlm", registry=registry)
+    return load_settings(
+        home=home, socket=home / "modeld.sock", registry=[registry], main_backend="cpu"
+    )
+
+
 async def test_queued_requests_are_served_in_arrival_order(clean_env: Path) -> None:
     """Requests that reach a busy engine (the real runtime) are served in the order they
     arrived: each asks for its own token count, and the daemon logs each request's end in
     the order the engine served them."""
-    home, registry = clean_env / "home", clean_env / "registry"
-    model = "tiny-text-long"
-    install_fixture(home, model, MODELS / f"{model}.litertlm", registry=registry)
-    settings = load_settings(
-        home=home, socket=home / "modeld.sock", registry=[registry], main_backend="cpu"
-    )
-    prompt = "Write a long story about the sea."  # its reply runs past 1,024 tokens
+    settings = long_model_settings(clean_env)
+    model, prompt = "tiny-text-long", LONG_PROMPT
     logger = logging.getLogger("modeld")
     served, level = _Served(), logger.level
     async with running_daemon(settings) as d, d.client() as c:
@@ -140,6 +150,62 @@ async def test_queued_requests_are_served_in_arrival_order(clean_env: Path) -> N
     assert served.tokens == asked
     # The first one was long enough for the others to queue behind it.
     assert max(final["timings"]["queue"] for _, final in results[1:]) > 0
+
+
+def most_token_frames(seconds: float) -> int:
+    """The most token frames the runner may send for a reply that took ``seconds``.
+
+    The first frame goes at once and each later one at least a window after the one
+    before (``TOKEN_WINDOW``, doubling up to ``TOKEN_WINDOW_MAX``); the final record can
+    take one more, the tokens that still waited.
+    """
+    frames, spent, window = 2, 0.0, TOKEN_WINDOW
+    while spent + window <= seconds:
+        frames, spent, window = frames + 1, spent + window, min(TOKEN_WINDOW_MAX, window * 2)
+    return frames
+
+
+async def test_a_long_streamed_reply_comes_in_few_frames_with_the_whole_text(
+    clean_env: Path,
+) -> None:
+    """A 1,024-token reply, streamed natively and as OpenAI SSE, comes in few pieces (the
+    runner's window grows over a reply), each SSE event carries one piece, and the pieces
+    put together are the text of the same reply not streamed."""
+    settings = long_model_settings(clean_env)
+    model, prompt = "tiny-text-long", LONG_PROMPT
+    body = {"model": model, "max_tokens": 1024, "seed": 7, "temperature": 0.8}
+    messages = [{"role": "user", "content": prompt}]
+    transport = httpx.AsyncHTTPTransport(uds=str(settings.socket_path))
+    async with (
+        running_daemon(settings) as d,
+        d.client() as c,
+        httpx.AsyncClient(transport=transport, base_url="http://modeld") as http,
+    ):
+        r = await http.post("/v1/chat/completions", json={**body, "messages": messages})
+        reply = r.json()
+        whole = reply["choices"][0]["message"]["content"]
+        assert reply["usage"]["completion_tokens"] == 1024 and len(whole) > 1024
+
+        began = time.monotonic()
+        pieces = [
+            rec["token"]
+            async for rec in c.stream("POST", "/api/generate", {"prompt": prompt, **body})
+            if "token" in rec
+        ]
+        native_seconds = time.monotonic() - began
+        assert "".join(pieces) == whole
+        assert 1 <= len(pieces) <= most_token_frames(native_seconds)
+
+        began = time.monotonic()
+        r = await http.post(
+            "/v1/chat/completions", json={**body, "messages": messages, "stream": True}
+        )
+        sse_seconds = time.monotonic() - began
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+    deltas = [e["choices"][0]["delta"].get("content") for e in events if e["choices"]]
+    contents = [text for text in deltas if text]
+    assert "".join(contents) == whole
+    assert 1 <= len(contents) <= most_token_frames(sse_seconds)
 
 
 def _learned_rows(home: Path) -> dict[str, int]:

@@ -154,19 +154,28 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-# Tokens that come within this long of the last token frame wait and leave together (the
-# first of a burst goes at once). A real model's tokens are further apart than this, so it
-# changes nothing there; a fast one stops waking the daemon and its client once per token,
-# which on a small machine steals the CPU the decode itself needs.
+# Tokens that come within the window of the last token frame wait and leave together; the
+# first token of a reply goes at once. The window starts at ``TOKEN_WINDOW`` and doubles
+# with each frame of the reply up to ``TOKEN_WINDOW_MAX``: a token waits 32 ms at most
+# (two refreshes of a 60 Hz screen), and a fast model's long reply leaves in a dozen
+# frames instead of one every 2 ms. Every frame wakes the daemon and its client, which on
+# a small machine take the CPU the decode itself needs; a real model's tokens are mostly
+# further apart than the window, and those still leave one by one, at once.
 TOKEN_WINDOW = 0.002
+TOKEN_WINDOW_MAX = 0.032
 
 
 class _TokenBatcher:
-    """Coalesces one generation's token frames within ``TOKEN_WINDOW``; see above."""
+    """Coalesces one generation's token frames within a growing window; see above."""
 
-    def __init__(self, send: Any, window: float = TOKEN_WINDOW) -> None:
+    def __init__(
+        self, send: Any, window: float = TOKEN_WINDOW, longest: float = TOKEN_WINDOW_MAX
+    ) -> None:
         self._send = send
+        self.first_window = window
+        self.longest = max(window, longest)
         self.window = window
+        self.frames = 0  # sent for this reply
         self.cv = threading.Condition(threading.Lock())
         self.rid = 0
         self.parts: list[str] = []
@@ -181,8 +190,9 @@ class _TokenBatcher:
             if self.rid != rid:
                 if self.parts:
                     self._flush_locked(now)
-                # A new reply's first token goes at once, however soon after the last one's.
-                self.rid, self.last = rid, -math.inf
+                # A new reply's first token goes at once, however soon after the last one's,
+                # and its window starts short again.
+                self.rid, self.last, self.frames = rid, -math.inf, 0
             self.parts.append(text)
             if now - self.last >= self.window:
                 self._flush_locked(now)
@@ -200,6 +210,9 @@ class _TokenBatcher:
     def _flush_locked(self, now: float) -> None:
         text, self.parts = "".join(self.parts), []
         self.last = now
+        # After the first frame: the first window, then twice as long each frame.
+        self.window = min(self.longest, self.first_window * 2**self.frames)
+        self.frames += 1
         self._send(encode_token(self.rid, text))
 
     def _flusher(self) -> None:
