@@ -78,6 +78,60 @@ class CrashedWhileQueued(EngineCrashed):
     fresh engine, once."""
 
 
+class Turn:
+    """A request's place in its engine's line, from the engine's lock to the runner's queue.
+
+    The lock (FIFO) decides the order in which jobs are sent to the runner, which runs
+    them in that order. A request holds the lock until its job is sent *and* the job
+    before it has ended in the runner; so while one job runs, the next one already waits
+    in the runner and starts the moment the runner is done, without a round trip through
+    the daemon, and no third job is sent. The order stays the order of arrival.
+    """
+
+    def __init__(self, e: Engine) -> None:
+        self.e = e
+        self.ahead = e.last_job  # the end of the job sent before this one
+        self.own: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
+        e.last_job = self.own
+        self.held = True
+
+    def sent(self) -> None:
+        """The job is in the runner's queue: free the lock once the one ahead has ended."""
+        if self.ahead is None or self.ahead.done():
+            self.release()
+        else:
+            self.ahead.add_done_callback(lambda _: self.release())
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.e.lock.release()
+
+    def end(self, at: float | None) -> None:
+        """The job is over in the runner at ``at`` (None: the runner died before it said so).
+
+        Never before the job ahead: one that left while it waited in the runner is only
+        dropped there when its turn comes.
+        """
+        ahead = self.ahead
+        if ahead is not None and not ahead.done():
+            ahead.add_done_callback(lambda _: self.end(at))
+        elif not self.own.done():
+            before = ahead.result() if ahead is not None else None
+            died = at is None or (ahead is not None and before is None)
+            self.own.set_result(None if died else max(at or 0.0, before or 0.0))
+
+    def began(self, sent: float) -> float:
+        """When the runner started this job: when it was sent, or when the one ahead ended."""
+        if self.ahead is not None and self.ahead.done():
+            return max(sent, self.ahead.result() or sent)
+        return sent
+
+    def before_its_turn(self) -> bool:
+        """At a crash: the runner died before it ended the job ahead, so never ran this one."""
+        return self.ahead is not None and (not self.ahead.done() or self.ahead.result() is None)
+
+
 # Models whose latest runner (and its stderr, up to runner_client.STDERR_LIMIT) is kept.
 LAST_RUNNERS = 16
 
@@ -440,7 +494,8 @@ class Pool:
     def _release(self, e: Engine) -> None:
         e.users -= 1
         e.last_used = time.monotonic()
-        if e.state is State.BUSY:
+        # Busy while a job sent after this one is still in the runner.
+        if e.state is State.BUSY and (e.last_job is None or e.last_job.done()):
             self._set_state(e, State.READY)
         if e.users == 0:
             e.idle.set()
@@ -489,46 +544,65 @@ class Pool:
         """Token records, then a final record with phase timings (see the runner child).
 
         ``image_prepare`` is the time the caller spent preparing the job's images (it comes
-        before the request reaches the pool); it is reported as its own phase.
+        before the request reaches the pool); it is reported as its own phase. The job goes
+        to the runner while the one before it still runs (``Turn``); a crash of the engine
+        before its turn came gives it a fresh engine, once, as one queued on the lock.
         """
         arrived = time.monotonic()
-        e, loaded_at = await self._admit(target, keep_alive)
-        try:
-            self._set_state(e, State.BUSY)
-            self._note_queue(target.model_id)
-            e.served += 1
-            async for rec in self._run(e, job, arrived, loaded_at, prepare=image_prepare):
-                yield rec
-        except RunnerError as err:
-            e.tainted = True
-            if err.code == "too_large" and target.spec.kind == "embedding":
-                raise TooLarge(
-                    f"model {target.model_id}: an input is longer than the model takes "
-                    f"({err.message}); send shorter inputs"
-                ) from err
-            if err.code == "too_large":
-                raise TooLarge(
-                    f"model {target.model_id}: the prompt is longer than the engine's "
-                    f"window of {target.max_tokens} tokens ({err.message}); send a shorter "
-                    "one, or load the model with a larger max_tokens"
-                ) from err
-            cls = BadRequest if err.code == "bad_request" else EngineError
-            raise cls(f"model {target.model_id}: {err.message}") from err
-        except RunnerDied as died:
-            if e.runner is None or e.runner.closing:
-                raise EngineError(
-                    f"model {target.model_id}: its engine was stopped during the request"
+        fresh_engine_once = True
+        while True:
+            e, loaded_at = await self._admit(target, keep_alive)
+            turn = Turn(e)
+            given = False  # whether a record went to the caller
+            try:
+                self._set_state(e, State.BUSY)
+                self._note_queue(target.model_id)
+                e.served += 1
+                records = self._run(
+                    e, job, turn, arrived=arrived, loaded_at=loaded_at, prepare=image_prepare
+                )
+                async for rec in records:
+                    given = True
+                    yield rec
+                return
+            except RunnerError as err:
+                turn.end(time.monotonic())  # the runner reported it: it went on
+                e.tainted = True
+                if err.code == "too_large" and target.spec.kind == "embedding":
+                    raise TooLarge(
+                        f"model {target.model_id}: an input is longer than the model takes "
+                        f"({err.message}); send shorter inputs"
+                    ) from err
+                if err.code == "too_large":
+                    raise TooLarge(
+                        f"model {target.model_id}: the prompt is longer than the engine's "
+                        f"window of {target.max_tokens} tokens ({err.message}); send a shorter "
+                        "one, or load the model with a larger max_tokens"
+                    ) from err
+                cls = BadRequest if err.code == "bad_request" else EngineError
+                raise cls(f"model {target.model_id}: {err.message}") from err
+            except RunnerDied as died:
+                turn.end(None)
+                if e.runner is None or e.runner.closing:
+                    raise EngineError(
+                        f"model {target.model_id}: its engine was stopped during the request"
+                    ) from died
+                if fresh_engine_once and not given and turn.before_its_turn():
+                    fresh_engine_once = False
+                    continue  # it never ran: as a request queued on the lock, a fresh engine
+                raise EngineCrashed(
+                    f"model {target.model_id}: its engine process was {died.how}"
+                    + (f" ({died.reason})" if died.reason else "")
+                    + "; the daemon is fine and the next request starts a new engine",
+                    model=target.model_id,
+                    signal=died.signal_name,
                 ) from died
-            raise EngineCrashed(
-                f"model {target.model_id}: its engine process was {died.how}"
-                + (f" ({died.reason})" if died.reason else "")
-                + "; the daemon is fine and the next request starts a new engine",
-                model=target.model_id,
-                signal=died.signal_name,
-            ) from died
-        finally:
-            e.lock.release()
-            self._release(e)
+            finally:
+                # Left early (cancelled in the runner, which then went on) or any other end.
+                alive = e.runner is not None and e.runner.alive
+                turn.end(time.monotonic() if alive else None)
+                turn.release()
+                self._release(e)
 
     async def _admit(self, target: Target, keep_alive: float | None) -> tuple[Engine, float]:
         """The target's engine, ready, with its lock held (FIFO) and the caller counted as a
@@ -566,18 +640,28 @@ class Pool:
         raise EngineError(f"model {target.model_id}: its engine was unloaded")
 
     async def _run(
-        self, e: Engine, job: dict[str, Any], arrived: float, loaded_at: float, *, prepare: float
+        self,
+        e: Engine,
+        job: dict[str, Any],
+        turn: Turn,
+        *,
+        arrived: float,
+        loaded_at: float,
+        prepare: float,
     ) -> AsyncIterator[dict[str, Any]]:
         assert e.runner is not None
-        began = time.monotonic()
+        sent = time.monotonic()
         first: float | None = None
-        async with contextlib.aclosing(e.runner.generate(job)) as records:
+        async with contextlib.aclosing(e.runner.generate(job, turn.sent)) as records:
             async for rec in records:
                 if "token" in rec:
                     first = first or time.monotonic()
                     yield {"token": rec["token"]}
                     continue
+                # The runner went on to the next job: let the one after that be sent.
+                turn.end(time.monotonic())
                 ttft = (rec.get("timings") or {}).get("first_token")
+                began = turn.began(sent)
                 if first is None and ttft is not None:
                     # A non-streamed reply sends no token frames: the runner's own figure.
                     first = began + ttft

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -158,6 +158,7 @@ async def test_request_queued_behind_a_crash_gets_a_fresh_engine() -> None:
     await wait_until(lambda: len(factory.gates) == 1)  # the first generation runs
     queued = asyncio.create_task(consume(pool, t))
     await wait_until(lambda: pool.list()[0]["queued"] == 1)  # the second waits its turn
+    await wait_until(lambda: len(factory.sent) == 2)  # ... in the runner, behind the first
     factory.alive()[-1].crash("SIGSEGV")
     with pytest.raises(EngineCrashed):
         await first
@@ -184,6 +185,19 @@ async def test_load_cancelled_when_every_waiter_leaves() -> None:
     await pool.stop()
 
 
+def numbered(
+    pool: Pool, t: Target, served: list[int]
+) -> Callable[[int], Coroutine[Any, Any, None]]:
+    """Request number ``n`` (its job carries ``n``), noted in ``served`` when it is done."""
+
+    async def ask(n: int) -> None:
+        async for rec in pool.generate(t, {"messages": [], "n": n}):
+            if rec.get("done"):
+                served.append(n)
+
+    return ask
+
+
 async def test_requests_for_one_engine_are_served_in_arrival_order() -> None:
     """Requests queued on a busy engine run in the order they arrived: one that leaves the
     queue does not disturb the others, and one that arrives just as the engine frees up
@@ -192,11 +206,7 @@ async def test_requests_for_one_engine_are_served_in_arrival_order() -> None:
     pool = await make_pool(factory)
     t = target("m")
     served: list[int] = []
-
-    async def ask(n: int) -> None:
-        async for rec in pool.generate(t, {"messages": [], "n": n}):
-            if rec.get("done"):
-                served.append(n)
+    ask = numbered(pool, t, served)
 
     async def first_then_barge() -> None:
         await ask(0)
@@ -221,6 +231,42 @@ async def test_requests_for_one_engine_are_served_in_arrival_order() -> None:
     expected = [0, 1, 2, 4, 5, 6, 7, 8, 99]
     assert [job["n"] for job in factory.jobs] == expected  # the order they began
     assert served == expected
+    await pool.stop()
+
+
+async def test_the_next_job_waits_in_the_runner_and_a_leaver_there_never_begins() -> None:
+    """While a request runs, the next one's job is already in the runner (it starts there
+    the moment the first ends) and the one after waits on the lock; a request that leaves
+    while its job waits in the runner never begins; the engine stays busy until the last
+    job ends, and the others are served in arrival order."""
+    factory = FakeFactory(hold=True)
+    pool = await make_pool(factory)
+    t = target("m")
+    served: list[int] = []
+    ask = numbered(pool, t, served)
+
+    tasks = [asyncio.create_task(ask(0))]
+    await wait_until(lambda: len(factory.gates) == 1)  # request 0 runs
+    engine = next(iter(pool.engines.values()))
+    for n in (1, 2, 3):
+        tasks.append(asyncio.create_task(ask(n)))
+        await wait_until(functools.partial(lambda k: engine.users == k, n + 1))
+    assert [job["n"] for job in factory.sent] == [0, 1]  # 1 waits in the runner, 2 and 3 here
+    assert [job["n"] for job in factory.jobs] == [0]
+    tasks[1].cancel()  # request 1 leaves while its job waits in the runner
+    await wait_until(lambda: engine.users == 3)
+    assert [job["n"] for job in factory.sent] == [0, 1, 2]  # its place went to the next
+    factory.gates[0].set()  # request 0 ends; 2 begins in the runner, 3 is sent
+    await wait_until(lambda: len(factory.gates) == 2 and len(factory.sent) == 4)
+    assert served == [0] and pool.list()[0]["state"] == "busy"
+    factory.gates[1].set()  # request 2 ends; 3 runs: still busy
+    await wait_until(lambda: len(factory.gates) == 3)
+    assert pool.list()[0]["state"] == "busy"
+    factory.gates[2].set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert [job["n"] for job in factory.jobs] == [0, 2, 3]  # 1 never began
+    assert served == [0, 2, 3]
+    assert pool.list()[0]["state"] == "ready"
     await pool.stop()
 
 

@@ -101,6 +101,44 @@ async def test_cancel_mid_generation_then_next_request(short_tmp: Path) -> None:
         await runner.close()
 
 
+async def test_jobs_sent_while_one_runs_wait_in_order_and_a_cancelled_one_never_runs(
+    short_tmp: Path,
+) -> None:
+    """Jobs sent while another runs wait in the child and run in the order they were sent;
+    one cancelled while it waits never runs: its end counts no tokens, and no token of it
+    is ever sent."""
+    runner = await Runner.start()
+    seen: list[dict[str, Any]] = []
+    route = runner._route
+
+    def spy(msg: dict[str, Any]) -> None:
+        seen.append(msg)
+        route(msg)
+
+    runner._route = spy  # type: ignore[method-assign]  # every record the child sends
+    try:
+        await runner.create(spec(short_tmp, MODELS / "tiny-text-long.litertlm"))
+        # A reply of 1,024 tokens: hundreds of ms, while the two below are sent and one leaves.
+        first = runner.generate(ask("Write a long story about the sea.", max_tokens=1024))
+        await anext(first)
+        sent = asyncio.Event()
+        leaver = asyncio.ensure_future(anext(runner.generate(ask(max_tokens=5), sent.set)))
+        await sent.wait()
+        last = asyncio.ensure_future(collect(runner, ask(max_tokens=3)))
+        leaver.cancel()
+        rest = [rec async for rec in first]
+        with pytest.raises(asyncio.CancelledError):
+            await leaver
+        _, final = await last
+    finally:
+        await runner.close()
+    assert rest[-1]["done"] and rest[-1]["tokens"] == 1024 and final["tokens"] == 3
+    ends = [m for m in seen if m.get("done")]
+    assert [m["id"] for m in ends] == sorted(m["id"] for m in ends)  # in the order sent
+    (left,) = [m for m in ends if m["finish"] == "cancelled"]
+    assert "tokens" not in left and not [m for m in seen if m["id"] == left["id"] and "token" in m]
+
+
 async def test_non_streamed_reply_comes_whole_in_the_final_record(short_tmp: Path) -> None:
     """``stream: false`` sends no token frames: the final record carries the same text."""
     runner = await Runner.start()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from modeld.engine.runner.client import RunnerDied, RunnerError
@@ -28,6 +28,7 @@ class FakeRunner:
         self.spec: CreateSpec | None = None
         self.died: RunnerDied | None = None
         self._exited = asyncio.Event()
+        self._one_at_a_time = asyncio.Lock()
 
     @property
     def alive(self) -> bool:
@@ -45,7 +46,21 @@ class FakeRunner:
         self.pss = self.factory.engine_pss
         return {"ok": True, "seconds": 0.0, "pss": self.pss, "rss": self.pss}
 
-    async def generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+    async def generate(
+        self, job: dict[str, Any], sent: Callable[[], None] | None = None
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        self.factory.sent.append(job)
+        if sent is not None:
+            sent()
+        # As the real child: one job at a time, in the order they were sent; a job whose
+        # caller leaves while it waits never begins.
+        async with self._one_at_a_time:
+            async for rec in self._generate(job):
+                yield rec
+
+    async def _generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        if self.died is not None:
+            raise self.died
         self.factory.jobs.append(job)
         gate = asyncio.Event()
         if not self.factory.hold:
@@ -118,6 +133,7 @@ class FakeFactory:
         self.runners: list[FakeRunner] = []
         self.gates: list[asyncio.Event] = []
         self.jobs: list[dict[str, Any]] = []  # every generation's job, in the order they began
+        self.sent: list[dict[str, Any]] = []  # every job sent to a runner, begun or not
         self.creates = 0
 
     async def __call__(self) -> FakeRunner:

@@ -19,7 +19,7 @@ import resource
 import signal
 import socket
 import sys
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from modeld.config import child_environ
@@ -313,11 +313,16 @@ class Runner:
     async def create(self, spec: CreateSpec) -> dict[str, Any]:
         return await self.call("create", **spec.to_json())
 
-    async def generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+    async def generate(
+        self, job: dict[str, Any], sent: Callable[[], None] | None = None
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Token records, then the final ``done`` record; leaving early cancels in the child.
 
         A job with ``"op": "embed"`` asks an embedding engine for vectors: no token
-        records, the final record carries them.
+        records, the final record carries them. The child runs its jobs one at a time, in
+        the order they were sent: one sent while another runs waits in the child, and
+        starts the moment that one ends. ``sent`` is called once the job is on its way,
+        ahead of any job sent after it.
         """
         rid = next(self._ids)
         q: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
@@ -326,6 +331,8 @@ class Runner:
         held: dict[str, Any] | BaseException | None = None
         try:
             await self._send({"op": "generate", "id": rid, **job})
+            if sent is not None:
+                sent()
             while True:
                 rec = held if held is not None else await q.get()
                 held = None
