@@ -23,8 +23,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from types import TracebackType
 from typing import Any, Self
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
-
 from modeld import logs
 from modeld.config import format_size
 from modeld.engine.budget import Budget
@@ -545,13 +543,20 @@ class Pool:
 
         ``image_prepare`` is the time the caller spent preparing the job's images (it comes
         before the request reaches the pool); it is reported as its own phase. The job goes
-        to the runner while the one before it still runs (``Turn``); a crash of the engine
-        before its turn came gives it a fresh engine, once, as one queued on the lock.
+        to the runner while the one before it still runs (``Turn``). A request whose engine
+        crashed before its turn came (queued on the lock, or its job waiting in the runner)
+        is given a fresh engine, once: it never ran, and a fresh engine serves it as well.
         """
         arrived = time.monotonic()
         fresh_engine_once = True
         while True:
-            e, loaded_at = await self._admit(target, keep_alive)
+            try:
+                e, loaded_at = await self._admit(target, keep_alive)
+            except CrashedWhileQueued:
+                if not fresh_engine_once:
+                    raise
+                fresh_engine_once = False
+                continue  # a fresh engine serves it as well
             turn = Turn(e)
             given = False  # whether a record went to the caller
             try:
@@ -606,20 +611,8 @@ class Pool:
 
     async def _admit(self, target: Target, keep_alive: float | None) -> tuple[Engine, float]:
         """The target's engine, ready, with its lock held (FIFO) and the caller counted as a
-        user: the caller releases both. An engine that crashed while the request queued is
-        replaced once, since a fresh engine serves it as well. Returns the engine and when
-        it was ready."""
-        fresh_engine_once = AsyncRetrying(
-            stop=stop_after_attempt(2),
-            retry=retry_if_exception_type(CrashedWhileQueued),
-            reraise=True,
-        )
-        async for attempt in fresh_engine_once:
-            with attempt:
-                return await self._admit_once(target, keep_alive)
-        raise AssertionError("tenacity ends with a result or the last exception")
-
-    async def _admit_once(self, target: Target, keep_alive: float | None) -> tuple[Engine, float]:
+        user: the caller releases both. Returns the engine and when it was ready; an engine
+        that crashed while the request waited raises ``CrashedWhileQueued``."""
         e = await self._engine_for(target, keep_alive)
         try:
             await self._wait_ready(e)

@@ -35,6 +35,19 @@ async def consume(pool: Pool, t: Target, **kw: Any) -> list[dict[str, Any]]:
     return [rec async for rec in pool.generate(t, {"messages": []}, **kw)]
 
 
+def numbered(
+    pool: Pool, t: Target, served: list[int]
+) -> Callable[[int], Coroutine[Any, Any, None]]:
+    """Request number ``n`` (its job carries ``n``), noted in ``served`` when it is done."""
+
+    async def ask(n: int) -> None:
+        async for rec in pool.generate(t, {"messages": [], "n": n}):
+            if rec.get("done"):
+                served.append(n)
+
+    return ask
+
+
 async def make_pool(factory: FakeFactory, budget: int = 1000, **kw: Any) -> Pool:
     pool = Pool(PoolConfig(budget=budget, spare=kw.pop("spare", False), **kw), factory)
     await pool.start()
@@ -149,23 +162,28 @@ async def test_crash_mid_request_then_reload_then_held_back() -> None:
 
 
 async def test_request_queued_behind_a_crash_gets_a_fresh_engine() -> None:
-    """The running request fails with engine_crashed; the one queued behind it is served by
-    a fresh engine (the pool's one retry), not failed with it."""
+    """The running request fails with engine_crashed; the ones queued behind it (one whose
+    job waited in the runner, one on the lock) are served by a fresh engine (the pool's one
+    retry), in their order, not failed with it."""
     factory = FakeFactory(hold=True)
     pool = await make_pool(factory)
     t = target("m")
+    served: list[int] = []
+    ask = numbered(pool, t, served)
     first = asyncio.create_task(consume(pool, t))
     await wait_until(lambda: len(factory.gates) == 1)  # the first generation runs
-    queued = asyncio.create_task(consume(pool, t))
-    await wait_until(lambda: pool.list()[0]["queued"] == 1)  # the second waits its turn
-    await wait_until(lambda: len(factory.sent) == 2)  # ... in the runner, behind the first
+    queued = [asyncio.create_task(ask(1))]
+    await wait_until(lambda: len(factory.sent) == 2)  # its job waits in the runner
+    queued.append(asyncio.create_task(ask(2)))
+    await wait_until(lambda: pool.list()[0]["queued"] == 2)  # this one on the lock
     factory.alive()[-1].crash("SIGSEGV")
     with pytest.raises(EngineCrashed):
         await first
-    await wait_until(lambda: len(factory.gates) == 2)  # the queued one runs on a new engine
+    await wait_until(lambda: len(factory.gates) == 2)  # the queued ones run on a new engine
+    factory.hold = False
     factory.release_all()
-    records = await queued
-    assert records[-1]["done"] and records[-1]["finish"] == "stop"
+    await asyncio.gather(*queued)
+    assert served == [1, 2] and [job.get("n") for job in factory.jobs] == [None, 1, 2]
     assert factory.creates == 2
     await pool.stop()
 
@@ -183,19 +201,6 @@ async def test_load_cancelled_when_every_waiter_leaves() -> None:
     await wait_until(lambda: pool.list() == [] and factory.alive() == [])
     assert factory.runners[0].closing
     await pool.stop()
-
-
-def numbered(
-    pool: Pool, t: Target, served: list[int]
-) -> Callable[[int], Coroutine[Any, Any, None]]:
-    """Request number ``n`` (its job carries ``n``), noted in ``served`` when it is done."""
-
-    async def ask(n: int) -> None:
-        async for rec in pool.generate(t, {"messages": [], "n": n}):
-            if rec.get("done"):
-                served.append(n)
-
-    return ask
 
 
 async def test_requests_for_one_engine_are_served_in_arrival_order() -> None:
