@@ -29,6 +29,13 @@ from modeld.metrics import Metrics
 # A learned peak is written again only when it grows by more than this fraction: PSS moves
 # by a few pages all the time, and every write would cost a SQLite transaction.
 LEARN_STEP = 0.02
+# The watcher reads a runner's PSS (smaps_rollup: a walk of its page tables, 3-4 ms of
+# kernel time each, every second, on the cores its decode needs) only when its RSS (statm,
+# microseconds) moved by more than LEARN_STEP of that PSS (at least PSS_RSS_MIN) since
+# the last reading, when a runner came or went (the pages they share move everyone's
+# PSS), or when the last reading is PSS_MAX_AGE old.
+PSS_RSS_MIN = 1024 * 1024
+PSS_MAX_AGE = 30.0
 
 
 class Budget:
@@ -57,6 +64,8 @@ class Budget:
         self.max_used = 0
         self.stopping = False
         self._cond = asyncio.Condition()
+        # pid -> (its RSS then, its PSS, when): the watcher's last PSS reading of each runner.
+        self._readings: dict[int, tuple[int, int, float]] = {}
         self._capacity_waiters = 0
         self._spare_task: asyncio.Task[None] | None = None
 
@@ -232,10 +241,26 @@ class Budget:
             await self.enforce()
 
     def _read_all(self) -> dict[int, int]:
+        """Every runner's PSS: read again where its RSS moved, else the last reading."""
         runners = [e.runner for e in list(self.engines.values()) if e.runner is not None]
         if self.spare is not None:
             runners.append(self.spare)
-        return {r.pid: r.memory()[0] for r in runners}
+        if set(self._readings) != {r.pid for r in runners}:
+            self._readings = {}  # a runner came or went
+        now = time.monotonic()
+        out = {}
+        for r in runners:
+            rss = r.rss()
+            last = self._readings.get(r.pid)
+            if (
+                last is None
+                or abs(rss - last[0]) > max(PSS_RSS_MIN, last[1] * LEARN_STEP)
+                or now - last[2] >= PSS_MAX_AGE
+            ):
+                last = (rss, r.memory()[0], now)
+                self._readings[r.pid] = last
+            out[r.pid] = last[1]
+        return out
 
     def measure(self, readings: dict[int, int] | None = None, only: Engine | None = None) -> None:
         """Take runners' PSS; an engine reserves at least what it really uses."""

@@ -421,6 +421,41 @@ async def test_image_prepare_is_its_own_phase_in_the_final_record() -> None:
     assert observed == 0.125  # once: a request without images adds nothing
 
 
+async def test_watcher_reads_pss_again_only_when_rss_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a runner's PSS walks its page tables (milliseconds of kernel time): the
+    watcher reads it again only once the runner's RSS (cheap to read) moved past the step,
+    or the last reading is old, and then it sees the growth."""
+    from modeld.engine import budget as budget_module
+
+    mib = 1024 * 1024
+    factory = FakeFactory(engine_pss=100 * mib)
+    pool = await make_pool(factory, budget=10_000 * mib, watch_interval=0.01)
+    await consume(pool, target("m"))
+    (engine,) = pool.engines.values()
+    (runner,) = factory.alive()
+
+    async def ticks(n: int) -> None:
+        for _ in range(n):
+            await wait_until(
+                functools.partial(lambda s: engine.measured_at > s, engine.measured_at)
+            )
+
+    await ticks(3)
+    reads = factory.pss_reads
+    await ticks(10)
+    assert factory.pss_reads == reads  # the RSS did not move: the last reading holds
+    runner.pss += mib // 2  # under the step
+    await ticks(5)
+    assert factory.pss_reads == reads and engine.measured == 100 * mib
+    runner.pss += 10 * mib
+    await wait_until(lambda: engine.measured == runner.pss)
+    assert factory.pss_reads == reads + 1
+    monkeypatch.setattr(budget_module, "PSS_MAX_AGE", 0.0)  # every reading is old at once
+    await ticks(3)
+    assert factory.pss_reads >= reads + 3
+    await pool.stop()
+
+
 async def test_peak_of_a_failed_request_is_never_learned() -> None:
     """A request the runtime refuses after its runner grew: the watcher sees the growth, but
     nothing from that runner is learned; a runner whose requests succeed is learned."""

@@ -85,7 +85,11 @@ class FakeRunner:
         yield {"done": True, "finish": "stop", "tokens": 2, "timings": {}, "pss": self.pss}
 
     def memory(self) -> tuple[int, int]:
+        self.factory.pss_reads += 1
         return (self.pss, self.pss) if self.alive else (0, 0)
+
+    def rss(self) -> int:
+        return self.pss if self.alive else 0
 
     def stderr_text(self) -> str:
         return f"fake runner {self.pid}: created with {self.spec}" if self.spec else ""
@@ -135,6 +139,7 @@ class FakeFactory:
         self.jobs: list[dict[str, Any]] = []  # every generation's job, in the order they began
         self.sent: list[dict[str, Any]] = []  # every job sent to a runner, begun or not
         self.creates = 0
+        self.pss_reads = 0  # PSS readings of any of its runners (the costly kind)
 
     async def __call__(self) -> FakeRunner:
         runner = FakeRunner(self)

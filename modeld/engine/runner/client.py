@@ -23,7 +23,13 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from modeld.config import child_environ
-from modeld.engine.runner.child import ProtocolError, encode_frame, read_memory, split_frames
+from modeld.engine.runner.child import (
+    ProtocolError,
+    encode_frame,
+    read_memory,
+    read_rss,
+    split_frames,
+)
 from modeld.modelfile.runtime import CreateSpec
 
 _STDERR_LINES = 200
@@ -389,6 +395,10 @@ class Runner:
     def memory(self) -> tuple[int, int]:
         """``(pss, rss)`` of the child, read from /proc by the daemon (no round trip)."""
         return read_memory(self.pid) if self.alive else (0, 0)
+
+    def rss(self) -> int:
+        """The child's RSS, cheap to read (``read_rss``); 0 once it is gone."""
+        return read_rss(self.pid) if self.alive else 0
 
     async def close(self, grace: float = 5.0) -> None:
         """Ask the child to exit; kill it if it does not within ``grace`` seconds."""
