@@ -19,9 +19,10 @@ Contenders, side by side in one process tree:
 Scenarios, each round: one client, (a) and (c), every length, streamed and not; 16
 clients, 8 and 256 tokens, (a) streamed and not, (b) and (c) not streamed. ``--rounds``
 rounds run every scenario in turn (a shared machine's load changes over a run, and
-interleaving spreads it over all of them); figures are medians over the rounds, and gaps
-and ratios are medians of the per-round ones. The HTTP client is stdlib ``http.client``,
-one keep-alive connection per client thread.
+interleaving spreads it over all of them); with one client, modeld's requests and direct's
+alternate (A B B A ...), so a drift within a scenario weighs on both alike; figures are
+medians over the rounds, and gaps and ratios are medians of the per-round ones. The HTTP
+client is stdlib ``http.client``, one keep-alive connection per client thread.
 
 Goals (issue 13): (1) one client: modeld's p50 within 2 ms of direct, every length,
 streamed and not; (2) 16 clients: p99 ≤ 20 times the one-client p50, 8 and 256 tokens;
@@ -72,7 +73,7 @@ PROMPTS = (
 LENGTHS = (8, 256, 1024)
 LOADED_LENGTHS = (8, 256)  # the 16-client scenarios
 # Requests per scenario at --scale 1: one client, then 16 clients (split over them).
-REQUESTS_ONE = {8: 100, 256: 30, 1024: 12}
+REQUESTS_ONE = {8: 100, 256: 30, 1024: 20}
 REQUESTS_MANY = {8: 320, 256: 96}
 LITERT_LM = Path(sys.executable).parent / "litert-lm"
 OVERHEAD_GOAL_MS = 2.0
@@ -247,6 +248,23 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
+def measure_pair(
+    make_a: Callable[[], Once], make_b: Callable[[], Once], requests: int
+) -> tuple[Result, Result]:
+    """One client each, their requests interleaved A B B A ...: a load that drifts over
+    the run (a shared host, a clock that steps) weighs on both alike."""
+    a, b = make_a(), make_b()
+    a(), b()  # warm-up: connection, engine, caches
+    got: tuple[list[Sample], list[Sample]] = ([], [])
+    walls = [0.0, 0.0]
+    for i in range(requests):
+        for side in (0, 1) if i % 2 == 0 else (1, 0):
+            began = time.perf_counter()
+            got[side].append((a, b)[side]())
+            walls[side] += time.perf_counter() - began
+    return summarize(got[0], walls[0]), summarize(got[1], walls[1])
+
+
 def measure(make: Callable[[], Once], clients: int, requests: int) -> Result:
     """Run ``requests`` calls over ``clients`` threads; latency percentiles and throughput."""
     callers = [make() for _ in range(clients)]
@@ -270,7 +288,11 @@ def measure(make: Callable[[], Once], clients: int, requests: int) -> Result:
     began = time.perf_counter()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - began
+    return summarize(samples, time.perf_counter() - began)
+
+
+def summarize(samples: list[Sample], wall: float) -> Result:
+    """Latency percentiles, throughput over ``wall`` seconds, first tokens."""
     lat = [s.seconds * 1000 for s in samples]
     firsts = [s.first * 1000 for s in samples if s.first is not None]
     # modeld's timings: from arrival to the first token, less the wait for its turn.
@@ -354,7 +376,7 @@ def main() -> None:
     scenarios: list[tuple[Key, int]] = []
     for n in LENGTHS:
         for stream in (False, True):
-            for name in ("modeld", "direct"):
+            for name in ("modeld", "direct"):  # one client: measured as a pair
                 scenarios.append(((name, 1, n, stream), REQUESTS_ONE[n]))
     for n in LOADED_LENGTHS:
         scenarios.append((("modeld", k, n, False), REQUESTS_MANY[n]))
@@ -401,6 +423,13 @@ def main() -> None:
             for r in range(args.rounds):
                 for (name, clients, n, stream), requests in scenarios:
                     count = max(clients, round(requests * args.scale))
+                    if clients == 1 and name == "direct":
+                        continue  # measured with modeld's, request by request
+                    if clients == 1:
+                        mine, theirs = measure_pair(modeld(n, stream), in_process(n, stream), count)
+                        runs[(name, 1, n, stream)].append(mine)
+                        runs[("direct", 1, n, stream)].append(theirs)
+                        continue
                     make = makers[name](n, stream)
                     runs[(name, clients, n, stream)].append(measure(make, clients, count))
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
