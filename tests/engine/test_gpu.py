@@ -3,8 +3,9 @@
 One daemon with the default settings (main=gpu) imports the fixtures over its socket, then:
 a default load puts the int8 model on the GPU, the float32 model falls back to cpu with its
 SIGABRT recorded, the gemma3n-like file loads with vision=gpu and is refused with vision=cpu,
-and one generation runs on the GPU. Every test is skipped, with the probe's reason, where the
-runtime finds no GPU adapter (tests/conftest.py, ``pytest_runtest_setup``).
+one generation runs on the GPU, streamed and not, and the embedding model embeds on it.
+Every test is skipped, with the probe's reason, where the runtime finds no GPU adapter
+(tests/conftest.py, ``pytest_runtest_setup``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ TINY = MODELS / "tiny-text.litertlm"  # int8 weights: the GPU backend takes it
 GEMMA3N_LIKE = MODELS / "gemma3n-like.litertlm"  # vision encoder requires gpu
 F32 = MODELS / "tiny-text-f32.litertlm"  # float32 embeddings: the GPU backend aborts
 VISION = MODELS / "tiny-vision.litertlm"  # takes an image; its encoder allows cpu,gpu
+EMBED = MODELS / "tiny-embed.litertlm"  # an embedding model (text encoder, no decoder)
 needs_f32 = pytest.mark.skipif(
     not F32.exists(),
     reason="tests/models/tiny-text-f32.litertlm (a float32 export of tiny-text) is not built",
@@ -42,7 +44,12 @@ def gpu_daemon() -> Iterator[DaemonProcess]:
     """A daemon with default backends that imported every fixture through the CLI."""
     tmp = Path(tempfile.mkdtemp(prefix="md-gpu-", dir="/tmp"))
     registry, home = tmp / "registry", tmp / "home"
-    models = {"tiny-text": TINY, "gemma3n-like": GEMMA3N_LIKE, "tiny-vision": VISION}
+    models = {
+        "tiny-text": TINY,
+        "gemma3n-like": GEMMA3N_LIKE,
+        "tiny-vision": VISION,
+        "tiny-embed": EMBED,
+    }
     if F32.exists():
         models["tiny-text-f32"] = F32
     for model_id, path in models.items():
@@ -192,3 +199,25 @@ def test_a_streamed_reply_runs_on_the_gpu(gpu_daemon: DaemonProcess) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] == 24
     engines = [e for e in gpu_daemon.cli_json("ps")["engines"] if e["model"] == "tiny-text"]
     assert [e["id"] for e in engines] == ["tiny-text:gpu"]
+
+
+def test_embeddings_run_on_the_gpu(gpu_daemon: DaemonProcess) -> None:
+    """The embedding model's default load (main=gpu) runs its text encoder on the GPU, and
+    /v1/embeddings answers from that engine with the cpu engine's vector, within float
+    tolerance."""
+    d = gpu_daemon
+    loaded = d.cli_json("load", "tiny-embed")
+    assert (loaded["id"], loaded["plan"]["main"]) == ("tiny-embed:gpu", "gpu"), loaded
+    body = {"model": "tiny-embed", "input": ["hello there", "the sea"]}
+    status, gpu = unix_request(d.socket, "POST", "/v1/embeddings", body)
+    assert status == 200, gpu
+    assert gpu["modeld"]["engine"] == "tiny-embed:gpu"
+    vectors = [item["embedding"] for item in gpu["data"]]
+    assert [len(v) for v in vectors] == [32, 32] and vectors[0] != vectors[1]
+    status, cpu = unix_request(
+        d.socket, "POST", "/v1/embeddings", {**body, "backends": {"main": "cpu"}}
+    )
+    assert status == 200, cpu
+    assert cpu["modeld"]["engine"] == "tiny-embed:cpu"
+    for a, b in zip(vectors, [item["embedding"] for item in cpu["data"]], strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-2
