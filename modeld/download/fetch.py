@@ -475,7 +475,7 @@ class Fetcher(Schedule):
         if new < block_end:
             piece.crc = crc32(data, piece.crc)
             return
-        off = 0
+        off = finished = 0
         while pos + off < new:
             idx = (pos + off) // bs
             seg = min(new, (idx + 1) * bs, self.size) - pos
@@ -484,10 +484,12 @@ class Fetcher(Schedule):
             if pos + off == min(self.size, (idx + 1) * bs):
                 if not self.done[idx]:
                     self._block_finished(idx, piece.crc, mirror)
+                    finished += 1
                 piece.crc = 0
-        # With the block's row, the marks of the pieces that moved on (this one's CRC is
-        # whole again: it covers its block up to ``pos``).
-        self._mark(MARK_BYTES)
+        if finished:
+            # With the block's row, the marks of the pieces that moved on (this one's CRC
+            # is whole again: it covers its block up to ``pos``).
+            self._mark(MARK_BYTES)
 
     async def _read_stream(
         self, piece: Piece, mirror: Mirror, resp: aiohttp.ClientResponse

@@ -200,13 +200,16 @@ class Schedule:
 
     def _front(self) -> Piece:
         """The next piece off the queue's front, tapered near the end: once the queue holds
-        less than a piece per connection, a piece is an even share of what is left per
-        connection (at least a block). The connections then end close together, and the
+        less than two pieces per connection, a piece is half an even share of what is left
+        per connection (at least a block). The connections then end close together, and the
         endgame has little to split: a split closes a connection whose socket buffers are
-        full, and the server counts those bytes as sent."""
+        full, and the server counts those bytes as sent. Half a share, not a whole one:
+        pieces taken later then end later, so the hash front passes each piece as it ends
+        (with whole shares every piece ended at once, and the hasher had everything above
+        the oldest one left to do after the last byte: 77 MB of 512)."""
         bs = self.block_size
         left = sum(p.end - p.pos for p in self.queue)
-        share = -(-left // (self.connections * bs))
+        share = -(-left // (2 * self.connections * bs))
         head = self.queue[0]
         # A head that is at most half a share longer goes whole (no sliver left behind).
         if share >= self.piece_blocks or 2 * (-(-head.end // bs) - head.pos // bs) <= 3 * share:

@@ -706,8 +706,8 @@ def test_a_near_best_slower_mirror_takes_the_queues_back() -> None:
 
 
 def test_the_queue_tapers_and_a_healthy_piece_is_not_split_with_its_own_mirror() -> None:
-    """Scheduler unit, one mirror: once the queue holds less than a piece per connection, the
-    front piece is an even share of it per connection; in the endgame a piece whose
+    """Scheduler unit, one mirror: once the queue holds less than two pieces per connection,
+    the front piece is half an even share of it per connection; in the endgame a piece whose
     connection runs at its mirror's rate is left alone (a split would close a connection
     with full socket buffers), and one held up for seconds at a tenth of it is split."""
     from modeld.download.schedule import Piece, Schedule
@@ -727,14 +727,14 @@ def test_the_queue_tapers_and_a_healthy_piece_is_not_split_with_its_own_mirror()
     s._plan()
     sizes = []
     while s.queue:
-        share = -(-sum(p.end - p.pos for p in s.queue) // (8 * mb))
+        share = -(-sum(p.end - p.pos for p in s.queue) // (2 * 8 * mb))
         picked = s._next_piece()
         assert picked is not None and picked[0] is one
         sizes.append((picked[1].end - picked[1].pos) // mb)
-        # An even share per connection of what is left (or up to half a share more, rather
-        # than leave a sliver of a block or two behind).
+        # Half an even share per connection of what is left (or up to half that more,
+        # rather than leave a sliver of a block or two behind).
         assert sizes[-1] <= 1.5 * share, (sizes, share)
-    assert sizes[0] == 8 and sizes[-1] <= 2 and sum(sizes) == 64, sizes
+    assert sizes[0] == 4 and sizes[-1] <= 2 and sum(sizes) == 64, sizes
     now = time.monotonic()
     healthy = Piece(0, 8 * mb, 2 * mb, mirror=one, began=now - 2.0, got=2 * mb)
     healthy.last = now
