@@ -135,7 +135,11 @@ async def modeld_pull(
             # Polling progress is the point here (a kill at a byte count, not an event).
             while job.fetcher is None or job.fetcher.done_bytes < kill_at * size:  # noqa: ASYNC110
                 await asyncio.sleep(0.005)
-            print(json.dumps({"killing_at": job.fetcher.done_bytes}), flush=True)
+            # What this process got before the kill (bytes handed to the sink), for the
+            # breakdown of the excess: the rest of what the server sent was in socket buffers.
+            got = job.fetcher
+            kill = {"killing_at": got.done_bytes, "received": got.received}
+            print(json.dumps(kill), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         await job.wait()
         f = job.fetcher
@@ -390,6 +394,7 @@ def main() -> None:
             )
     resume_ratios: list[float] = []
     resumed: list[int] = []
+    excess: list[dict[str, int]] = []
     try:
         for _ in range(a.runs):
             for name, fn in cases:
@@ -406,11 +411,28 @@ def main() -> None:
                 # (3) kill -9 at ~50 %, then resume: bytes nginx sent / file size.
                 fresh()
                 reset_log(prefix, nginx)
-                run_child(out / "home3", [fast_url], size, sha, a, kill_at=0.5)
+                killed = run_child(out / "home3", [fast_url], size, sha, a, kill_at=0.5)
+                time.sleep(0.3)  # nginx logs the requests the kill cut once it sees the reset
+                before = nginx_bytes(prefix)
                 r = run_child(out / "home3", [fast_url], size, sha, a)
                 time.sleep(0.3)
-                resume_ratios.append(nginx_bytes(prefix) / size)
+                total = nginx_bytes(prefix)
+                resume_ratios.append(total / size)
                 resumed.append(r["resumed"])
+                # Where the excess went: sent but never received (socket buffers), received
+                # but not journaled (blocks in flight), and what the resumed pull fetched
+                # beyond what was missing (the endgame's splits and takeovers).
+                got = killed.get("received", 0)
+                excess.append(
+                    {
+                        "buffers": before - got,
+                        "unjournaled": got - r["resumed"],
+                        "resume_extra": total - before - (size - r["resumed"]),
+                        "splits": r["splits"],
+                        "takeovers": r["takeovers"],
+                    }
+                )
+                print("kill", killed, "excess", excess[-1], flush=True)
     finally:
         if e2e is not None:
             e2e.stop()
@@ -469,6 +491,9 @@ def main() -> None:
             f"  (goal <= 1.05; runs {' '.join(f'{x:.3f}' for x in resume_ratios)}; "
             f"resumed {format_size(int(statistics.median(resumed)))})"
         )
+        for part in ("buffers", "unjournaled", "resume_extra"):
+            mb = " ".join(f"{e[part] / 1e6:.1f}" for e in excess)
+            print(f"      {part:<14} MB: {mb}")
     lat = " ".join(f"{x:.3f}" for x in latencies)
     print(
         f"  (4) last byte -> installed  {statistics.median(latencies):.3f} s  (goal <= 0.1; {lat})"

@@ -156,11 +156,15 @@ def _holds_data(path: Path) -> bool:
 
 
 def _crc_blocks(fd: int, size: int, block_size: int, blocks: dict[int, Block]) -> list[int]:
-    """Indexes of journaled blocks whose bytes on disk still have the journaled CRC-32."""
+    """Indexes of journaled blocks (or marks: their first bytes) whose bytes on disk still
+    have the journaled CRC-32."""
     good = []
     for idx in sorted(blocks):
         start = idx * block_size
         length = min(size, start + block_size) - start
+        part = blocks[idx].length
+        if part is not None:
+            length = part if 0 < part < length else 0
         if length <= 0:
             continue
         crc, pos = 0, start
@@ -202,6 +206,7 @@ class DownloadJob:
     task: asyncio.Task[None] | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _crcs: dict[int, Block] = field(default_factory=dict)
+    _marks: dict[int, Block] = field(default_factory=dict)  # blocks kept in part on resume
     _speed: tuple[float, int, float] = (0.0, 0, 0.0)  # (time, done bytes, bytes/s)
     _digest: str | None = None
     _session: aiohttp.ClientSession | None = None
@@ -342,7 +347,8 @@ class DownloadJob:
         reached_none = bool(mirrors) and not any(
             m.usable or m.answered or m.received for m in mirrors
         )
-        if not isinstance(error, DownloadError) or self._crcs or not reached_none:
+        kept = self._crcs or self._marks
+        if not isinstance(error, DownloadError) or kept or not reached_none:
             return error
         self.partial.unlink(missing_ok=True)
         await self.journal.clear(self.id)
@@ -404,7 +410,8 @@ class DownloadJob:
         self._set(DownloadState.PROBING)
         if state is not None and state.blocks:
             good = await asyncio.to_thread(_crc_blocks, fd, t.size, block, state.blocks)
-            self._crcs = {i: state.blocks[i] for i in good}
+            self._crcs = {i: state.blocks[i] for i in good if state.blocks[i].length is None}
+            self._marks = {i: state.blocks[i] for i in good if state.blocks[i].length}
         self.mirrors = [
             Mirror(URL(u), primary=(i == 0), metrics=self.metrics, hub_hosts=self.tuning.hub_hosts)
             for i, u in enumerate(t.urls)
@@ -437,19 +444,21 @@ class DownloadJob:
             if old and m.etag and old != m.etag:
                 # The file changed on that mirror since the journal: its blocks are suspect.
                 self._crcs = {i: b for i, b in self._crcs.items() if b.mirror != m.label}
+                self._marks = {i: b for i, b in self._marks.items() if b.mirror != m.label}
                 logs.event("mirror_changed", model=self.id, mirror=m.label)
-        if state is not None and state.blocks and not self._crcs:
+        if state is not None and state.blocks and not self._crcs and not self._marks:
             self._from_zero(
                 f"none of the {len(state.blocks)} journaled blocks still holds (its CRC-32 "
                 "differs, or its mirror's file changed)"
             )
         self.resumed = sum(min(t.size, (i + 1) * block) - i * block for i in self._crcs)
+        self.resumed += sum(b.length or 0 for b in self._marks.values())
         new_state = JournalState(
             t.size,
             block,
             expected,
             {str(m.url): m.etag for m in self.mirrors if m.etag},
-            dict(self._crcs),
+            {**self._marks, **self._crcs},
         )
         await self.journal.begin(self.id, new_state)
         done = bytearray(nblocks)
@@ -467,6 +476,7 @@ class DownloadJob:
             token=token,
             done=done,
             on_block=self._on_block,
+            on_marks=self._on_marks,
             writer=self.writer,
             on_stream_only=self._ignores_range,
             on_stream=self._streams_from_zero,
@@ -474,6 +484,7 @@ class DownloadJob:
         self.fetcher.limit = self.limit
         for i, b in self._crcs.items():
             self.fetcher.sources[i] = b.mirror
+        self.fetcher.partial = {i: (b.length or 0, b.crc, b.mirror) for i, b in self._marks.items()}
 
     # --- probes: the pull starts on the first answer, later ones join it ------------------
 
@@ -533,7 +544,7 @@ class DownloadJob:
         try:
             task.result()
         except DigestConflict:
-            if not self._crcs:  # nothing of value in the partial yet
+            if not self._crcs and not self._marks:  # nothing of value in the partial yet
                 await self._cancel_fetch()
                 self.partial.unlink(missing_ok=True)
                 await self.journal.clear(self.id)
@@ -544,7 +555,7 @@ class DownloadJob:
         """Wait until one mirror answered its probe with the right size, and every mirror
         whose journaled blocks are kept has answered (its ETag says whether they hold);
         or until every probe has ended."""
-        keep = {b.mirror for b in self._crcs.values()}
+        keep = {b.mirror for b in [*self._crcs.values(), *self._marks.values()]}
         waiting = set(self._probes)
         while waiting:
             done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -681,6 +692,10 @@ class DownloadJob:
         if self.metrics is not None and self.fetcher is not None:
             start, end = self.fetcher.block_range(block.index)
             self.metrics.download_bytes.labels(block.mirror).inc(end - start)
+
+    def _on_marks(self, marks: list[Block]) -> None:
+        """Blocks in flight, in part: journaled with the finished ones (without an fsync)."""
+        self.journal.record(self.id, marks)
 
     async def _fetch_and_install(self, fd: int, block: int) -> None:
         f = self.fetcher

@@ -7,11 +7,13 @@ and all the prefix hasher has left to catch up on at the end is the slower mirro
 region (not everything written past a piece it held early in the file). Whatever a slower
 mirror holds at the hash front (an early misjudged rate, a probe, a stall) is moved to the
 best mirror at once: the slow one keeps only the block it is on, or loses the piece when
-even that block would take it long. When the queue is empty (endgame), idle connections
-split in-flight pieces at a block boundary so both parts end together, or take over their
-last block, on the fastest mirror per connection (a fresh connection to the piece's own
-mirror when that is the fastest: a slower mirror is never handed the end of a faster one's
-piece).
+even that block would take it long. Near the end of the queue pieces taper to an even
+share per connection, so the connections end close together. When the queue is empty
+(endgame), idle connections split in-flight pieces at a block boundary so both parts end
+together, or take over their last block: on a faster mirror, or over a fresh connection to
+the piece's own mirror when its connection has been held up for a second; a healthy piece
+is left alone (the split would close a connection with full socket buffers). While pieces
+are queued, a piece silent for a second is given up when another mirror is ready.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class Piece:
     resp: aiohttp.ClientResponse | None = None  # the open answer, closed on a takeover
     raw: RangeConn | None = None  # or the raw reader's connection, closed on a takeover
     crc: int = 0  # CRC-32 of [start of pos's block, pos): a piece may resume mid-block
+    # The mirror that sent [start of pos's block, pos) when ``pos`` is mid-block: another
+    # mirror restarts the block from its start, so each block's bytes come from one mirror
+    # (the one its journal row names, which repair suspects).
+    src: str | None = None
+    marked: int = 0  # ``pos`` when the piece was last journaled in part (its mark)
     # A mirror's first piece (its probe): its size. The mirror's rate is measured once, over
     # the whole of it; not at all when it was cut short (a burst alone is no measure).
     probe: int = 0
@@ -74,15 +81,27 @@ class Schedule:
     """The piece queue, the pieces in flight, and the choice of the next (mirror, piece)."""
 
     def __init__(
-        self, *, size: int, block_size: int, piece_size: int, mirrors: list[Mirror], done: bytearray
+        self,
+        *,
+        size: int,
+        block_size: int,
+        piece_size: int,
+        mirrors: list[Mirror],
+        done: bytearray,
+        connections: int = 1,
     ) -> None:
         self.size = size
+        self.connections = connections
         self.block_size = block_size
         self.piece_blocks = max(1, piece_size // block_size)
         self.mirrors = mirrors
         self.done = done
         self.nblocks = len(done)
         self.prefix_blocks = 0  # blocks [0, prefix_blocks) are done: the hashable prefix
+        # Blocks written in part before a resume (journaled marks, CRC-checked): block index
+        # -> (bytes from its start, their CRC-32, the mirror that sent them). Used once, by
+        # the first plan.
+        self.partial: dict[int, tuple[int, int, str]] = {}
         self.queue: deque[Piece] = deque()
         self.inflight: set[Piece] = set()
         self.splits = 0  # in-flight pieces split with a faster mirror
@@ -94,17 +113,28 @@ class Schedule:
         return start, min(self.size, start + self.block_size)
 
     def _plan(self) -> None:
-        """Queue runs of missing blocks as pieces of at most ``piece_blocks`` blocks."""
+        """Queue runs of missing blocks as pieces of at most ``piece_blocks`` blocks; a block
+        written in part before a resume starts a piece, at its first byte missing."""
+        partial, self.partial = self.partial, {}
         i = 0
         while i < self.nblocks:
             if self.done[i]:
                 i += 1
                 continue
-            j = i
-            while j < self.nblocks and not self.done[j] and j - i < self.piece_blocks:
+            j = i + 1
+            while (
+                j < self.nblocks
+                and not self.done[j]
+                and j not in partial
+                and j - i < self.piece_blocks
+            ):
                 j += 1
             start, end = i * self.block_size, min(self.size, j * self.block_size)
-            self.queue.append(Piece(start, end, start))
+            piece = Piece(start, end, start)
+            if i in partial:
+                length, crc, src = partial[i]
+                piece.pos, piece.crc, piece.src = start + length, crc, src
+            self.queue.append(piece)
             i = j
 
     def _abandon(self, p: Piece) -> None:
@@ -163,10 +193,28 @@ class Schedule:
         if front:
             cut = (first + blocks) * bs
             self.queue[0] = Piece(cut, piece.end, cut)
-            return Piece(piece.pos, cut, piece.pos)
+            return Piece(piece.pos, cut, piece.pos, crc=piece.crc, src=piece.src)
         cut = (last - blocks) * bs
-        self.queue[-1] = Piece(piece.start, cut, piece.pos, crc=piece.crc)
+        self.queue[-1] = Piece(piece.start, cut, piece.pos, crc=piece.crc, src=piece.src)
         return Piece(cut, piece.end, cut)
+
+    def _front(self) -> Piece:
+        """The next piece off the queue's front, tapered near the end: once the queue holds
+        less than two pieces per connection, a piece is half an even share of what is left
+        per connection (at least a block). The connections then end close together, and the
+        endgame has little to split: a split closes a connection whose socket buffers are
+        full, and the server counts those bytes as sent. Half a share, not a whole one:
+        pieces taken later then end later, so the hash front passes each piece as it ends
+        (with whole shares every piece ended at once, and the hasher had everything above
+        the oldest one left to do after the last byte: 77 MB of 512)."""
+        bs = self.block_size
+        left = sum(p.end - p.pos for p in self.queue)
+        share = -(-left // (2 * self.connections * bs))
+        head = self.queue[0]
+        # A head that is at most half a share longer goes whole (no sliver left behind).
+        if share >= self.piece_blocks or 2 * (-(-head.end // bs) - head.pos // bs) <= 3 * share:
+            return self._take(front=True)
+        return self._take(front=True, blocks=share)
 
     def _next_piece(self) -> tuple[Mirror, Piece] | None:
         """The next (mirror, piece) for a free connection, if any.
@@ -206,18 +254,18 @@ class Schedule:
         best_rate = best.conn_rate or 1.0
         head = self.queue[0]
         if not others or (len(self.queue) == 1 and head.end - head.pos <= self.block_size):
-            return best, self._take(front=True)
+            return best, self._front()
         slower = min(others, key=lambda m: m.active / (m.conn_rate or 1.0))
         rate = slower.conn_rate or 1.0
         if slower.active / rate >= best.active / best_rate:
-            return best, self._take(front=True)
+            return best, self._front()
         left = self._time_left(slower)
         if left == float("inf"):  # the others' speed is not known yet: no bet on the slower
-            return best, self._take(front=True)
+            return best, self._front()
         # At most half the time the others need for everything left, so it ends well before.
         blocks = int(min(0.5 * left * rate, self.piece_blocks * self.block_size) // self.block_size)
         if blocks < 1:
-            return best, self._take(front=True)
+            return best, self._front()
         return slower, self._take(front=False, blocks=blocks)
 
     # --- moving work off slow connections ------------------------------------------------
@@ -253,21 +301,52 @@ class Schedule:
             return None
         return None
 
+    def _rescue(self) -> None:
+        """While pieces wait in the queue, a piece silent for ``SILENT`` seconds is given up
+        when another mirror is ready: its rest goes to the queue's front and its connection
+        takes other work. Otherwise every connection could sit on a mirror gone silent
+        until the stall timeout, with none free to move the work (the endgame and the
+        hash-front rule run on a free connection). Its mirror's rate drops to what the piece
+        got, so it gets no more work while a faster mirror is there; no strike."""
+        if not self.queue:
+            return
+        now = time.monotonic()
+        ready, rates = self._rates()
+        for p in list(self.inflight):
+            m = p.mirror
+            if p.abandoned or p.stream or m is None or not p.last or now - p.last < SILENT:
+                continue
+            if not any(o is not m and id(o) in rates for o in ready):
+                continue
+            self._abandon(p)
+            self.takeovers += 1
+            m.conn_rate = max(1.0, p.got / max(now - p.began, 1e-3))
+            if p.pos < p.end:
+                self.queue.appendleft(Piece(p.pos, p.end, p.pos, crc=p.crc, src=m.label))
+
     def _helper(self, p: Piece, ready: list[Mirror], rates: dict[int, float]) -> Mirror | None:
-        """Who takes a share of ``p`` in the endgame: the fastest other mirror per
-        connection; or ``p``'s own mirror over a fresh connection, when it is faster per
-        connection and ``p``'s connection runs at least half that rate (a fast mirror's piece
-        is not handed in part to a slower mirror, whose share would end last), or when it
-        is the only mirror (a fresh connection may beat a stuck one)."""
+        """Who takes a share of ``p`` in the endgame, if anyone: another mirror that is
+        faster per connection; else, when ``p``'s connection has run below half its mirror's
+        rate for ``SILENT`` seconds (held up or stuck), the fastest other mirror, or a fresh
+        connection to its own mirror when it is the only one.
+
+        A piece whose connection is healthy is not split with its own mirror (nor handed in
+        part to a slower one, whose share would end last): the split would close a
+        connection with full socket buffers, whose bytes the mirror counts as sent, for no
+        gain (the tapered queue already ends the pieces together). Nor is a piece judged on
+        its first second: a fresh answer's first bytes come late (the request, the server's
+        start), and judged at once, each fresh connection looked stuck in turn and was
+        replaced by another (hundreds of requests for the last blocks of a resume)."""
         others = [m for m in ready if id(m) in rates and m is not p.mirror]
         best = max(others, key=lambda m: rates[id(m)], default=None)
         own = p.mirror
         if own is None or id(own) not in rates:
             return best
-        if best is None:
-            return own if len(ready) == 1 else None
-        healthy = p.rate() >= 0.5 * rates[id(own)]
-        return own if healthy and rates[id(own)] > rates[id(best)] else best
+        if best is not None and rates[id(best)] > rates[id(own)]:
+            return best
+        if time.monotonic() - p.began < SILENT or p.rate() >= 0.5 * rates[id(own)]:
+            return None
+        return own if best is None and len(ready) == 1 else best
 
     def _steal(self) -> tuple[Mirror, Piece] | None:
         """Endgame: free the hash front, else split or take over an in-flight piece that

@@ -270,10 +270,20 @@ def _v3_vouches_and_journal(db: Any) -> None:
     )
 
 
+def _v4_partial_blocks(db: Any) -> None:
+    """A journaled block may be partial: ``length`` bytes from its start, with their CRC-32
+    (NULL: the whole block). A kill -9 then loses only what came since a piece's last mark,
+    not the whole block in flight."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(download_blocks)")}
+    if "length" not in columns:  # idempotent, like the steps before it
+        db.execute("ALTER TABLE download_blocks ADD COLUMN length INTEGER")
+
+
 MIGRATIONS: tuple[Callable[[Any], None], ...] = (
     _v1_base,
     _v2_probe_details,
     _v3_vouches_and_journal,
+    _v4_partial_blocks,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 

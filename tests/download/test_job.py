@@ -411,15 +411,61 @@ async def cancelled_pull(
     return ms, target, journal
 
 
+async def test_a_cancel_mid_block_resumes_from_the_marks(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """Blocks in flight are journaled in part as they go: a pull cancelled mid-block resumes
+    each one from its mark (its first bytes CRC-checked on disk), asking the mirror only for
+    the rest; a mark whose bytes on disk differ is not trusted."""
+    mib = 1024 * 1024
+    ms = await start_mirrors(data, Faults(throttle=1_000_000))
+    stop_later.extend(ms)
+    journal = MemoryJournal()
+    target = DownloadTarget("m1", [ms[0].url], SIZE, hashlib.sha256(data).hexdigest())
+    slow = tuning(connections=2, piece_size=mib)  # 1 MiB blocks, one per piece
+    job = memory_job(target, short_tmp, slow, journal=journal)
+    job.start()
+
+    def marked() -> list[Block]:
+        state = journal.states.get("m1")
+        return [b for b in state.blocks.values() if b.length] if state else []
+
+    await wait_until(
+        lambda: len(marked()) == 2 and all((b.length or 0) >= 100_000 for b in marked())
+    )
+    job.cancel()
+    with pytest.raises(DownloadError, match="cancelled"):
+        await job.wait()
+    marks = {b.index: b for b in marked()}
+    kept, spoilt = sorted(marks)
+    with (short_tmp / "partial" / "m1.partial").open("r+b") as f:
+        f.seek(spoilt * mib + 10)
+        f.write(b"\xff\xfe")  # not what the mark's CRC-32 covers
+    ms[0].faults.throttle = None
+    first = len(ms[0].requests)
+    job2 = memory_job(target, short_tmp, tuning(piece_size=mib), journal=journal)
+    job2.start()
+    await job2.wait()
+    assert installed_bytes(job2) == data
+    assert "m1" not in journal.states  # cleared after the install
+    ranges = [r["Range"] for r in ms[0].requests[first:] if r.get("Range") != "bytes=0-0"]
+    starts = {int(r.removeprefix("bytes=").partition("-")[0]) for r in ranges}
+    assert kept * mib + (marks[kept].length or 0) in starts  # the rest of the kept mark only
+    assert spoilt * mib in starts  # the spoilt one again from its start
+    assert job2.resumed >= (marks[kept].length or 0)
+
+
 async def test_resume_uses_journal_and_rechecks_blocks(
     short_tmp: Path, data: bytes, stop_later: list[Mirror]
 ) -> None:
     """A cancelled pull resumes from its journal; a journaled block with bad bytes is re-fetched."""
     ms, target, journal = await cancelled_pull(short_tmp, data, stop_later, SIZE // 3)
     state = journal.states["m1"]
-    assert len(state.blocks) >= (SIZE // 3) // PIECE - 1
+    whole = sorted(i for i, b in state.blocks.items() if b.length is None)
+    marked = sum(b.length or 0 for b in state.blocks.values())  # blocks in flight, in part
+    assert len(whole) >= (SIZE // 3) // PIECE - 1
     # Corrupt one journaled block on disk: the resume must not trust it.
-    bad = min(state.blocks)
+    bad = whole[0]
     partial = short_tmp / "partial" / "m1.partial"
     with partial.open("r+b") as f:
         f.seek(bad * PIECE + 5)
@@ -430,7 +476,7 @@ async def test_resume_uses_journal_and_rechecks_blocks(
     job2.start()
     await job2.wait()
     assert installed_bytes(job2) == data
-    assert job2.resumed == (len(state.blocks) - 1) * PIECE
+    assert job2.resumed == (len(whole) - 1) * PIECE + marked
     assert job2.from_zero is None and "from_zero" not in job2.snapshot()  # a plain resume
     assert ms[0].sent - before <= SIZE - job2.resumed + PIECE  # only the missing part again
     assert "m1" not in journal.states
@@ -657,6 +703,54 @@ def test_a_near_best_slower_mirror_takes_the_queues_back() -> None:
         and (moved[1].start, moved[1].end) == (4 * mb, 5 * mb)
     )
     assert held.abandoned and s.takeovers == 1 and s.front_moves == 2
+
+
+def test_the_queue_tapers_and_a_healthy_piece_is_not_split_with_its_own_mirror() -> None:
+    """Scheduler unit, one mirror: once the queue holds less than two pieces per connection,
+    the front piece is half an even share of it per connection; in the endgame a piece whose
+    connection runs at its mirror's rate is left alone (a split would close a connection
+    with full socket buffers), and one held up for seconds at a tenth of it is split."""
+    from modeld.download.schedule import Piece, Schedule
+
+    mb = 1024 * 1024
+    one = mirrors_mod.Mirror(
+        URL("http://127.0.0.1:1/f"), primary=True, state=mirrors_mod.MirrorState.OK, conn_rate=50e6
+    )
+    s = Schedule(
+        size=64 * mb,
+        block_size=mb,
+        piece_size=16 * mb,
+        mirrors=[one],
+        done=bytearray(64),
+        connections=8,
+    )
+    s._plan()
+    sizes = []
+    while s.queue:
+        share = -(-sum(p.end - p.pos for p in s.queue) // (2 * 8 * mb))
+        picked = s._next_piece()
+        assert picked is not None and picked[0] is one
+        sizes.append((picked[1].end - picked[1].pos) // mb)
+        # Half an even share per connection of what is left (or up to half that more,
+        # rather than leave a sliver of a block or two behind).
+        assert sizes[-1] <= 1.5 * share, (sizes, share)
+    assert sizes[0] == 4 and sizes[-1] <= 2 and sum(sizes) == 64, sizes
+    now = time.monotonic()
+    healthy = Piece(0, 8 * mb, 2 * mb, mirror=one, began=now - 2.0, got=2 * mb)
+    healthy.last = now
+    s.inflight = {healthy}
+    one.conn_rate = 1.5e6  # what its pieces measured (``_rate`` takes the lower)
+    assert s._steal() is None and healthy.end == 8 * mb and s.splits == 0
+    # Beside a piece at 1 MB/s, one at 100 KB/s for two seconds: a fresh connection takes
+    # the second half of the slow one.
+    fast = Piece(8 * mb, 16 * mb, 10 * mb, mirror=one, began=now - 2.0, got=2 * mb)
+    held = Piece(0, 8 * mb, 2 * mb, mirror=one, began=now - 2.0, got=200_000)
+    fast.last = held.last = now
+    s.inflight = {fast, held}
+    one.conn_rate = 50e6
+    stolen = s._steal()
+    assert stolen is not None and stolen[0] is one and s.splits == 1
+    assert held.end == stolen[1].pos < 8 * mb and fast.end == 16 * mb
 
 
 def test_block_crc_matches_zlib() -> None:

@@ -49,3 +49,24 @@ async def test_flush_raises_a_failed_write(short_tmp: Path) -> None:
         with pytest.raises(sqlite3.IntegrityError):
             await journal.flush("nobody")
         await journal.flush("nobody")  # the error is reported once
+
+
+async def test_a_mark_is_kept_with_its_length_until_its_block_is_whole(short_tmp: Path) -> None:
+    """A block in flight is journaled in part (its first bytes and their CRC-32); loaded back
+    with its length, and replaced by the whole block once that is recorded."""
+    async with Store(short_tmp) as store:
+        journal = SqliteJournal(store)
+        await journal.begin("m1", JournalState(10 * BS, BS, None, blocks={0: Block(0, 7, "a")}))
+        journal.record("m1", [Block(1, 0x11, "a", 4096), Block(2, 0x22, "b", 100)])
+        journal.record("m1", [Block(1, 0x33, "a")])  # block 1 is whole now
+        await journal.flush("m1")
+        state = await journal.load("m1")
+        assert state is not None
+        assert state.blocks == {
+            0: Block(0, 7, "a"),
+            1: Block(1, 0x33, "a"),
+            2: Block(2, 0x22, "b", 100),
+        }
+        # A resume begins again with what it kept, marks included.
+        await journal.begin("m1", state)
+        assert await journal.load("m1") == state

@@ -7,6 +7,8 @@ import os
 import random
 from pathlib import Path
 
+import pytest
+
 from modeld.download.prefixhash import MAX_STATES, PrefixHasher
 
 
@@ -44,5 +46,24 @@ async def test_one_state_per_block_for_a_small_file(short_tmp: Path) -> None:
         hasher = PrefixHasher(fd, size, 1024)
         await hasher.digest()
         assert sorted(hasher.states) == [i * 1024 for i in range(11)]
+    finally:
+        os.close(fd)
+
+
+async def test_a_file_shorter_than_the_hash_window_fails_with_an_error_not_a_fault(
+    short_tmp: Path,
+) -> None:
+    """The hasher maps each window read-only; a window past the file's end (the file cut
+    short under it) is read with ``pread`` instead, which fails with an error the pull
+    reports: a mapping would have faulted (SIGBUS) and killed the daemon."""
+    data = random.Random(5).randbytes(3 * 4096 + 11)
+    path = short_tmp / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert await PrefixHasher(fd, len(data), 4096).digest() == hashlib.sha256(data).hexdigest()
+        os.ftruncate(fd, 4096)
+        with pytest.raises(OSError, match="short read"):
+            await PrefixHasher(fd, len(data), 4096).digest()
     finally:
         os.close(fd)

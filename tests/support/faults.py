@@ -30,14 +30,21 @@ PULL_DATA = random.Random(23).randbytes(PULL_SIZE)
 PULL_SHA = hashlib.sha256(PULL_DATA).hexdigest()
 
 
-def wait_pull_progress(sock_path: Path, at_least: int, timeout: float = 20.0) -> bool:
-    """Wait until the first active download has ``at_least`` bytes; False when it never did."""
+def wait_pull_progress(
+    sock_path: Path, at_least: int, timeout: float = 20.0, mid_block: tuple[int, int] = (0, 0)
+) -> bool:
+    """Wait until the first active download has ``at_least`` bytes in finished blocks, and
+    between ``mid_block[0]`` and ``mid_block[1]`` bytes received past them (the blocks in
+    flight, in part; ``(0, 0)``: any); False when it never did."""
+    low, high = mid_block
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         active = unix_request(sock_path, "GET", "/api/downloads")[1]["downloads"]
         if active and active[0]["completed"] >= at_least:
-            return True
-        time.sleep(0.05)
+            in_flight = active[0]["received"] - active[0]["completed"]
+            if not high or low <= in_flight <= high:
+                return True
+        time.sleep(0.02)
     return False
 
 
@@ -272,14 +279,14 @@ def finish_and_check(rig: Rig) -> list[dict[str, Any]]:
 
 
 def journaled_blocks(home: Path, model_id: str) -> int:
-    """Blocks of ``model_id``'s download journaled so far (read while the daemon runs)."""
+    """Whole blocks of ``model_id``'s download journaled so far (read while the daemon runs)."""
     db_path = home / "modeld.db"
     if not db_path.exists():
         return 0
     db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)
     try:
         row = db.execute(
-            "SELECT count(*) FROM download_blocks WHERE key = ?", (model_id,)
+            "SELECT count(*) FROM download_blocks WHERE key = ? AND length IS NULL", (model_id,)
         ).fetchone()
     except sqlite3.OperationalError:  # the downloader has not created its tables yet
         return 0
