@@ -154,13 +154,19 @@ def test_shell_completion_offers_the_daemons_model_ids(tiny: Tiny) -> None:
     assert "plain,pull" in verbs.stdout.splitlines()
 
 
-def test_the_bash_script_completes_through_modeld(tiny: Tiny, short_tmp: Path) -> None:
-    """The script `bash_source` prints, run by bash: TAB after `modeld show tin` offers the
-    daemon's model, after `modeld import ` the shell's own file completion."""
+def _in_shell(tiny: Tiny, short_tmp: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run a shell with the daemon's environment and a ``modeld`` on PATH, as an installed
+    one would be."""
     wrapper = short_tmp / "modeld"
     wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m modeld "$@"\n')
     wrapper.chmod(0o755)
     env = dict(tiny.daemon.env, PATH=f"{short_tmp}:{os.environ['PATH']}")
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_bash_script_completes_through_modeld(tiny: Tiny, short_tmp: Path) -> None:
+    """The script `bash_source` prints, run by bash: TAB after `modeld show tin` offers the
+    daemon's model, after `modeld import ` the shell's own file completion."""
     script = (
         'eval "$(_MODELD_COMPLETE=bash_source modeld)"\n'
         "COMP_WORDS=(modeld show tin); COMP_CWORD=2; _modeld_completion modeld\n"
@@ -168,20 +174,10 @@ def test_the_bash_script_completes_through_modeld(tiny: Tiny, short_tmp: Path) -
         "COMP_WORDS=(modeld pull --de); COMP_CWORD=2; _modeld_completion modeld\n"
         'echo "options: ${COMPREPLY[*]}"\n'
     )
-    result = subprocess.run(
-        ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False
-    )
+    result = _in_shell(tiny, short_tmp, ["bash", "-c", script])
     assert result.returncode == 0, result.stderr
     assert "ids: tiny-text" in result.stdout.splitlines()
     assert "options: --detach" in result.stdout.splitlines()
-
-
-def _completion_env(tiny: Tiny, short_tmp: Path) -> dict[str, str]:
-    """The daemon's environment, with a ``modeld`` on PATH as an installed one would be."""
-    wrapper = short_tmp / "modeld"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m modeld "$@"\n')
-    wrapper.chmod(0o755)
-    return dict(tiny.daemon.env, PATH=f"{short_tmp}:{os.environ['PATH']}")
 
 
 # zsh completes only in an interactive shell with its line editor: a second zsh drives one
@@ -216,14 +212,7 @@ zpty -d z
 def test_the_zsh_script_completes_through_modeld(tiny: Tiny, short_tmp: Path) -> None:
     """TAB in a real interactive zsh after `modeld show tiny-t` completes the daemon's model;
     after `modeld pull --de`, the option."""
-    result = subprocess.run(
-        ["zsh", "-f", "-c", ZSH_DRIVER],
-        env=_completion_env(tiny, short_tmp),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = _in_shell(tiny, short_tmp, ["zsh", "-f", "-c", ZSH_DRIVER])
     lines = result.stdout.splitlines()
     assert lines[-2:] == ["COMPLETED", "OPTION"], (result.stdout, result.stderr)
 
@@ -237,14 +226,7 @@ def test_the_fish_script_completes_through_modeld(tiny: Tiny, short_tmp: Path) -
         "echo SPLIT\n"
         'complete -C "modeld pull --de"\n'
     )
-    result = subprocess.run(
-        ["fish", "--no-config", "-c", script],
-        env=_completion_env(tiny, short_tmp),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = _in_shell(tiny, short_tmp, ["fish", "--no-config", "-c", script])
     assert result.returncode == 0, result.stderr
     ids, options = result.stdout.split("SPLIT\n")
     assert ids.split() == ["tiny-text"], result.stdout
