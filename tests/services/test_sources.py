@@ -149,7 +149,10 @@ async def test_expired_signed_url_is_resolved_again(clean_env: Path, the_hub: Hu
     """The CDN's signatures expire while the file downloads: each 403 sends the downloader
     back to the hub for a fresh redirect, and the pull completes verified."""
     the_hub.faults.sign_ttl = 0.3
-    the_hub.faults.throttle = 2_000_000
+    # 4 connections x 0.5 MB/s: the 2 MB take about 1 s, so pieces are still being asked
+    # for well after the first signature expired (at 2 MB/s each, a quiet machine could
+    # fetch every piece within 0.3 s and see no expiry at all).
+    the_hub.faults.throttle = 500_000
     async with running_daemon(_settings(clean_env, the_hub)) as d, d.client() as c:
         done = await _pull(c, "hf://org/tiny/big.litertlm")
         assert done["installed"]["digest"] == sha(BIG)
