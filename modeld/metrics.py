@@ -6,7 +6,10 @@ can run several daemons in one process without the global registry clashing.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 # Latency buckets from 1 ms to 2 min: tiny models answer in ms, real ones take seconds.
 _LATENCY_BUCKETS = (
@@ -34,6 +37,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.http_requests = Counter(
             "modeld_http_requests", "API requests answered", ["route", "status"], registry=r
@@ -107,6 +111,16 @@ class Metrics:
         self.removed_items = Counter(
             "modeld_removed_items", "Items removed by rm and prune, by kind", ["kind"], registry=r
         )
+
+    def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        """``metric.labels(*labels)``, kept: ``labels()`` locks and hashes on every call, and
+        the request path calls it several times a request. Not for a metric whose children
+        are removed (``engine_pss``): a kept child would outlive its removal."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -79,8 +79,9 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
         )
         response = _plain_error(500, "internal", "internal error; see the daemon's log")
     elapsed = time.perf_counter() - started
-    services.metrics.http_requests.labels(route_name, str(response.status)).inc()
-    services.metrics.http_latency.labels(route_name).observe(elapsed)
+    metrics = services.metrics
+    metrics.child(metrics.http_requests, route_name, str(response.status)).inc()
+    metrics.child(metrics.http_latency, route_name).observe(elapsed)
     logs.event(
         "request",
         logging.DEBUG if route_name in ("/api/health", "/metrics") else logging.INFO,

@@ -33,7 +33,8 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from modeld import logs
-from modeld.api.peers import Peer, is_admin, peer_credentials
+from modeld.api.connections import peer_of
+from modeld.api.peers import Peer, is_admin
 from modeld.api.peers import enforce as enforce_allow_lists
 from modeld.config import Settings
 from modeld.errors import Forbidden, Unauthorized
@@ -149,7 +150,7 @@ def describe_peer(request: web.Request) -> str:
     if GRANT in request:
         return request[GRANT].who
     if on_unix_socket(request):
-        peer = peer_credentials(_socket_of(request))
+        peer = peer_of(request)
         return str(peer) if peer is not None else "-"
     return f"tcp:{request.remote or '-'}"
 
@@ -280,7 +281,7 @@ def install(app: web.Application, services: Services, keys: KeyVerifier | None) 
         # Settings are read per request, so a SIGHUP applies new lists and origins at once.
         settings = services.settings
         if on_unix_socket(request):
-            peer = peer_credentials(_socket_of(request))
+            peer = peer_of(request)
             enforce_allow_lists(settings, peer)
             grant = _unix_grant(settings, peer)
         elif _is_preflight(request):

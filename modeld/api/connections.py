@@ -35,7 +35,7 @@ from typing import Any
 from aiohttp import web
 
 from modeld import logs
-from modeld.api.peers import peer_credentials
+from modeld.api.peers import Peer, peer_credentials
 from modeld.config import Settings
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -168,6 +168,8 @@ class GuardedConnection(asyncio.Protocol):
         self.inner = inner
         self.transport: asyncio.Transport | None = None
         self.peer = "-"
+        # The kernel records a Unix peer's credentials at connect: read once, kept.
+        self.credentials: Peer | None = None
         self.in_request = False
         # Refused at connection_made: answered with a 503, and aiohttp never sees it.
         self.refused: _Refused | None = None
@@ -210,7 +212,8 @@ class GuardedConnection(asyncio.Protocol):
             self.refused = _Refused()  # no 503 sent: the daemon is stopping
             transport.close()
             return
-        self.peer = _peer_key(transport)
+        self.credentials = peer_credentials(transport.get_extra_info("socket"))
+        self.peer = _peer_key(transport, self.credentials)
         if not self.guard.admit(self):
             self.guard.refusing.add(self)
             self.refused = _Refused()
@@ -282,9 +285,8 @@ class GuardedConnection(asyncio.Protocol):
             logs.event("header_timeout", logging.WARNING, seconds=seconds, peer=peer)
 
 
-def _peer_key(transport: asyncio.Transport) -> str:
+def _peer_key(transport: asyncio.Transport, peer: Peer | None) -> str:
     """Whose connection this is, for fairness: ``uid:N`` on the socket, ``ip:A`` on TCP."""
-    peer = peer_credentials(transport.get_extra_info("socket"))
     if peer is not None:
         return f"uid:{peer.uid}"
     address = transport.get_extra_info("peername")
@@ -294,9 +296,7 @@ def _peer_key(transport: asyncio.Transport) -> str:
 
 
 def _peer(conn: GuardedConnection) -> str:
-    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
-    peer = peer_credentials(sock)
-    return str(peer) if peer is not None else "-"
+    return str(conn.credentials) if conn.credentials is not None else "-"
 
 
 class _Refused(asyncio.Protocol):
@@ -344,6 +344,15 @@ def connection_of(request: web.Request) -> GuardedConnection | None:
     transport = request.transport
     protocol: Any = transport.get_protocol() if transport is not None else None
     return protocol if isinstance(protocol, GuardedConnection) else None
+
+
+def peer_of(request: web.Request) -> Peer | None:
+    """The Unix peer of ``request``'s connection (read at connect), or None on TCP."""
+    conn = connection_of(request)
+    if conn is not None:
+        return conn.credentials
+    transport = request.transport
+    return peer_credentials(transport.get_extra_info("socket") if transport else None)
 
 
 @web.middleware

@@ -11,7 +11,7 @@ from pathlib import Path
 from aiohttp import web
 
 from modeld.api.access import on_unix_socket
-from modeld.api.peers import peer_credentials
+from modeld.api.connections import peer_of
 from modeld.api.requests import ImportBody, PullBody, PullSourceBody, read_body
 from modeld.api.stream import ndjson
 from modeld.errors import BadRequest, Forbidden
@@ -24,9 +24,7 @@ FD_TIMEOUT = 30.0
 def _may_import_by_path(request: web.Request) -> None:
     """A path is opened by the daemon, so only peers who could open any file it can may name
     one: root and the daemon's own uid, on the socket. Others pass the file itself."""
-    peer = peer_credentials(
-        request.transport.get_extra_info("socket") if request.transport else None
-    )
+    peer = peer_of(request)
     if peer is None or peer.uid not in (0, os.getuid()):
         raise Forbidden(
             "import by path is only for root and the daemon's own user; `modeld import PATH` "

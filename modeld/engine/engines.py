@@ -276,7 +276,9 @@ class Engines:
         # Installed rows, valid while the store's write generation is unchanged: any write
         # (install, remove, verify, scan, touch) invalidates them, so they are never stale.
         self._installed: dict[str, tuple[int, Installed | None]] = {}
-        self._linked: set[str] = set()  # digests whose cache/<digest>/model.litertlm exists
+        # digest -> the link cache/<digest>/model.litertlm once made, and it and its dir as
+        # strings: a warm request builds no Path.
+        self._linked: dict[str, tuple[Path, str, str]] = {}
         # last_used is written at most once per TOUCH_INTERVAL, off the request path.
         self._touch_pending: dict[str, float] = {}
         self._touch_task: asyncio.Task[None] | None = None
@@ -632,19 +634,20 @@ class Engines:
     ) -> tuple[CreateSpec, int]:
         """The runner's ``create`` spec for ``plan`` (the GPU probe gets the same one)."""
         limits = entry.limits
+        link, cache_dir = self._runtime_path(installed.digest, installed.path)
         max_tokens = entry_max_tokens(entry, info, vision=plan.vision is not None)
         max_images = (
             (limits.max_images if limits.max_images is not None else 1) if plan.vision else None
         )
         spec = CreateSpec(
-            path=str(self._runtime_path(installed.digest, installed.path)),
+            path=link,
             backend=plan.main,
             vision=plan.vision,
             audio=plan.audio,
             max_tokens=max_tokens,
             max_images=max_images,
             # Without it the runtime writes its xnnpack cache next to the blob.
-            cache_dir=str(self.store.cache_dir_for(installed.digest)),
+            cache_dir=cache_dir,
             # The entry's [limits] speculative_decoding as is: true and false reach the
             # runtime as True and False; absent (None) leaves it to the runtime's default.
             speculative=limits.speculative_decoding,
@@ -668,20 +671,23 @@ class Engines:
             return False
         return True if "gpu" in plan.backends() else None
 
-    def _runtime_path(self, digest: str, blob: Path) -> Path:
-        """A ``.litertlm`` name for the blob: the runtime picks the format by file extension."""
-        link: Path = self.store.cache_dir_for(digest) / "model.litertlm"
+    def _runtime_path(self, digest: str, blob: Path) -> tuple[str, str]:
+        """A ``.litertlm`` name for the blob (the runtime picks the format by file extension)
+        and the blob's cache dir, as strings."""
+        made = self._linked.get(digest)
         # The blob of a digest never moves: once made, the link only needs to still exist.
-        if digest in self._linked and link.is_symlink():
-            return link
+        if made is not None and made[0].is_symlink():
+            return made[1], made[2]
+        cache_dir = self.store.cache_dir_for(digest)
+        link = cache_dir / "model.litertlm"
         link.parent.mkdir(parents=True, exist_ok=True)
         if not (link.is_symlink() and link.resolve() == blob.resolve()):
             tmp = link.with_name(f".model.{os.getpid()}.tmp")
             tmp.unlink(missing_ok=True)
             tmp.symlink_to(blob)
             tmp.replace(link)
-        self._linked.add(digest)
-        return link
+        self._linked[digest] = (link, str(link), str(cache_dir))
+        return str(link), str(cache_dir)
 
     def max_images(self, model_id: str) -> int:
         limit = self.catalog.get(model_id).limits.max_images

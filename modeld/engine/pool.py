@@ -200,7 +200,7 @@ class Pool:
                 for x in self.engines.values()
                 if x.target.model_id == model_id
             )
-            self.metrics.queue_depth.labels(model_id).set(waiting)
+            self.metrics.child(self.metrics.queue_depth, model_id).set(waiting)
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)

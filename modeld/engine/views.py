@@ -98,17 +98,16 @@ def engine_view(e: Engine, now: float, last_eviction: str | None) -> EngineView:
 
 
 class Phases:
-    """The phase histogram's children, one per phase (``labels()`` locks and hashes per call)."""
+    """The phase histogram and the token counter, as the request path reports into them."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self._children: dict[str, Any] = {}
 
     def observe(self, phase: str, seconds: float) -> None:
-        child = self._children.get(phase)
-        if child is None:
-            child = self._children[phase] = self.metrics.phase_seconds.labels(phase)
-        child.observe(seconds)
+        self.metrics.child(self.metrics.phase_seconds, phase).observe(seconds)
+
+    def tokens(self, model_id: str, count: int) -> None:
+        self.metrics.child(self.metrics.generated_tokens, model_id).inc(count)
 
 
 def final_record(
@@ -153,7 +152,7 @@ def final_record(
             phases.observe("decode", now - first)
         if image_prepare:
             phases.observe("image_prepare", image_prepare)
-        phases.metrics.generated_tokens.labels(e.target.model_id).inc(rec.get("tokens") or 0)
+        phases.tokens(e.target.model_id, rec.get("tokens") or 0)
     fields: dict[str, Any] = {k: v for k, v in timings.items() if v is not None}
     logs.event(
         "generate",

@@ -26,7 +26,7 @@ from PIL import Image
 
 from modeld.client import AsyncClient
 from modeld.config import load_settings
-from modeld.engine.runner.child import TOKEN_WINDOW, TOKEN_WINDOW_MAX
+from modeld.engine.runner.child import TOKEN_WINDOW, TOKEN_WINDOW_GROWTH, TOKEN_WINDOW_MAX
 from modeld.errors import BackendConstraint, EngineCrashed
 from tests.support.daemon import DaemonProcess, daemon_env, running_daemon
 from tests.support.state import MODELS, install_fixture
@@ -156,12 +156,16 @@ def most_token_frames(seconds: float) -> int:
     """The most token frames the runner may send for a reply that took ``seconds``.
 
     The first frame goes at once and each later one at least a window after the one
-    before (``TOKEN_WINDOW``, doubling up to ``TOKEN_WINDOW_MAX``); the final record can
+    before (``TOKEN_WINDOW``, growing up to ``TOKEN_WINDOW_MAX``); the final record can
     take one more, the tokens that still waited.
     """
     frames, spent, window = 2, 0.0, TOKEN_WINDOW
     while spent + window <= seconds:
-        frames, spent, window = frames + 1, spent + window, min(TOKEN_WINDOW_MAX, window * 2)
+        frames, spent, window = (
+            frames + 1,
+            spent + window,
+            min(TOKEN_WINDOW_MAX, window * TOKEN_WINDOW_GROWTH),
+        )
     return frames
 
 

@@ -543,19 +543,19 @@ def test_token_batcher_sends_a_new_replys_first_token_at_once() -> None:
 
 
 def test_token_batcher_window_grows_over_a_reply_and_starts_short_again() -> None:
-    """A reply's first token leaves at once; after each frame the window doubles, from the
-    first window up to the longest; the next reply starts again from the first window."""
+    """A reply's first token leaves at once; after each frame the window grows four times,
+    from the first window up to the longest; the next reply starts again from the first."""
     from modeld.engine.runner.child import _TokenBatcher, split_frames
 
     frames = bytearray()
-    batcher = _TokenBatcher(frames.extend, window=1000.0, longest=5000.0)
+    batcher = _TokenBatcher(frames.extend, window=1000.0, longest=20000.0)
     windows = []
     for i in range(5):
         batcher.add(1, str(i))
         if i:
             batcher.flush()  # what the flusher does once the window is over
         windows.append(batcher.window)
-    assert windows == [1000.0, 2000.0, 4000.0, 5000.0, 5000.0]
+    assert windows == [1000.0, 4000.0, 16000.0, 20000.0, 20000.0]
     assert [m["token"] for m in split_frames(frames)] == ["0", "1", "2", "3", "4"]
     batcher.add(2, "x")  # a new reply: at once, whatever the last window was
     assert [(m["id"], m["token"]) for m in split_frames(frames)] == [(2, "x")]

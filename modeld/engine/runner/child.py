@@ -168,14 +168,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 # Tokens that come within the window of the last token frame wait and leave together; the
-# first token of a reply goes at once. The window starts at ``TOKEN_WINDOW`` and doubles
-# with each frame of the reply up to ``TOKEN_WINDOW_MAX``: a token waits 32 ms at most
-# (two refreshes of a 60 Hz screen), and a fast model's long reply leaves in a dozen
-# frames instead of one every 2 ms. Every frame wakes the daemon and its client, which on
-# a small machine take the CPU the decode itself needs; a real model's tokens are mostly
-# further apart than the window, and those still leave one by one, at once.
+# first token of a reply goes at once. The window starts at ``TOKEN_WINDOW`` and grows
+# ``TOKEN_WINDOW_GROWTH`` times with each frame of the reply up to ``TOKEN_WINDOW_MAX``
+# (2, 8, 32 ms): a token waits 32 ms at most (two refreshes of a 60 Hz screen), and a fast
+# model's long reply leaves in a few frames instead of one every 2 ms. Every frame wakes
+# the daemon and its client, which on a small machine take the CPU the decode itself
+# needs; a real model's tokens are mostly further apart than the window, and those still
+# leave one by one, at once.
 TOKEN_WINDOW = 0.002
 TOKEN_WINDOW_MAX = 0.032
+TOKEN_WINDOW_GROWTH = 4
 
 
 class _TokenBatcher:
@@ -223,8 +225,8 @@ class _TokenBatcher:
     def _flush_locked(self, now: float) -> None:
         text, self.parts = "".join(self.parts), []
         self.last = now
-        # After the first frame: the first window, then twice as long each frame.
-        self.window = min(self.longest, self.first_window * 2**self.frames)
+        # After the first frame: the first window, then TOKEN_WINDOW_GROWTH times as long.
+        self.window = min(self.longest, self.first_window * TOKEN_WINDOW_GROWTH**self.frames)
         self.frames += 1
         self._send(encode_token(self.rid, text))
 
