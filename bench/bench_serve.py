@@ -73,8 +73,8 @@ PROMPTS = (
 LENGTHS = (8, 256, 1024)
 LOADED_LENGTHS = (8, 256)  # the 16-client scenarios
 # Requests per scenario at --scale 1: one client, then 16 clients (split over them).
-REQUESTS_ONE = {8: 100, 256: 30, 1024: 20}
-REQUESTS_MANY = {8: 320, 256: 96}
+REQUESTS_ONE = {8: 100, 256: 60, 1024: 50}
+REQUESTS_MANY = {8: 320, 256: 160}
 LITERT_LM = Path(sys.executable).parent / "litert-lm"
 OVERHEAD_GOAL_MS = 2.0
 TAIL_GOAL = 20.0

@@ -135,17 +135,16 @@ def _check_depth(doc: Any) -> None:
         stack.extend((v, depth + 1) for v in value)
 
 
-def _values_at_most(raw: bytes) -> int:
-    """An upper bound on the values in ``raw``: each one but the first follows ``[ { , :``."""
-    return 1 + raw.count(b"[") + raw.count(b"{") + raw.count(b",") + raw.count(b":")
-
-
 def decode(raw: bytes) -> Any:
     """``raw`` parsed as JSON within the depth and value bounds, else a clear 400 or 413."""
     try:
-        if _values_at_most(raw) <= JSON_MAX_VALUES:
+        # Upper bounds: each value but the first follows ``[ { , :``, and each level of
+        # nesting opens with ``[`` or ``{`` (in a string too, which only raises the bound).
+        opens = raw.count(b"[") + raw.count(b"{")
+        if 1 + opens + raw.count(b",") + raw.count(b":") <= JSON_MAX_VALUES:
             doc = json.loads(raw)
-            _check_depth(doc)
+            if opens > JSON_MAX_DEPTH:
+                _check_depth(doc)
             return doc
         text = raw.decode(json.detect_encoding(raw), "surrogatepass")
         return _CountingDecoder().decode(text)

@@ -279,6 +279,8 @@ class Engines:
         # digest -> the link cache/<digest>/model.litertlm once made, and it and its dir as
         # strings: a warm request builds no Path.
         self._linked: dict[str, tuple[Path, str, str]] = {}
+        # The last target resolved for each kind of request (``target``).
+        self._targets: dict[Any, _Resolved] = {}
         # last_used is written at most once per TOUCH_INTERVAL, off the request path.
         self._touch_pending: dict[str, float] = {}
         self._touch_task: asyncio.Task[None] | None = None
@@ -564,7 +566,49 @@ class Engines:
         A plan with a vision backend is probed with an image first (``_image_probe``);
         with ``images`` (the request carries some) a failed image probe refuses it. An
         explicit load is not refused: its view shows the probe.
+
+        A warm request reuses the target it resolved last time while nothing it came from
+        changed (``_Resolved``); the file's presence is still checked every time.
         """
+        modalities = tuple(modalities)
+        try:
+            key: Any = (model_id, modalities, _frozen(backends), allow_unverified, images, kind)
+            hash(key)
+        except TypeError:
+            key = None  # an odd backends value: resolved (and refused) the long way
+        hit = self._targets.get(key) if key is not None else None
+        if hit is not None and hit.still(self) and hit.path.is_file():
+            self.touch(model_id)
+            return hit.target
+        stamp = _Resolved.stamp(self, model_id)
+        target, path = await self._resolve(
+            model_id,
+            modalities=modalities,
+            backends=backends,
+            allow_unverified=allow_unverified,
+            images=images,
+            kind=kind,
+        )
+        # Kept only when nothing it came from changed while it was resolved.
+        # (The file's probe rows may have been read just now: the ones after are the ones
+        # it used, and a probe recorded meanwhile was a write.)
+        after = _Resolved.stamp(self, model_id)
+        if key is not None and target.plan.vision is None and _same(stamp, after, probes=False):
+            self._targets[key] = _Resolved(after, target, path)
+        self.touch(model_id)
+        return target
+
+    async def _resolve(
+        self,
+        model_id: str,
+        *,
+        modalities: Iterable[str],
+        backends: dict[str, Any] | None,
+        allow_unverified: bool,
+        images: bool,
+        kind: Kind | None,
+    ) -> tuple[Target, Path]:
+        """``target``'s work, from the catalog, SQLite (cached), the header and the probes."""
         entry = self.catalog.get(model_id)
         installed = await self._installed_row(model_id)
         if installed is None:
@@ -611,8 +655,7 @@ class Engines:
             image_probe = await self._image_probe(installed.digest, plan, spec)
             if images and not image_probe["ok"]:
                 raise self._image_refusal(model_id, info, plan, image_probe, probes.get("gpu"))
-        self.touch(model_id)
-        return Target(
+        target = Target(
             model_id=model_id,
             digest=installed.digest,
             plan=plan,
@@ -628,6 +671,7 @@ class Engines:
             image_probe=image_probe,
             warm_up=self._warm_up(entry, plan),
         )
+        return target, path
 
     def _spec(
         self, entry: Entry, info: ModelInfo, installed: Installed, plan: Plan
@@ -702,3 +746,50 @@ class Engines:
             )
         forgot = await self.memory.forget(installed.digest)
         return {"id": model_id, "digest": installed.digest, "forgot": forgot}
+
+
+def _frozen(backends: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(backends.items())) if backends else ()
+
+
+class _Resolved:
+    """A resolved target and what it came from; valid while none of that changed.
+
+    What a target depends on: SQLite's rows (the installed row, verification, learned
+    peaks: any write bumps ``Store.generation``), the catalog entry (a reload makes new
+    objects), the settings that choose backends and threads (changed in place by a
+    reload), the file's current probe rows (replaced when a probe is recorded) and the
+    spare runner's size (in the estimate). Plans with vision are never kept: their image
+    probe may still be running.
+    """
+
+    def __init__(self, stamp: tuple[Any, ...], target: Target, path: Path) -> None:
+        self._stamp = stamp
+        self.target = target
+        self.path = path
+
+    @staticmethod
+    def stamp(engines: Engines, model_id: str) -> tuple[Any, ...]:
+        settings = engines.settings
+        budget = engines.pool.budget
+        installed = engines._installed.get(model_id)
+        digest = installed[1].digest if installed is not None and installed[1] else None
+        return (
+            engines.store.generation,
+            engines.catalog.find(model_id),
+            settings.main_backend,
+            settings.vision_backend,
+            settings.cpu_threads,
+            settings.warm_up,
+            engines._probe_cache.get(digest) if digest else None,
+            budget.spare_reserved if budget.spare is not None else None,
+        )
+
+    def still(self, engines: Engines) -> bool:
+        return _same(self._stamp, _Resolved.stamp(engines, self.target.model_id))
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...], *, probes: bool = True) -> bool:
+    """Equal, comparing the entry and the probe rows by identity (new objects when changed)."""
+    same_probes = a[6] is b[6] or not probes
+    return a[0] == b[0] and a[1] is b[1] and a[2:6] == b[2:6] and same_probes and a[7] == b[7]

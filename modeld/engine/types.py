@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ class Target:
     def expected(self) -> int:
         return self.learned if self.learned else self.estimate
 
-    @property
+    @functools.cached_property
     def engine_id(self) -> str:
         p = self.plan
         extra = "".join(f"+{m}-{b}" for m, b in (("vision", p.vision), ("audio", p.audio)) if b)

@@ -161,6 +161,6 @@ def final_record(
         tokens=rec.get("tokens"),
         **fields,
     )
-    out = {k: v for k, v in rec.items() if k not in ("id", "timings")}
+    out = {k: v for k, v in rec.items() if k not in ("id", "timings", "conversation")}
     out.update(done=True, model=e.target.model_id, engine=e.target.engine_id, timings=timings)
     return out

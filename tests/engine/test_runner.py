@@ -162,6 +162,34 @@ async def test_non_streamed_reply_comes_whole_in_the_final_record(short_tmp: Pat
         await runner.close()
 
 
+async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: Path) -> None:
+    """After a reply the idle runner makes the next conversation with the same settings; a
+    job like the last one gets it (and the same reply for the same seed), another job a
+    fresh one, and a job with history or a system message never one made ahead."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp, max_tokens=256))
+        job = ask("hello there", max_tokens=8, seed=3, stream=False)
+        _, first = await collect(runner, job)
+        _, again = await collect(runner, job)
+        assert "conversation" not in first and again["conversation"] == "ready"
+        assert again["text"] == first["text"] and again["tokens"] == 8
+        # Other settings: the one made ahead does not fit, a fresh one is made.
+        _, other = await collect(runner, {**job, "max_tokens": 6})
+        assert "conversation" not in other and other["tokens"] == 6
+        # A system message: made for the job alone, and nothing is made ahead after it.
+        system = {"role": "system", "content": "be brief"}
+        with_system = {**job, "messages": [system, *job["messages"]]}
+        _, told = await collect(runner, with_system)
+        assert "conversation" not in told
+        _, plain = await collect(runner, job)
+        assert "conversation" not in plain and plain["text"] == first["text"]
+        _, plain = await collect(runner, job)
+        assert plain["conversation"] == "ready"
+    finally:
+        await runner.close()
+
+
 async def test_leaving_a_non_streamed_reply_cancels_it(short_tmp: Path) -> None:
     """A caller that leaves a non-streamed reply cancels it; the engine serves the next one."""
     runner = await Runner.start()

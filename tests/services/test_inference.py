@@ -12,7 +12,13 @@ import pytest
 from PIL import Image
 
 from modeld.daemon.root import Root
-from modeld.errors import BackendConstraint, BadRequest, ModelNotInstalled, TooLarge
+from modeld.errors import (
+    BackendConstraint,
+    BadRequest,
+    CorruptModel,
+    ModelNotInstalled,
+    TooLarge,
+)
 from modeld.services.inference import PROMPT_BYTES_PER_TOKEN, Generation, Turn
 from modeld.services.parts import Services
 from tests.support.state import MODELS, install_fixture, registry_settings, write_entry
@@ -90,3 +96,43 @@ async def test_generate_streams_tokens_then_the_final_record(started: Services) 
     assert [v["id"] for v in (await started.inference.loaded())["engines"]] == [engine_id]
     unloaded = await started.inference.unload("tiny-text")
     assert [v["id"] for v in unloaded] == [engine_id]
+
+
+async def test_a_warm_target_is_reused_until_what_it_came_from_changes(
+    started: Services, clean_env: Path
+) -> None:
+    """The second request's target is the first's; a catalog reload, a settings change, a
+    write to SQLite or a vanished file each make (or refuse) a fresh one."""
+    engines = started.engines
+    first = await engines.target("tiny-text")
+    assert await engines.target("tiny-text") is first
+    # Another request shape is its own target.
+    assert await engines.target("tiny-text", backends={"main": "cpu"}) is not first
+
+    # The entry changes on disk: the reloaded catalog's entry decides.
+    digest, size = first.digest, TINY.stat().st_size
+    registry = clean_env / "registry"
+    write_entry(registry, "tiny-text", size=size, sha256=digest, extra="[runtime]\nthreads = 1\n")
+    started.catalog.reload()
+    one = await engines.target("tiny-text")
+    assert one is not first
+    assert (first.spec.threads, one.spec.threads) == (started.settings.cpu_threads, 1)
+    assert await engines.target("tiny-text") is one
+
+    # A setting changed in place (a SIGHUP reload does that).
+    started.settings.warm_up = not started.settings.warm_up
+    assert await engines.target("tiny-text") is not one
+    warm = await engines.target("tiny-text")
+
+    # Any write to SQLite (here a touch of another model's last_used) may change a row.
+    await started.store.write(lambda conn: conn.execute("SELECT 1"))
+    again = await engines.target("tiny-text")
+    assert again is not warm
+    assert again == warm
+
+    # The file is checked every time, kept target or not.
+    installed = await started.store.installed("tiny-text")
+    assert installed is not None
+    installed.path.unlink()
+    with pytest.raises(CorruptModel, match="missing"):
+        await engines.target("tiny-text")

@@ -178,6 +178,16 @@ def conversation_args(job: dict[str, Any]) -> tuple[dict[str, Any], Any, bool, d
     return kwargs, last, constrained, send
 
 
+def conversation_key(job: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What ``conversation_args`` makes ``job``'s conversation from, when that can be made
+    before the job comes: one turn, no tools, no constrained decoding, no raw template.
+    Jobs with equal keys get equal conversations; None: made for the job alone."""
+    plain = not (job.get("tools") or job.get("raw") or job.get("schema") is not None)
+    if len(job.get("messages") or ()) != 1 or not plain or job.get("format") == "json":
+        return None
+    return tuple(job.get(k) for k in ("max_tokens", "top_k", "top_p", "temperature", "seed"))
+
+
 # The runtime's own end-of-reply errors: the reply is over, nothing failed.
 _QUIET_ENDS = ("CANCELLED", "Max number of tokens reached")
 # What ``_create_optional_args`` takes besides the message and the response format.
