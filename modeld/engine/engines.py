@@ -338,7 +338,14 @@ class Engines:
         await self.stop()
 
     async def stop(self) -> None:
-        """Write the pending ``last_used`` times (before the pool stops and the store closes)."""
+        """Stop the probes still running (their children killed and reaped, nothing
+        recorded) and write the pending ``last_used`` times, before the pool stops and the
+        store closes. A probe outlives the request that started it (it is shielded), so a
+        daemon stopping mid-probe would otherwise leave it to the closing event loop."""
+        probes = [*self._probing.values(), *self._image_probing.values()]
+        for probe in probes:
+            probe.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
         task, self._touch_task = self._touch_task, None
         if task is not None and not task.done():
             task.cancel()

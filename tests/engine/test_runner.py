@@ -17,7 +17,7 @@ from modeld.engine.runner.client import Runner, RunnerDied, RunnerError, StderrL
 from modeld.engine.runner.generate import _stream_async, classify_json, stream_reply, text_of
 from modeld.modelfile.runtime import CreateSpec
 from tests.support.state import MODELS
-from tests.support.wait import process_gone, wait_sync, wait_until
+from tests.support.wait import process_gone, until, wait_sync, wait_until
 
 TINY = MODELS / "tiny-text.litertlm"
 EMBED = MODELS / "tiny-embed.litertlm"
@@ -167,23 +167,33 @@ async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: P
     job like the last one gets it (and the same reply for the same seed), another job a
     fresh one, and a job with history or a system message never one made ahead."""
     runner = await Runner.start()
+
+    async def prepared() -> bool:
+        # A job sent before the idle runner made it finds none: wait until it has.
+        return bool((await runner.call("stats"))["ready"])
+
     try:
         await runner.create(spec(short_tmp, max_tokens=256))
         job = ask("hello there", max_tokens=8, seed=3, stream=False)
         _, first = await collect(runner, job)
+        await until(prepared)
         _, again = await collect(runner, job)
         assert "conversation" not in first and again["conversation"] == "ready"
         assert again["text"] == first["text"] and again["tokens"] == 8
         # Other settings: the one made ahead does not fit, a fresh one is made.
+        await until(prepared)
         _, other = await collect(runner, {**job, "max_tokens": 6})
         assert "conversation" not in other and other["tokens"] == 6
         # A system message: made for the job alone, and nothing is made ahead after it.
         system = {"role": "system", "content": "be brief"}
         with_system = {**job, "messages": [system, *job["messages"]]}
+        await until(prepared)
         _, told = await collect(runner, with_system)
         assert "conversation" not in told
+        assert not await prepared()
         _, plain = await collect(runner, job)
         assert "conversation" not in plain and plain["text"] == first["text"]
+        await until(prepared)
         _, plain = await collect(runner, job)
         assert plain["conversation"] == "ready"
     finally:

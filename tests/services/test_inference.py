@@ -3,7 +3,9 @@ loads, on the real parts of a ``Root`` (the real runtime on the tiny fixture mod
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import io
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -136,3 +138,34 @@ async def test_a_warm_target_is_reused_until_what_it_came_from_changes(
     installed.path.unlink()
     with pytest.raises(CorruptModel, match="missing"):
         await engines.target("tiny-text")
+
+
+async def test_stopping_mid_probe_reaps_the_probe_and_records_nothing(clean_env: Path) -> None:
+    """A GPU probe outlives the request that started it; stopping the parts kills and reaps
+    its child, and no probe row is written for the file."""
+    import psutil
+
+    home, registry = clean_env / "home", clean_env / "registry"
+    install_fixture(home, "tiny-text", TINY, registry=registry)
+
+    def probes() -> list[psutil.Process]:
+        kids = psutil.Process().children(recursive=True)
+        return [p for p in kids if "modeld.modelfile.probe" in " ".join(p.cmdline())]
+
+    async with Root(registry_settings(home, registry, main_backend="gpu"), spare=False) as parts:
+        request = asyncio.ensure_future(parts.engines.target("tiny-text"))
+        for _ in range(200):
+            if probes():
+                break
+            await asyncio.sleep(0.01)
+        running = probes()
+        assert running, "the probe child never started"
+        request.cancel()  # the client left; the probe goes on
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+        assert all(p.is_running() for p in running)
+        digest = (await parts.store.installed("tiny-text")).digest  # type: ignore[union-attr]
+    for p in running:
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    async with Root(registry_settings(home, registry), spare=False) as parts:
+        assert await parts.store.probes(digest) == {}

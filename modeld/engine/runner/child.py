@@ -170,12 +170,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 # Tokens that come within the window of the last token frame wait and leave together; the
 # first token of a reply goes at once. The window starts at ``TOKEN_WINDOW`` and grows
 # ``TOKEN_WINDOW_GROWTH`` times with each frame of the reply up to ``TOKEN_WINDOW_MAX``
-# (2, 8, 32 ms): a token waits 32 ms at most (two refreshes of a 60 Hz screen), and a fast
-# model's long reply leaves in a few frames instead of one every 2 ms. Every frame wakes
+# (8, then 32 ms): a token waits 32 ms at most (two refreshes of a 60 Hz screen), and a
+# fast model's long reply leaves in a few frames instead of one every 2 ms. Every frame wakes
 # the daemon and its client, which on a small machine take the CPU the decode itself
 # needs; a real model's tokens are mostly further apart than the window, and those still
 # leave one by one, at once.
-TOKEN_WINDOW = 0.002
+TOKEN_WINDOW = 0.008
 TOKEN_WINDOW_MAX = 0.032
 TOKEN_WINDOW_GROWTH = 4
 
@@ -733,7 +733,8 @@ def child_main(fd: int, parent_pid: int) -> int:  # noqa: PLR0912 (one branch pe
             child.cancel(int(msg.get("target", -1)))
         elif op == "stats":
             pss, rss = read_memory(os.getpid())
-            child.send({"id": rid, "ok": True, "pss": pss, "rss": rss})
+            ready = child.ready is not None  # a conversation made ahead waits
+            child.send({"id": rid, "ok": True, "pss": pss, "rss": rss, "ready": ready})
         elif op == "close":
             if child.current is not None:
                 child.cancel(child.current[0])
