@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import gc
 import os
 import signal
 import subprocess
@@ -11,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from modeld.engine.runner.client import Runner, RunnerDied, RunnerError, StderrLog, crash_reason
@@ -301,6 +304,22 @@ async def test_signal_mid_request_is_noticed(short_tmp: Path, sig: signal.Signal
         assert runner._writer is not None and runner._writer.is_closing()
     finally:
         await runner.kill()
+
+
+async def test_a_start_cancelled_at_any_point_leaves_no_runner() -> None:
+    """Cancelling ``Runner.start`` (a load whose callers all left) kills the child it made."""
+    for delay in (0.0, 0.001, 0.01, 0.05, 0.3):
+        before = {p.pid for p in psutil.Process().children()}
+        task = asyncio.ensure_future(Runner.start())
+        await asyncio.sleep(delay)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            runner = await task
+            await runner.close()  # it started before the cancel came
+        made = [p.pid for p in psutil.Process().children() if p.pid not in before]
+        for pid in made:
+            wait_sync(functools.partial(process_gone, pid), what=f"runner {pid} gone")
+    gc.collect()
 
 
 def test_runner_dies_with_its_parent(short_tmp: Path) -> None:

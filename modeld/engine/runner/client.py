@@ -182,24 +182,27 @@ class Runner:
                 # stops runners in order; PR_SET_PDEATHSIG covers the daemon dying.
                 start_new_session=True,
             )
+        except BaseException:
+            parent_sock.close()
+            raise
         finally:
             child_sock.close()
         self.pid = self.proc.pid
-        if data_limit is not None:
-            try:
-                resource.prlimit(self.pid, resource.RLIMIT_DATA, (data_limit, data_limit))
-            except OSError:
-                await self.kill()
-                raise
-        reader, self._writer = await asyncio.open_unix_connection(sock=parent_sock)
-        self._hello = asyncio.get_running_loop().create_future()
-        self._tasks = [
-            asyncio.create_task(self._read_frames(reader)),
-            asyncio.create_task(self._read_stderr()),
-        ]
         try:
+            if data_limit is not None:
+                resource.prlimit(self.pid, resource.RLIMIT_DATA, (data_limit, data_limit))
+            reader, self._writer = await asyncio.open_unix_connection(sock=parent_sock)
+            self._hello = asyncio.get_running_loop().create_future()
+            self._tasks = [
+                asyncio.create_task(self._read_frames(reader)),
+                asyncio.create_task(self._read_stderr()),
+            ]
             hello = await asyncio.wait_for(asyncio.shield(self._hello), START_TIMEOUT)
         except BaseException:
+            # Whatever stopped the start (no hello, a limit refused, a cancel at any await
+            # here): no child may outlive it.
+            if self._writer is None:
+                parent_sock.close()
             await self.kill()
             raise
         self.preload_seconds = float(hello.get("preload_seconds", 0.0))
@@ -242,6 +245,21 @@ class Runner:
             self.stderr_log.append(line)
 
     async def _on_exit(self) -> None:
+        try:
+            await self._note_exit()
+        finally:
+            # Even when cancelled (a loop that ends while a runner is stopping).
+            self._close_transport()
+
+    def _close_transport(self) -> None:
+        """Close the child's transport. asyncio closes it by itself only once the child's
+        exit and its stderr's end have both been delivered, which a loop that ends right
+        after (a daemon stopping) may never do; collected unclosed, it warns."""
+        transport = getattr(self.proc, "_transport", None)
+        if transport is not None:
+            transport.close()
+
+    async def _note_exit(self) -> None:
         assert self.proc is not None
         # The child closed its end, so nothing more can be written: close ours first, before
         # a wait below is cancelled by a daemon that stops meanwhile (an unclosed writer
@@ -429,3 +447,4 @@ class Runner:
         for t in self._tasks:
             if not t.done():
                 t.cancel()
+        self._close_transport()
