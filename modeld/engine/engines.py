@@ -575,7 +575,8 @@ class Engines:
         explicit load is not refused: its view shows the probe.
 
         A warm request reuses the target it resolved last time while nothing it came from
-        changed (``_Resolved``); the file's presence is still checked every time.
+        changed (``_Resolved``); the file and its ``.litertlm`` link are still checked
+        every time.
         """
         modalities = tuple(modalities)
         try:
@@ -585,6 +586,8 @@ class Engines:
             key = None  # an odd backends value: resolved (and refused) the long way
         hit = self._targets.get(key) if key is not None else None
         if hit is not None and hit.still(self) and hit.path.is_file():
+            # The runtime's .litertlm link too: made again if something removed it.
+            self._runtime_path(hit.target.digest, hit.path)
             self.touch(model_id)
             return hit.target
         stamp = _Resolved.stamp(self, model_id)

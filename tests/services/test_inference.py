@@ -106,6 +106,11 @@ async def test_a_warm_target_is_reused_until_what_it_came_from_changes(
     """The second request's target is the first's; a catalog reload, a settings change, a
     write to SQLite or a vanished file each make (or refuse) a fresh one."""
     engines = started.engines
+    # The first use's last_used write goes out at once (later ones wait 30 s): let it land
+    # first, behind which a write of ours completes (one writer thread, in order).
+    await engines.target("tiny-text")
+    await asyncio.sleep(0)
+    await started.store.write(lambda conn: conn.execute("SELECT 1"))
     first = await engines.target("tiny-text")
     assert await engines.target("tiny-text") is first
     # Another request shape is its own target.
@@ -131,6 +136,12 @@ async def test_a_warm_target_is_reused_until_what_it_came_from_changes(
     again = await engines.target("tiny-text")
     assert again is not warm
     assert again == warm
+
+    # The runtime's link is made again if something removed it, kept target or not.
+    link = Path(again.spec.path)
+    link.unlink()
+    assert await engines.target("tiny-text") is again
+    assert link.is_symlink()
 
     # The file is checked every time, kept target or not.
     installed = await started.store.installed("tiny-text")
