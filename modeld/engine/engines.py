@@ -13,6 +13,7 @@ import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -585,12 +586,12 @@ class Engines:
         except TypeError:
             key = None  # an odd backends value: resolved (and refused) the long way
         hit = self._targets.get(key) if key is not None else None
-        if hit is not None and hit.still(self) and hit.path.is_file():
+        if hit is not None and hit.stamp.matches(self._stamp(model_id)) and hit.path.is_file():
             # The runtime's .litertlm link too: made again if something removed it.
             self._runtime_path(hit.target.digest, hit.path)
             self.touch(model_id)
             return hit.target
-        stamp = _Resolved.stamp(self, model_id)
+        stamp = self._stamp(model_id)
         target, path = await self._resolve(
             model_id,
             modalities=modalities,
@@ -602,8 +603,8 @@ class Engines:
         # Kept only when nothing it came from changed while it was resolved.
         # (The file's probe rows may have been read just now: the ones after are the ones
         # it used, and a probe recorded meanwhile was a write.)
-        after = _Resolved.stamp(self, model_id)
-        if key is not None and target.plan.vision is None and _same(stamp, after, probes=False):
+        after = self._stamp(model_id)
+        if key is not None and target.plan.vision is None and stamp.matches(after, probes=False):
             self._targets[key] = _Resolved(after, target, path)
         self.touch(model_id)
         return target
@@ -725,6 +726,24 @@ class Engines:
             return False
         return True if "gpu" in plan.backends() else None
 
+    def _stamp(self, model_id: str) -> _Stamp:
+        """What a target for ``model_id`` comes from, for ``target``'s kept targets."""
+        settings, budget = self.settings, self.pool.budget
+        installed = self._installed.get(model_id)
+        digest = installed[1].digest if installed is not None and installed[1] else None
+        return _Stamp(
+            generation=self.store.generation,
+            entry=self.catalog.find(model_id),
+            settings=(
+                settings.main_backend,
+                settings.vision_backend,
+                settings.cpu_threads,
+                settings.warm_up,
+            ),
+            probes=self._probe_cache.get(digest) if digest else None,
+            spare=budget.spare_reserved if budget.spare is not None else None,
+        )
+
     def _runtime_path(self, digest: str, blob: Path) -> tuple[str, str]:
         """A ``.litertlm`` name for the blob (the runtime picks the format by file extension)
         and the blob's cache dir, as strings."""
@@ -762,44 +781,37 @@ def _frozen(backends: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(backends.items())) if backends else ()
 
 
-class _Resolved:
-    """A resolved target and what it came from; valid while none of that changed.
+@dataclass(frozen=True)
+class _Stamp:
+    """What a resolved target came from, as ``Engines._stamp`` reads it.
 
-    What a target depends on: SQLite's rows (the installed row, verification, learned
-    peaks: any write bumps ``Store.generation``), the catalog entry (a reload makes new
-    objects), the settings that choose backends and threads (changed in place by a
-    reload), the file's current probe rows (replaced when a probe is recorded) and the
-    spare runner's size (in the estimate). Plans with vision are never kept: their image
-    probe may still be running.
+    SQLite's rows (the installed row, verification, learned peaks: any write bumps
+    ``Store.generation``), the catalog entry (a reload makes new objects), the settings
+    that choose backends and threads (changed in place by a reload), the file's current
+    probe rows (replaced when a probe is recorded) and the spare runner's size (in the
+    estimate). The entry and the probe rows are compared by identity.
     """
 
-    def __init__(self, stamp: tuple[Any, ...], target: Target, path: Path) -> None:
-        self._stamp = stamp
-        self.target = target
-        self.path = path
+    generation: int
+    entry: Entry | None
+    settings: tuple[Any, ...]
+    probes: dict[str, dict[str, Any]] | None
+    spare: int | None
 
-    @staticmethod
-    def stamp(engines: Engines, model_id: str) -> tuple[Any, ...]:
-        settings = engines.settings
-        budget = engines.pool.budget
-        installed = engines._installed.get(model_id)
-        digest = installed[1].digest if installed is not None and installed[1] else None
+    def matches(self, other: _Stamp, *, probes: bool = True) -> bool:
         return (
-            engines.store.generation,
-            engines.catalog.find(model_id),
-            settings.main_backend,
-            settings.vision_backend,
-            settings.cpu_threads,
-            settings.warm_up,
-            engines._probe_cache.get(digest) if digest else None,
-            budget.spare_reserved if budget.spare is not None else None,
+            (self.generation, self.settings, self.spare)
+            == (other.generation, other.settings, other.spare)
+            and self.entry is other.entry
+            and (self.probes is other.probes or not probes)
         )
 
-    def still(self, engines: Engines) -> bool:
-        return _same(self._stamp, _Resolved.stamp(engines, self.target.model_id))
 
+@dataclass(frozen=True)
+class _Resolved:
+    """A resolved target, valid while what it came from (``stamp``) is unchanged. Plans
+    with vision are never kept: their image probe may still be running."""
 
-def _same(a: tuple[Any, ...], b: tuple[Any, ...], *, probes: bool = True) -> bool:
-    """Equal, comparing the entry and the probe rows by identity (new objects when changed)."""
-    same_probes = a[6] is b[6] or not probes
-    return a[0] == b[0] and a[1] is b[1] and a[2:6] == b[2:6] and same_probes and a[7] == b[7]
+    stamp: _Stamp
+    target: Target
+    path: Path

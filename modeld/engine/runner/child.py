@@ -459,12 +459,14 @@ class _Child:
 
     def _open(
         self, rid: int, kwargs: dict[str, Any], constrained: bool, key: tuple[Any, ...] | None
-    ) -> tuple[Any, bool]:
-        """A new conversation for ``rid``, registered so that ``cancel`` can reach it: the
-        one made ahead for ``key`` when there is one, else one made now."""
+    ) -> tuple[Any, bool, bool]:
+        """A conversation for ``rid``, registered so that ``cancel`` can reach it: the one
+        made ahead for ``key`` when there is one (the last value: True), else one made now."""
         ready, self.ready = self.ready, None
+        reused = ready is not None and key is not None and ready[0] == key
         try:
-            if ready is not None and key is not None and ready[0] == key:
+            if reused:
+                assert ready is not None
                 conversation = ready[1]
             else:
                 if ready is not None:
@@ -481,7 +483,7 @@ class _Child:
             self.current = (rid, conversation)
         if rid in self.cancelled:
             conversation.cancel_process()
-        return conversation, constrained
+        return conversation, constrained, reused
 
     def _whole_reply(self, rid: int, conversation: Any, last: Any, **kw: Any) -> Any:
         """The reply message in one blocking call, or None when the runtime refused it.
@@ -556,8 +558,7 @@ class _Child:
         self.clear_error()
         kwargs, last, constrained, send_kwargs = conversation_args(job)
         key = conversation_key(job)
-        reused = self.ready is not None and key is not None and self.ready[0] == key
-        conversation, constrained = self._open(rid, kwargs, constrained, key)
+        conversation, constrained, reused = self._open(rid, kwargs, constrained, key)
         if constrained:
             schema = job.get("schema") or {"type": "object"}
             send_kwargs["response_format"] = litert_lm.ResponseFormat.json(schema)
@@ -573,7 +574,7 @@ class _Child:
             if whole is None:
                 conversation.close()
                 self.clear_error()
-                conversation, constrained = self._open(rid, kwargs, constrained, None)
+                conversation, constrained, _ = self._open(rid, kwargs, constrained, None)
         if whole is not None:
             text_parts.append(text_of(whole))
             tool_calls += calls_of(whole)
