@@ -203,6 +203,39 @@ async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: P
         await runner.close()
 
 
+async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: Path) -> None:
+    """A job sent while another decodes starts on a conversation made during that decode,
+    whatever its settings; its reply is the one a conversation made for it alone gives.
+    A cancelled waiting job leaves the next one a working engine."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp, max_tokens=4000))
+        alone_job = ask("hello there", max_tokens=5, seed=7, stream=False)
+        _, alone = await collect(runner, alone_job)
+        # Long enough (~60 ms here) that the second job arrives while the first one decodes.
+        long_job = ask(max_tokens=400, stream=False)
+        for waiting_job in (alone_job, {**alone_job, "max_tokens": 6}):
+            first, second = await asyncio.gather(
+                collect(runner, long_job), collect(runner, waiting_job)
+            )
+            assert first[1]["finish"] in ("stop", "length") and "conversation" not in first[1]
+            assert second[1]["conversation"] == "ready"
+            assert second[1]["tokens"] == waiting_job["max_tokens"]
+            assert second[1]["text"].startswith(alone["text"])
+        # A waiting job cancelled (its caller left) after its conversation was made.
+        running = asyncio.ensure_future(collect(runner, long_job))
+        left = asyncio.ensure_future(collect(runner, {**alone_job, "max_tokens": 7}))
+        await asyncio.sleep(0.02)
+        left.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        _, after = await collect(runner, alone_job)
+        assert (await running)[1]["finish"] in ("stop", "length")
+        assert after["text"] == alone["text"] and after["tokens"] == 5
+    finally:
+        await runner.close()
+
+
 async def test_leaving_a_non_streamed_reply_cancels_it(short_tmp: Path) -> None:
     """A caller that leaves a non-streamed reply cancels it; the engine serves the next one."""
     runner = await Runner.start()
