@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
+from modeld.config import default_cpu_threads
 from modeld.engine.runner.client import Runner, RunnerDied, RunnerError, StderrLog, crash_reason
 from modeld.engine.runner.generate import _stream_async, classify_json, stream_reply, text_of
 from modeld.modelfile.runtime import CreateSpec
@@ -24,6 +25,7 @@ from tests.support.wait import process_gone, until, wait_sync, wait_until
 
 TINY = MODELS / "tiny-text.litertlm"
 EMBED = MODELS / "tiny-embed.litertlm"
+LONG = MODELS / "tiny-text-long.litertlm"
 
 
 def spec(tmp: Path, path: Path = TINY, **extra: Any) -> CreateSpec:
@@ -203,22 +205,25 @@ async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: P
         await runner.close()
 
 
+@pytest.mark.skipif(default_cpu_threads() < 2, reason="needs 2 cores: one for the engine")
 async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: Path) -> None:
-    """A job sent while another decodes starts on a conversation made during that decode,
-    whatever its settings; its reply is the one a conversation made for it alone gives.
-    A cancelled waiting job leaves the next one a working engine."""
+    """With a core left by the engine's threads, a job sent while another decodes starts on
+    a conversation made during that decode, whatever its settings; its reply is the one a
+    conversation made for it alone gives. A cancelled waiting job leaves the next one a
+    working engine. An engine whose threads take every core makes it in line."""
     runner = await Runner.start()
     try:
-        await runner.create(spec(short_tmp, max_tokens=4000))
+        await runner.create(spec(short_tmp, LONG, max_tokens=1280, threads=1))
         alone_job = ask("hello there", max_tokens=5, seed=7, stream=False)
         _, alone = await collect(runner, alone_job)
-        # Long enough (~60 ms here) that the second job arrives while the first one decodes.
-        long_job = ask(max_tokens=400, stream=False)
+        # Long enough (~1,000 tokens, 100 ms or more) that the second job arrives while the
+        # first one decodes.
+        long_job = ask("Write a long story about the sea.", max_tokens=1000, stream=False)
         for waiting_job in (alone_job, {**alone_job, "max_tokens": 6}):
             first, second = await asyncio.gather(
                 collect(runner, long_job), collect(runner, waiting_job)
             )
-            assert first[1]["finish"] in ("stop", "length") and "conversation" not in first[1]
+            assert first[1]["finish"] in ("stop", "length")
             assert second[1]["conversation"] == "ready"
             assert second[1]["tokens"] == waiting_job["max_tokens"]
             assert second[1]["text"].startswith(alone["text"])
@@ -232,6 +237,22 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
         _, after = await collect(runner, alone_job)
         assert (await running)[1]["finish"] in ("stop", "length")
         assert after["text"] == alone["text"] and after["tokens"] == 5
+        # A waiting job the runtime cannot take fails alone; the one running is unharmed.
+        bad_job = {"messages": [{"role": "assistant", "content": "hi"}], "stream": False}
+        ran, bad = await asyncio.gather(
+            collect(runner, long_job), collect(runner, bad_job), return_exceptions=True
+        )
+        assert isinstance(bad, RunnerError) and "from the user" in bad.message
+        assert not isinstance(ran, BaseException) and ran[1]["finish"] in ("stop", "length")
+        assert (await collect(runner, alone_job))[1]["text"] == alone["text"]
+    finally:
+        await runner.close()
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp, LONG, max_tokens=1280, threads=default_cpu_threads()))
+        waiting_job = {**alone_job, "max_tokens": 6}
+        both = await asyncio.gather(collect(runner, long_job), collect(runner, waiting_job))
+        assert "conversation" not in both[1][1] and both[1][1]["tokens"] == 6
     finally:
         await runner.close()
 
