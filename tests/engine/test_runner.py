@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import functools
 import gc
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,14 @@ import pytest
 
 from modeld.config import default_cpu_threads
 from modeld.engine.runner.client import Runner, RunnerDied, RunnerError, StderrLog, crash_reason
-from modeld.engine.runner.generate import _stream_async, classify_json, stream_reply, text_of
+from modeld.engine.runner.generate import (
+    KEPT_THREADS,
+    _stream_async,
+    classify_json,
+    parse_chunk,
+    stream_reply,
+    text_of,
+)
 from modeld.modelfile.runtime import CreateSpec
 from tests.support.state import MODELS
 from tests.support.wait import process_gone, until, wait_sync, wait_until
@@ -239,11 +248,11 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
         assert after["text"] == alone["text"] and after["tokens"] == 5
         # A waiting job the runtime cannot take fails alone; the one running is unharmed.
         bad_job = {"messages": [{"role": "assistant", "content": "hi"}], "stream": False}
-        ran, bad = await asyncio.gather(
-            collect(runner, long_job), collect(runner, bad_job), return_exceptions=True
-        )
-        assert isinstance(bad, RunnerError) and "from the user" in bad.message
-        assert not isinstance(ran, BaseException) and ran[1]["finish"] in ("stop", "length")
+        running = asyncio.ensure_future(collect(runner, long_job))
+        await asyncio.sleep(0.02)  # it runs: the bad one waits behind it
+        with pytest.raises(RunnerError, match="from the user"):
+            await collect(runner, bad_job)
+        assert (await running)[1]["finish"] in ("stop", "length")
         assert (await collect(runner, alone_job))[1]["text"] == alone["text"]
     finally:
         await runner.close()
@@ -601,6 +610,38 @@ def test_stream_reply_gives_what_the_public_streaming_api_gives(short_tmp: Path)
     assert chunks == 2 and fast.startswith(cut)
     # The engine is quiet after a stop: the next reply is whole again.
     assert _streamed(engine, stream_reply)[0] == fast
+    # The runtime's callback threads kept their Python thread state (made once per thread,
+    # not once per token): more replies add no thread.
+    kept = set(KEPT_THREADS)
+    assert kept and threading.get_ident() not in kept
+    for _ in range(3):
+        assert _streamed(engine, stream_reply)[0] == fast
+    assert kept == KEPT_THREADS
+
+
+def test_a_chunk_reads_as_json_loads_reads_it() -> None:
+    """The plain-text shortcut of ``parse_chunk`` gives what ``json.loads`` gives, for text
+    the runtime escapes (quotes, backslashes, newlines, control characters), text it does
+    not (accents, emoji, replacement characters), and chunks that are not plain text."""
+    texts = ["", " asking", 'say "hi"', "a\\b", "line\nnext\t", "\x01", "café 🌊", "\ufffd" * 3]
+    chunks = [
+        json.dumps(
+            {"role": "assistant", "content": [{"type": "text", "text": t}]},
+            separators=(",", ":"),
+            ensure_ascii=ascii_only,
+        ).encode()
+        for t in texts
+        for ascii_only in (False, True)
+    ]
+    chunks.append(
+        b'{"role":"assistant","tool_calls":[{"type":"function","function":'
+        b'{"name":"f","arguments":{"x":1}}}]}'
+    )
+    chunks.append(b'{"role":"assistant","content":[{"type":"text","text":"a"},{"type":"x"}]}')
+    for raw in chunks:
+        assert parse_chunk(raw) == json.loads(raw), raw
+    # Not JSON at all: the text as it came.
+    assert text_of(parse_chunk(b"plain")) == "plain"
 
 
 def test_the_pinned_runtime_still_has_the_private_streaming_api(short_tmp: Path) -> None:
