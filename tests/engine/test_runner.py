@@ -247,12 +247,16 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
         assert (await running)[1]["finish"] in ("stop", "length")
         assert after["text"] == alone["text"] and after["tokens"] == 5
         # A waiting job the runtime cannot take fails alone; the one running is unharmed.
-        bad_job = {"messages": [{"role": "assistant", "content": "hi"}], "stream": False}
-        running = asyncio.ensure_future(collect(runner, long_job))
-        await asyncio.sleep(0.02)  # it runs: the bad one waits behind it
-        with pytest.raises(RunnerError, match="from the user"):
-            await collect(runner, bad_job)
-        assert (await running)[1]["finish"] in ("stop", "length")
+        bad_jobs: list[tuple[dict[str, Any], str]] = [
+            ({"messages": [{"role": "assistant", "content": "hi"}]}, "from the user"),
+            ({"messages": 5}, "not iterable"),  # malformed: the daemon never sends it
+        ]
+        for bad_job, reason in bad_jobs:
+            running = asyncio.ensure_future(collect(runner, long_job))
+            await asyncio.sleep(0.02)  # it runs: the bad one waits behind it
+            with pytest.raises(RunnerError, match=reason):
+                await collect(runner, {**bad_job, "stream": False})
+            assert (await running)[1]["finish"] in ("stop", "length")
         assert (await collect(runner, alone_job))[1]["text"] == alone["text"]
     finally:
         await runner.close()

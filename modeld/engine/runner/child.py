@@ -733,10 +733,10 @@ class _Child:
                 waiting = self.jobs.queue[0] if self.jobs.queue else None
             if waiting is None or waiting.get("op") != "generate":
                 return
-            key = conversation_key(waiting)
-            if key is None or waiting["id"] in self.cancelled:
-                return
             try:
+                key = conversation_key(waiting)
+                if key is None or waiting.get("id") in self.cancelled:
+                    return
                 kwargs = conversation_args(waiting)[0]
             except Exception:
                 return  # the job fails with the reason when its turn comes, alone
