@@ -752,7 +752,7 @@ class _Child:
         why if that fails too)."""
         try:
             return self.engine.create_conversation(**kwargs)
-        except RuntimeError:
+        except Exception:
             self.clear_error()
             return None
 
