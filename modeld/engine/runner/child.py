@@ -250,7 +250,7 @@ def _spare_core(backend: str, threads: int | None) -> bool:
     """Whether a CPU engine's threads leave a core free for making the next conversation
     while one decodes. On a machine they fill (2 cores, 2 threads), making it then slows the
     decode more than it saves: on a quiet 2-core host it cut 16 clients' throughput by 4 %
-    (335 against 351 req/s at 8 tokens), which costs a waiting client more than the 0.4 ms it
+    (336 against 351 req/s at 8 tokens), which costs a waiting client more than the 0.4 ms it
     saves its first token. GPU engines make it in line (their sessions are not made while
     another decodes)."""
     from modeld.config import default_cpu_threads
@@ -722,10 +722,10 @@ class _Child:
         when one starts: whichever sees it first. The look at the queue and the claim of the
         slot are one step under ``ready_lock``, which ``_open`` takes too: a job taken off
         the queue meanwhile finds the conversation made for it, never one for a job gone."""
-        from modeld.engine.runner.generate import conversation_args, conversation_key
-
         if not self.spare_core:
             return
+        from modeld.engine.runner.generate import conversation_args, conversation_key
+
         with self.ready_lock:
             if self.ready is not None:
                 return
