@@ -444,7 +444,7 @@ class _Child:
             options["embedding_dimension"] = self.dimension
         return options
 
-    def queue(self, job: dict[str, Any]) -> None:
+    def enqueue(self, job: dict[str, Any]) -> None:
         """On the reader thread: ``job`` waits for the generate thread; while one runs, its
         conversation is made now."""
         self.jobs.put(job)
@@ -799,7 +799,7 @@ def child_main(fd: int, parent_pid: int) -> int:  # noqa: PLR0912 (one branch pe
                 article = "an" if child.kind == "embedding" else "a"
                 child.error(rid, "bad_request", f"{op} asked of {article} {child.kind} engine")
             else:
-                child.queue(msg)
+                child.enqueue(msg)
         elif op == "cancel":
             child.cancel(int(msg.get("target", -1)))
         elif op == "stats":
