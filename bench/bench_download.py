@@ -183,7 +183,6 @@ async def modeld_pull(
             "late_mb": round(f.late_bytes / 1e6, 1),
             "splits": f.splits,
             "takeovers": f.takeovers,
-            "hash_holds": f.hash_pace.holds if f.hash_pace else 0,
         }
     finally:
         await store.close()

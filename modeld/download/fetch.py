@@ -39,7 +39,7 @@ from modeld.download.mirrors import (
 )
 from modeld.download.prefixhash import HASH_READ, PrefixHasher, start_writeback
 from modeld.download.rangeio import RangeClient, RangeConn, RangeFallback
-from modeld.download.ratelimit import HashPace, TokenBucket
+from modeld.download.ratelimit import TokenBucket
 from modeld.download.schedule import Piece, Schedule
 from modeld.errors import DownloadError
 
@@ -122,8 +122,6 @@ class Fetcher(Schedule):
         self._proxies = urllib.request.getproxies()
         self.late_bytes = 0  # bytes the prefix gained with the last block (see _block_finished)
         self.hasher: PrefixHasher | None = None
-        # Holds the raw reader back while the hasher is far behind (set with the hasher).
-        self.hash_pace: HashPace | None = None
         self._changed = asyncio.Event()
         self._fatal: BaseException | None = None
         self._advance_prefix()

@@ -44,7 +44,7 @@ from modeld.download.mirrors import (
     probe,
     request,
 )
-from modeld.download.ratelimit import HashPace, TokenBucket
+from modeld.download.ratelimit import TokenBucket
 from modeld.errors import (
     BadRequest,
     DigestConflict,
@@ -703,15 +703,12 @@ class DownloadJob:
         try:
             f.hasher = PrefixHasher(fd, self.target.size, block)
             f.hasher.advance(min(self.target.size, f.prefix_blocks * block))
-            f.hash_pace = f.rangeio.pace = HashPace(f.hasher.backlog)
             self._set(DownloadState.DOWNLOADING)
             try:
                 await self._fetch(f)
             except BaseException:
                 f.hasher.stop()
                 raise
-            finally:
-                f.rangeio.pace = None  # a repair's blocks never wait on this hash
             last_byte = time.monotonic()
             self._set(DownloadState.VERIFYING)
             digest = await f.hasher.digest()

@@ -77,13 +77,6 @@ class PrefixHasher:
                 self._target = prefix
                 self._cond.notify()
 
-    def backlog(self) -> int:
-        """Bytes of the written prefix not hashed yet; 0 once the thread has ended (done,
-        failed or stopped), so that nothing waits on it any more."""
-        if not self._thread.is_alive():
-            return 0
-        return max(0, self._target - self.hashed)
-
     def last_byte(self) -> None:
         """The download's last byte is written: note how much is left to hash."""
         with self._cond:

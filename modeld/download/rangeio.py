@@ -33,7 +33,7 @@ from tenacity import (
 from yarl import URL
 
 from modeld.download.mirrors import MirrorFailure, classify_status, parse_content_range, retry_after
-from modeld.download.ratelimit import HashPace, TokenBucket
+from modeld.download.ratelimit import TokenBucket
 
 # Per connection. Small enough that the bytes are still in the CPU cache when ``pwrite`` and
 # CRC-32 read them (1 MiB buffers made the page-cache copy 6x slower here: 0.4 s more CPU/GB).
@@ -85,8 +85,6 @@ class RangeConn(asyncio.BufferedProtocol):
         self.timer: asyncio.TimerHandle | None = None
         # ``--limit-rate``: the job's bucket; reading pauses while it is in debt.
         self.limit: TokenBucket | None = None
-        # The job's hash pace: reading pauses while the hash is far behind.
-        self.pace: HashPace | None = None
         self.paused = False
         self.resume: asyncio.TimerHandle | None = None
 
@@ -109,9 +107,8 @@ class RangeConn(asyncio.BufferedProtocol):
         if not self.busy:
             self._close()  # bytes nobody asked for: this connection is out of step
             return
-        if self.limit is not None or self.pace is not None:
-            debt = self.limit.take(nbytes) if self.limit is not None else 0.0
-            self._pause_for(max(debt, self.pace.wait()) if self.pace is not None else debt)
+        if self.limit is not None:
+            self._pause_for(self.limit.take(nbytes))
         self.filled += nbytes
         if self.head:
             self._parse_head()
@@ -140,7 +137,8 @@ class RangeConn(asyncio.BufferedProtocol):
         self.last = self.loop.time()
         self.timer = self.loop.call_later(self.stall, self._check_stall)
         self.transport.write(request)
-        self._pause_for(self._held())  # the job's debt or hash first, then this answer
+        if self.limit is not None:
+            self._pause_for(self.limit.wait())  # the job's debt first, then this answer
         return self.fut
 
     def _finish(self, result: int | BaseException) -> None:
@@ -188,7 +186,7 @@ class RangeConn(asyncio.BufferedProtocol):
         self.timer = None
         if not self.busy:
             return
-        if self.paused:  # holding back (rate, hash) is not the server's silence
+        if self.paused:  # holding back for --limit-rate is not the server's silence
             self.timer = self.loop.call_later(self.stall, self._check_stall)
             return
         quiet = self.loop.time() - self.last
@@ -225,12 +223,7 @@ class RangeConn(asyncio.BufferedProtocol):
             self._close()  # the rest of this body is not wanted any more
             self._finish(self.start + self.got)
 
-    # --- held back: --limit-rate and the hash pace -------------------------------------
-
-    def _held(self) -> float:
-        """Seconds to wait before reading on: the job's rate debt, or its hash backlog."""
-        debt = self.limit.wait() if self.limit is not None else 0.0
-        return max(debt, self.pace.wait()) if self.pace is not None else debt
+    # --- --limit-rate ------------------------------------------------------------------
 
     def _pause_for(self, delay: float) -> None:
         """Stop reading for ``delay`` seconds (TCP then holds the server back)."""
@@ -247,7 +240,7 @@ class RangeConn(asyncio.BufferedProtocol):
         self.resume = None
         if not self.paused:
             return
-        wait = self._held()
+        wait = self.limit.wait() if self.limit is not None else 0.0
         if wait > 0:  # other connections took bytes meanwhile: the debt is not paid yet
             self.resume = self.loop.call_later(wait, self._resume)
             return
@@ -362,7 +355,6 @@ class RangeClient:
         self.connect_timeout, self.stall_timeout = connect_timeout, stall_timeout
         self._idle: dict[tuple[str, str, int], list[RangeConn]] = {}
         self.limit: TokenBucket | None = None  # --limit-rate: given to each request's conn
-        self.pace: HashPace | None = None  # the job's hash pace: given to each request's conn
         self._all: set[RangeConn] = set()
         self._ssl: ssl.SSLContext | None = None
         self.connects = 0  # new connections made (the rest were kept alive)
@@ -458,7 +450,7 @@ class RangeClient:
         conn = await self._connect(url)
         if on_conn is not None:
             on_conn(conn)
-        conn.limit, conn.pace = self.limit, self.pace
+        conn.limit = self.limit
         try:
             served = await conn.begin(request, start, end, total, sink, from_cache)
         except _Stale:

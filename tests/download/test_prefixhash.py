@@ -67,28 +67,3 @@ async def test_a_file_shorter_than_the_hash_window_fails_with_an_error_not_a_fau
             await PrefixHasher(fd, len(data), 4096).digest()
     finally:
         os.close(fd)
-
-
-async def test_the_backlog_is_what_waits_for_the_hash_and_none_once_it_ended(
-    short_tmp: Path,
-) -> None:
-    """``backlog``: the written prefix not hashed yet; 0 once the hashing thread has ended
-    (done here; stopped or failed alike), so that no reader waits on a hash that is over."""
-    size = 4 * 1024 * 1024
-    path = short_tmp / "f"
-    path.write_bytes(random.Random(4).randbytes(size))
-    fd = os.open(path, os.O_RDWR)
-    try:
-        hasher = PrefixHasher(fd, size, 1024 * 1024)
-        assert hasher.backlog() == 0  # nothing written yet
-        hasher.advance(size)
-        assert 0 <= hasher.backlog() <= size
-        await hasher.digest()
-        assert hasher.backlog() == 0
-        stopped = PrefixHasher(fd, size, 1024 * 1024)
-        stopped.stop()
-        stopped._thread.join()
-        stopped._target = size  # as if the prefix had grown after the stop
-        assert stopped.backlog() == 0
-    finally:
-        os.close(fd)

@@ -89,32 +89,6 @@ async def test_pieces_go_through_the_raw_reader_with_keep_alive(
     assert all(r.get("If-Range") for r in ranged)  # the strong ETag seen at the probe
 
 
-async def test_readers_wait_for_a_hash_that_falls_behind(
-    short_tmp: Path, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A hash slower than the link holds the readers back (the pace's thresholds scaled
-    down to this small file), and the pull still ends verified, with no stall counted."""
-    from modeld.download import prefixhash, ratelimit
-
-    monkeypatch.setattr(ratelimit, "HASH_AHEAD", 256 * 1024)
-    monkeypatch.setattr(ratelimit, "HASH_RESUME", 128 * 1024)
-    update = prefixhash.PrefixHasher._update
-
-    def slow_update(self: prefixhash.PrefixHasher, h: Any, start: int, length: int) -> None:
-        time.sleep(0.02)  # about 12 MB/s for the 256 KiB pieces of this file
-        update(self, h, start, length)
-
-    monkeypatch.setattr(prefixhash.PrefixHasher, "_update", slow_update)
-    ms = await start_mirrors(DATA)
-    stop_later.extend(ms)
-    job = await pull(short_tmp, ms)
-    f = fetched(job)
-    assert installed(job) == DATA
-    assert f.hash_pace is not None and f.hash_pace.holds > 0
-    assert f.rangeio.pace is None  # cleared once the pieces are in
-    assert f.splits == f.takeovers == 0 and f.fallbacks == 0
-
-
 @pytest.mark.parametrize(
     ("fault", "states"),
     [

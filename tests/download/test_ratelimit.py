@@ -1,4 +1,4 @@
-"""The ``--limit-rate`` token bucket's accounting, on a fake clock; the hash pace's holds."""
+"""The ``--limit-rate`` token bucket's accounting, on a fake clock."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import heapq
 
 import pytest
 
-from modeld.download.ratelimit import MAX_HASH_PAUSE, MIN_READ, HashPace, TokenBucket
+from modeld.download.ratelimit import MIN_READ, TokenBucket
 
 
 class Clock:
@@ -77,17 +77,3 @@ def test_connections_that_obey_their_waits_stay_under_the_cap(
         assert total <= rate * (clock.now - start) + connections * bucket.read_size
         heapq.heappush(ready, (when + bucket.take(read) + 1e-4, conn))
     assert total >= rate * 10 * 0.9
-
-
-def test_the_hash_pace_holds_readers_back_until_the_hash_catches_up() -> None:
-    """Readers go on while the hash's backlog is at most ``ahead``; past it they wait, and
-    keep waiting until it is down to ``resume``; each hold is counted once, and no wait
-    is longer than MAX_HASH_PAUSE."""
-    behind = [0]
-    pace = HashPace(lambda: behind[0], ahead=100, resume=50)
-    for value, waits in [(0, False), (100, False), (101, True), (80, True), (50, False)]:
-        behind[0] = value
-        assert (pace.wait() > 0) is waits, value
-    assert pace.holds == 1
-    behind[0] = 10**12
-    assert pace.wait() == MAX_HASH_PAUSE and pace.holds == 2
