@@ -108,12 +108,28 @@ def connect_db(path: Path) -> sqlite3.Connection:
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
+# SQLite's primary result code for "needs a writer" (extended: ..._ROLLBACK, _RECOVERY, ...).
+_SQLITE_READONLY = 8
+
+
+def _quick_check(uri: str) -> tuple[str] | None:
+    conn = sqlite3.connect(uri, uri=True)
+    try:
+        row: tuple[str] | None = conn.execute("PRAGMA quick_check(1)").fetchone()
+    finally:
+        conn.close()
+    return row
+
+
 def check_database(path: Path) -> None:
     """Refuse a state database the daemon could not use, without writing to it.
 
     Raises ``DatabaseUnusable`` for a file that cannot be opened for writing (read-only, a
     read-only mount), is not SQLite, or fails SQLite's quick check. A missing file is fine:
-    the store creates it. Opening read-only never changes the file.
+    the store creates it. Opening read-only never changes the file. A file that a crash left
+    with a hot journal (SIGKILL in the first start, before the file was in WAL mode) cannot
+    be read read-only (SQLITE_READONLY_ROLLBACK); it is checked read-write then, which lets
+    SQLite roll the unfinished transaction back, as any writer would at its first read.
     """
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise DatabaseUnusable(
@@ -139,11 +155,12 @@ def check_database(path: Path) -> None:
         why = "is not an SQLite database"
     else:
         try:
-            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
             try:
-                row = conn.execute("PRAGMA quick_check(1)").fetchone()
-            finally:
-                conn.close()
+                row = _quick_check(f"{path.resolve().as_uri()}?mode=ro")
+            except sqlite3.OperationalError as e:
+                if getattr(e, "sqlite_errorcode", 0) & 0xFF != _SQLITE_READONLY:
+                    raise
+                row = _quick_check(path.resolve().as_uri())  # recovery needs a writer
         except sqlite3.DatabaseError as e:
             why = "cannot be read ({})".format(" ".join(str(e).split()))
         else:

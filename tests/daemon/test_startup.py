@@ -9,6 +9,7 @@ import socket
 import sqlite3
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,14 @@ from modeld.config import load_settings
 from modeld.daemon import daemon as daemon_mod
 from modeld.errors import Conflict, SettingsError
 from modeld.store.store import Store
-from tests.support.daemon import daemon_env, serve_to_exit, spawn_daemon, stop_process, wait_log
+from tests.support.daemon import (
+    DaemonProcess,
+    daemon_env,
+    serve_to_exit,
+    spawn_daemon,
+    stop_process,
+    wait_log,
+)
 from tests.support.unix import unix_http
 
 OTHER_UID = 12345
@@ -74,6 +82,44 @@ def test_corrupt_database_stops_start_untouched(
     assert lines[0].startswith(f"modeld: the state database {db} {needle}")
     assert "move it away" in lines[0]
     assert _snapshot(db) == before
+
+
+_KILLED_MID_TRANSACTION = """
+import os, sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)  # rollback journal: not WAL yet
+db.execute("CREATE TABLE kept (x)")
+db.execute("INSERT INTO kept VALUES (1), (2), (3)")
+db.execute("PRAGMA cache_size = 1")  # spill pages to the file before the commit
+db.execute("BEGIN")
+for _ in range(5000):
+    db.execute("INSERT INTO kept VALUES (?)", (os.urandom(200),))
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_hot_journal_left_by_a_kill_is_rolled_back_and_the_daemon_starts(
+    short_tmp: Path,
+) -> None:
+    """A state database that a SIGKILL left mid-transaction with a hot rollback journal (a
+    first start killed before the file was in WAL mode) cannot be read read-only; the daemon
+    starts anyway: SQLite rolls the unfinished transaction back, the committed rows stay."""
+    home = short_tmp / "home"
+    home.mkdir()
+    db = home / "modeld.db"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_TRANSACTION, str(db)], check=False)
+    assert killed.returncode == -9
+    journal = home / "modeld.db-journal"
+    assert journal.stat().st_size > 0  # hot: the kill left it
+    d = DaemonProcess(home=home, env=daemon_env(home))
+    d.start()
+    try:
+        assert unix_http(d.socket)[0] == 200
+    finally:
+        assert d.stop() == 0
+    assert not journal.exists() or journal.stat().st_size == 0
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM kept").fetchone() == (3,)
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
 
 def test_read_only_database_stops_start_untouched(short_tmp: Path) -> None:
