@@ -309,6 +309,11 @@ def main() -> None:
         default="20m",
         help="the slow mirror's nginx limit_rate per connection (goal (2) is set for 20m)",
     )
+    p.add_argument(
+        "--mirror-cpus",
+        help="run nginx on these CPUs (taskset list, e.g. 2,3): the mirrors stand in for "
+        "remote hosts, so on a bigger host they can be kept off the client's cores",
+    )
     a = p.parse_args()
     if a.child:
         child(a)
@@ -319,13 +324,16 @@ def main() -> None:
     for d in (root, prefix):
         d.mkdir(parents=True, exist_ok=True)
     src = root / "model.bin"
-    print(f"file: {format_size(size)} in {src}", flush=True)
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    where = f"nginx on CPUs {a.mirror_cpus}" if a.mirror_cpus else "nginx on the same CPUs"
+    print(f"file: {format_size(size)} in {src}; client on CPUs {cpus}, {where}", flush=True)
     sha = make_file(src, size)
     fast, slow = free_port(), free_port()
     (prefix / "nginx.conf").write_text(
         NGINX_CONF.format(prefix=prefix, root=root, fast=fast, slow=slow, slow_rate=a.slow_rate)
     )
-    nginx = subprocess.Popen(["nginx", "-c", str(prefix / "nginx.conf"), "-p", str(prefix)])
+    pin = ["taskset", "-c", a.mirror_cpus] if a.mirror_cpus else []
+    nginx = subprocess.Popen([*pin, "nginx", "-c", str(prefix / "nginx.conf"), "-p", str(prefix)])
     time.sleep(0.5)
     fast_url, slow_url = f"http://127.0.0.1:{fast}/model.bin", f"http://127.0.0.1:{slow}/model.bin"
     out = work / "out"

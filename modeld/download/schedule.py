@@ -2,18 +2,21 @@
 
 Pieces are whole blocks and sit in one queue in file order. The fastest mirror (per
 connection) takes the queue's front, so the prefix hasher follows it closely. A near-best
-slower mirror takes pieces off the queue's BACK: the two meet somewhere before the end,
-and all the prefix hasher has left to catch up on at the end is the slower mirror's small
-region (not everything written past a piece it held early in the file). Whatever a slower
-mirror holds at the hash front (an early misjudged rate, a probe, a stall) is moved to the
-best mirror at once: the slow one keeps only the block it is on, or loses the piece when
-even that block would take it long. Near the end of the queue pieces taper to an even
-share per connection, so the connections end close together. When the queue is empty
-(endgame), idle connections split in-flight pieces at a block boundary so both parts end
-together, or take over their last block: on a faster mirror, or over a fresh connection to
-the piece's own mirror when its connection has been held up for a second; a healthy piece
-is left alone (the split would close a connection with full socket buffers). While pieces
-are queued, a piece silent for a second is given up when another mirror is ready.
+slower mirror takes pieces off the queue's BACK: the two meet somewhere before the end, and
+all the prefix hasher has left to catch up on at the end is the slower mirror's small region
+(not everything written past a piece it held early in the file). Whatever a slower mirror
+holds at the hash front (an early misjudged rate, a probe, a stall) is moved to the best
+mirror at once: the slow one keeps only the block it is on, or loses the piece when even
+that block would take it long; a connection of the best mirror that lags at the hash front
+hands its rest to a fresh one. Pieces off the front are staggered, each cut to end a step
+after the one before it, so the prefix grows a piece at a time rather than eight at once.
+Near the end of the queue pieces taper to an even share per connection, so the connections
+end close together. When the queue is empty (endgame), idle connections split in-flight
+pieces at a block boundary so both parts end together, or take over their last block: on a
+faster mirror, or over a fresh connection to the piece's own mirror when its connection has
+been held up for a second; a healthy piece is left alone (the split would close a connection
+with full socket buffers). While pieces are queued, a piece silent for a second is given up
+when another mirror is ready.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ SILENT = 1.0
 # A piece at the hash front is moved to a faster mirror only when the one holding it would
 # need longer than this for it (shorter waits cost the hasher less than a restarted block).
 FRONT_WAIT = 0.1
+# A piece at the hash front that has run this long below half its own mirror's rate gives
+# its rest to a fresh connection to that mirror. Not judged sooner: a fresh answer's first
+# bytes come late, and each new connection would look slow in turn.
+LAG = 0.25
 
 
 @dataclass(eq=False)
@@ -107,6 +114,7 @@ class Schedule:
         self.splits = 0  # in-flight pieces split with a faster mirror
         self.takeovers = 0  # in-flight blocks taken over by a faster mirror
         self.front_moves = 0  # of those, moves of the piece holding the hash front
+        self.last_front: Piece | None = None  # the piece last taken off the queue's front
 
     def block_range(self, idx: int) -> tuple[int, int]:
         start = idx * self.block_size
@@ -199,22 +207,64 @@ class Schedule:
         return Piece(cut, piece.end, cut)
 
     def _front(self) -> Piece:
-        """The next piece off the queue's front, tapered near the end: once the queue holds
-        less than two pieces per connection, a piece is half an even share of what is left
-        per connection (at least a block). The connections then end close together, and the
-        endgame has little to split: a split closes a connection whose socket buffers are
-        full, and the server counts those bytes as sent. Half a share, not a whole one:
-        pieces taken later then end later, so the hash front passes each piece as it ends
-        (with whole shares every piece ended at once, and the hasher had everything above
-        the oldest one left to do after the last byte: 77 MB of 512)."""
+        """The next piece off the queue's front, staggered, and tapered near the end.
+
+        Staggered: a piece is cut so that it ends a step (``piece_blocks / connections``
+        blocks) after the piece taken off the front before it, at most a whole piece. The
+        connections then end their pieces one after another, in file order, and the prefix
+        hasher gets a piece every step. Pieces of one size, taken all at once (the start,
+        after the probe), ended together: the prefix jumped by eight pieces at a time, and
+        the hasher sat idle between the jumps with ~100 MB of 512 to do after the last
+        byte. From the second round on the stagger holds by itself: a connection takes its
+        next piece a step after the one before it did, and a whole piece ends a step after.
+
+        Tapered: once the queue holds less than two pieces per connection, a piece is at
+        most half an even share of what is left per connection (at least a block). The
+        connections then end close together, and the endgame has little to split: a split
+        closes a connection whose socket buffers are full, and the server counts those bytes
+        as sent. Half a share, not a whole one: pieces taken later then end later, so the
+        hash front passes each piece as it ends (with whole shares every piece ended at
+        once, and the hasher had everything above the oldest one left to do after the last
+        byte: 77 MB of 512)."""
         bs = self.block_size
         left = sum(p.end - p.pos for p in self.queue)
         share = -(-left // (2 * self.connections * bs))
+        blocks = min(share, self._stagger())
+        head = self._head(blocks)
+        # The last piece queued goes whole when it is at most half a share longer (no sliver
+        # left behind; before it, a sliver joins the next piece, ``_head``).
+        length = -(-head.end // bs) - head.pos // bs
+        if len(self.queue) == 1 and 2 * length <= 3 * blocks:
+            piece = self._take(front=True)
+        else:
+            piece = self._take(front=True, blocks=blocks)
+        self.last_front = piece
+        return piece
+
+    def _head(self, blocks: int) -> Piece:
+        """The queue's head, joined with the pieces queued right after it (in the file and
+        the queue) while it is shorter than ``blocks``: a stagger step is not lost to the
+        remnant of a piece cut before."""
+        bs = self.block_size
         head = self.queue[0]
-        # A head that is at most half a share longer goes whole (no sliver left behind).
-        if share >= self.piece_blocks or 2 * (-(-head.end // bs) - head.pos // bs) <= 3 * share:
-            return self._take(front=True)
-        return self._take(front=True, blocks=share)
+        while len(self.queue) > 1 and -(-head.end // bs) - head.pos // bs < blocks:
+            nxt = self.queue[1]
+            if nxt.start != head.end or nxt.pos != nxt.start:
+                break
+            del self.queue[1]
+            head = Piece(head.start, nxt.end, head.pos, crc=head.crc, src=head.src)
+            self.queue[0] = head
+        return head
+
+    def _stagger(self) -> int:
+        """Blocks for the next front piece to end a step after the last one taken off the
+        front (the same mirror's connections fetch at about the same rate)."""
+        prev = self.last_front
+        step = max(1, self.piece_blocks // self.connections)
+        if prev is None or prev.abandoned or prev.pos >= prev.end:
+            return step
+        bs = self.block_size
+        return min(self.piece_blocks, -(-prev.end // bs) - prev.pos // bs + step)
 
     def _next_piece(self) -> tuple[Mirror, Piece] | None:
         """The next (mirror, piece) for a free connection, if any.
@@ -234,6 +284,8 @@ class Schedule:
                 front = m is ready[0] and m.primary
                 piece = self._take(front=front, blocks=min(PROBE_BLOCKS, self.piece_blocks))
                 piece.probe = piece.end - piece.pos
+                if front:
+                    self.last_front = piece
                 return m, piece
         measured = [m for m in ready if id(m) in rates]
         if not measured:
@@ -274,23 +326,33 @@ class Schedule:
         """Hash-front priority: the in-flight piece holding the prefix, when on a mirror
         that would finish it later than ``best`` could, is moved to ``best`` now (not only
         in the endgame): its holder keeps just the block it is on, or loses the piece when
-        even that block would keep the hasher waiting."""
+        even that block would keep the hasher waiting.
+
+        On ``best`` itself, a piece whose connection has run below half the mirror's rate
+        for ``LAG`` seconds (a connection that lost its share, at the server or in the
+        loop) gives the rest, past the block it is on, to a fresh connection. Otherwise
+        the prefix waited on it while the other connections went on: 200 MB of 512 was
+        written above it, and hashed after the last byte."""
         bs = self.block_size
         now = time.monotonic()
         front = self.prefix_blocks
         for p in self.inflight:
-            if p.abandoned or p.stream or p.mirror is None or p.mirror is best:
+            if p.abandoned or p.stream or p.mirror is None:
                 continue
             if p.pos // bs != front or now - p.began < 0.05 or p.pos >= p.end:
                 continue
             rate_s = max(p.rate(), 1.0)
             cut = min(p.end, (front + 1) * bs)
-            t_block = (cut - p.pos) / rate_s
-            if t_block > FRONT_WAIT and t_block > 2 * (cut - front * bs) / rate_f:
-                self._abandon(p)
-                self.takeovers += 1
-                self.front_moves += 1
-                return best, Piece(front * bs, p.end, front * bs)
+            if p.mirror is best:
+                if now - p.began < LAG or rate_s >= 0.5 * rate_f or cut >= p.end:
+                    return None
+            else:
+                t_block = (cut - p.pos) / rate_s
+                if t_block > FRONT_WAIT and t_block > 2 * (cut - front * bs) / rate_f:
+                    self._abandon(p)
+                    self.takeovers += 1
+                    self.front_moves += 1
+                    return best, Piece(front * bs, p.end, front * bs)
             t_rest = (p.end - cut) / rate_s
             if cut < p.end and t_rest > FRONT_WAIT and t_rest > 2 * (p.end - cut) / rate_f:
                 new = Piece(cut, p.end, cut)

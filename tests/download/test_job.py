@@ -734,7 +734,8 @@ def test_the_queue_tapers_and_a_healthy_piece_is_not_split_with_its_own_mirror()
         # Half an even share per connection of what is left (or up to half that more,
         # rather than leave a sliver of a block or two behind).
         assert sizes[-1] <= 1.5 * share, (sizes, share)
-    assert sizes[0] == 4 and sizes[-1] <= 2 and sum(sizes) == 64, sizes
+    # The first piece is one stagger step (16 / 8 blocks), below the taper's share of 4.
+    assert sizes[0] == 2 and sizes[-1] <= 2 and sum(sizes) == 64, sizes
     now = time.monotonic()
     healthy = Piece(0, 8 * mb, 2 * mb, mirror=one, began=now - 2.0, got=2 * mb)
     healthy.last = now
@@ -751,6 +752,61 @@ def test_the_queue_tapers_and_a_healthy_piece_is_not_split_with_its_own_mirror()
     stolen = s._steal()
     assert stolen is not None and stolen[0] is one and s.splits == 1
     assert held.end == stolen[1].pos < 8 * mb and fast.end == 16 * mb
+
+
+def test_front_pieces_are_staggered_and_a_lagging_front_hands_on_its_rest() -> None:
+    """Scheduler unit, one mirror, 8 connections: pieces taken off the front at once are cut
+    to end one after another in file order (2, 4, ... 16 blocks at one rate), and from then
+    on a piece taken a step after the last one is whole. The piece at the hash front whose
+    connection has run at a tenth of the mirror's rate hands its rest (past its current
+    block) to a fresh connection; a healthy one, or one judged too soon, keeps it."""
+    from modeld.download.schedule import LAG, Piece, Schedule
+
+    mb = 1024 * 1024
+    one = mirrors_mod.Mirror(
+        URL("http://127.0.0.1:1/f"), primary=True, state=mirrors_mod.MirrorState.OK, conn_rate=50e6
+    )
+    s = Schedule(
+        size=512 * mb,
+        block_size=mb,
+        piece_size=16 * mb,
+        mirrors=[one],
+        done=bytearray(512),
+        connections=8,
+    )
+    s._plan()
+    burst = []
+    for _ in range(8):
+        picked = s._next_piece()
+        assert picked is not None and picked[0] is one
+        burst.append(picked[1])
+    assert [(p.end - p.pos) // mb for p in burst] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert [p.start for p in burst] == sorted(p.start for p in burst)
+    # A step later the first one is done and the last one has two blocks behind it.
+    burst[0].pos = burst[0].end
+    burst[-1].pos += 2 * mb
+    picked = s._next_piece()
+    assert picked is not None and picked[1].end - picked[1].pos == 16 * mb
+    # The hash front's piece, on the best (only) mirror, at 5 MB/s for a second.
+    now = time.monotonic()
+    front = burst[1]
+    front.mirror = one  # (the worker sets it when it starts the piece)
+    front.pos, front.began, front.got, front.last = front.start + mb // 2, now - 1.0, 5 * mb, now
+    s.inflight = {front}
+    s.prefix_blocks = front.start // mb
+    end = front.end
+    moved = s._free_front(one, 50e6)
+    assert moved is not None and moved[0] is one
+    assert (moved[1].start, moved[1].end) == (front.start + mb, end)
+    assert front.end == front.start + mb and s.front_moves == 1
+    # Healthy (at the mirror's rate), or slow but younger than LAG: left alone.
+    healthy = Piece(8 * mb, 24 * mb, 9 * mb, mirror=one, began=now - 1.0, got=50_000_000)
+    healthy.last = now
+    young = Piece(8 * mb, 24 * mb, 9 * mb, mirror=one, began=now - LAG / 2, got=100_000)
+    young.last = now
+    for p in (healthy, young):
+        s.inflight, s.prefix_blocks = {p}, 9
+        assert s._free_front(one, 50e6) is None and p.end == 24 * mb
 
 
 def test_block_crc_matches_zlib() -> None:
