@@ -2,9 +2,18 @@
 
 The thread also starts the writeback of each finished block (``sync_file_range``), so that
 syscall is off the event loop and the final fsync is short. It keeps a copy of the hash
-state at block boundaries (every ``stride`` bytes, at most ``MAX_STATES`` of them: about
-250 bytes each, so at most about 250 KiB per download), so a repair that rewrites a block
-re-hashes only from that block on (``rehash``), not the whole file.
+state every ``stride`` bytes (a multiple of the block size, at least ``HASH_WINDOW``; at
+most ``MAX_STATES`` of them: about 250 bytes each, so at most about 250 KiB per download),
+so a repair that rewrites a block re-hashes only from the state before it (``rehash``), not
+the whole file.
+
+The thread works in large windows because each call that releases the GIL (the mapping,
+``sha256.update``, the unmapping, ``sync_file_range``) must take it back from the event
+loop, which can keep it for up to the interpreter's switch interval (5 ms) while it is busy
+in Python. With a state and a mapping per 1 MiB block, hashing a cached 512 MiB file beside
+a thread doing Python work and writes ran at 0.75-1.06 GB/s against 1.24-1.35 GB/s alone
+(0.05 GB/s beside pure Python); with 32 MiB windows it runs at 1.33-1.38 GB/s beside the
+same thread, as fast as alone (0.7 GB/s beside pure Python).
 """
 
 from __future__ import annotations
@@ -21,10 +30,11 @@ from collections import deque
 from hashlib import sha256
 from typing import Any
 
-# The hashing thread reads the prefix in slices of this size (into one reused buffer).
-HASH_READ = 8 * 1024 * 1024
-# Hash states kept at most (one every ``stride`` bytes): the stride is the block size up to
-# MAX_STATES blocks (1 GiB of 1 MiB blocks), and a multiple of it beyond.
+# The hashing thread maps (or, where it cannot, reads) the prefix in windows of at most this
+# size, each fed to sha256 in one call.
+HASH_WINDOW = 32 * 1024 * 1024
+# Hash states kept at most (one every ``stride`` bytes): the stride is HASH_WINDOW rounded
+# up to whole blocks, up to MAX_STATES of them (32 GiB), and a multiple of the block beyond.
 MAX_STATES = 1024
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -48,10 +58,12 @@ class PrefixHasher:
     is read back from the page cache into one reused buffer.
     """
 
-    def __init__(self, fd: int, size: int, block_size: int = 1024 * 1024) -> None:
-        self.fd, self.size = fd, size
+    def __init__(
+        self, fd: int, size: int, block_size: int = 1024 * 1024, window: int = HASH_WINDOW
+    ) -> None:
+        self.fd, self.size, self.window = fd, size, window
         blocks = -(-size // block_size)
-        self.stride = block_size * max(1, -(-blocks // MAX_STATES))
+        self.stride = block_size * max(-(-window // block_size), -(-blocks // MAX_STATES))
         # offset (a multiple of ``stride``) -> the hash state of the file's bytes before it
         self.states: dict[int, Any] = {0: sha256()}
         self.hashed = 0
@@ -66,7 +78,7 @@ class PrefixHasher:
         self._error: BaseException | None = None
         self._hash = sha256()
         self._stop = False
-        self._buf = memoryview(bytearray(HASH_READ))
+        self._buf: memoryview | None = None  # for ``_read``, made on first use
         self._map = True  # hash from read-only mappings (``_update``) while they work
         self._thread = threading.Thread(target=self._run, name="modeld-hash", daemon=True)
         self._thread.start()
@@ -89,6 +101,8 @@ class PrefixHasher:
             self._cond.notify()
 
     def _read(self, start: int, length: int) -> memoryview:
+        if self._buf is None or len(self._buf) < length:
+            self._buf = memoryview(bytearray(self.window))
         view = self._buf[:length]
         got = 0
         while got < length:
@@ -104,10 +118,10 @@ class PrefixHasher:
                 with self._cond:
                     while not self._jobs and self.hashed >= self._target and not self._stop:
                         self._cond.wait()
-                    jobs = list(self._jobs)
+                    jobs = sorted(self._jobs)
                     self._jobs.clear()
                     target, stop = self._target, self._stop
-                for start, length in jobs:
+                for start, length in _coalesce(jobs):
                     start_writeback(self.fd, start, length)
                 if stop:
                     return
@@ -144,9 +158,9 @@ class PrefixHasher:
         h.update(self._read(start, length))
 
     def _hash_range(self, h: Any, pos: int, end: int) -> int:
-        """Feed ``[pos, end)`` into ``h`` (up to the next state boundary or HASH_READ bytes,
+        """Feed ``[pos, end)`` into ``h`` (up to the next state boundary or ``window`` bytes,
         whichever is first), keep the state at a boundary; return the new position."""
-        n = min(HASH_READ, end - pos, self.stride - pos % self.stride)
+        n = min(self.window, end - pos, self.stride - pos % self.stride)
         self._update(h, pos, n)
         pos += n
         if pos % self.stride == 0 and pos < self.size:
@@ -176,3 +190,15 @@ class PrefixHasher:
         with self._cond:
             self._stop = True
             self._cond.notify()
+
+
+def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted ``(start, length)`` ranges with the touching ones merged: one writeback call
+    for a run of blocks that finished together, not one per block."""
+    out: list[tuple[int, int]] = []
+    for start, length in ranges:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((start, length))
+    return out

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from modeld.download.prefixhash import MAX_STATES, PrefixHasher
+from modeld.download.prefixhash import HASH_WINDOW, MAX_STATES, PrefixHasher, _coalesce
 
 
 async def test_rehash_from_a_changed_block_matches_a_full_hash(short_tmp: Path) -> None:
     """States are kept every ``stride`` bytes (at most MAX_STATES+1 of them, whatever the
     file's block count); after a byte changes, ``rehash`` from its offset gives the whole
-    file's new sha256, and again after a second change further back."""
+    file's new sha256, and again after a second change further back. (A window of one
+    block, so the block count, not the window, sets the stride.)"""
     block = 16
     size = 100_000 + 7  # 6251 blocks of 16 bytes: more than MAX_STATES
     data = bytearray(random.Random(3).randbytes(size))
@@ -23,7 +24,7 @@ async def test_rehash_from_a_changed_block_matches_a_full_hash(short_tmp: Path) 
     path.write_bytes(data)
     fd = os.open(path, os.O_RDWR)
     try:
-        hasher = PrefixHasher(fd, size, block)
+        hasher = PrefixHasher(fd, size, block, window=block)
         assert hasher.stride % block == 0 and hasher.stride > block
         assert await hasher.digest() == hashlib.sha256(data).hexdigest()
         assert len(hasher.states) <= MAX_STATES + 1
@@ -36,18 +37,30 @@ async def test_rehash_from_a_changed_block_matches_a_full_hash(short_tmp: Path) 
         os.close(fd)
 
 
-async def test_one_state_per_block_for_a_small_file(short_tmp: Path) -> None:
-    """Up to MAX_STATES blocks, a state is kept at every block boundary."""
+async def test_one_state_per_window_for_a_small_file(short_tmp: Path) -> None:
+    """Up to MAX_STATES windows, a state is kept at every window boundary (the window
+    rounded up to whole blocks), and the default window is HASH_WINDOW."""
     size = 10 * 1024 + 3
+    data = random.Random(4).randbytes(size)
     path = short_tmp / "f"
-    path.write_bytes(random.Random(4).randbytes(size))
+    path.write_bytes(data)
     fd = os.open(path, os.O_RDONLY)
     try:
-        hasher = PrefixHasher(fd, size, 1024)
-        await hasher.digest()
-        assert sorted(hasher.states) == [i * 1024 for i in range(11)]
+        hasher = PrefixHasher(fd, size, 1024, window=2000)
+        assert await hasher.digest() == hashlib.sha256(data).hexdigest()
+        assert sorted(hasher.states) == [i * 2048 for i in range(6)]
+        for block, stride in ((1024, HASH_WINDOW), (3 * 1024 * 1024, 33 * 1024 * 1024)):
+            other = PrefixHasher(fd, size, block)
+            other.stop()
+            assert other.stride == stride
     finally:
         os.close(fd)
+
+
+def test_touching_writeback_ranges_are_merged_into_one_call() -> None:
+    """Blocks that finished together start their writeback in one call per run of them."""
+    assert _coalesce([(0, 4), (4, 4), (12, 4), (16, 2), (30, 1)]) == [(0, 8), (12, 6), (30, 1)]
+    assert _coalesce([]) == []
 
 
 async def test_a_file_shorter_than_the_hash_window_fails_with_an_error_not_a_fault(
