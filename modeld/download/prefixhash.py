@@ -55,7 +55,8 @@ class PrefixHasher:
     The thread also starts the writeback of each finished block (``block_done``), so that
     syscall is off the event loop and the final fsync is short. ``sha256.update`` releases
     the GIL on large buffers, so hashing runs on the other core beside the loop; the prefix
-    is read back from the page cache into one reused buffer.
+    is hashed in place from read-only mappings of the page cache (``_update``), a window
+    of up to ``window`` bytes at a time.
     """
 
     def __init__(
