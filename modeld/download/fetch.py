@@ -37,7 +37,7 @@ from modeld.download.mirrors import (
     parse_content_range,
     request,
 )
-from modeld.download.prefixhash import HASH_WINDOW, PrefixHasher, start_writeback
+from modeld.download.prefixhash import PrefixHasher, start_writeback
 from modeld.download.rangeio import RangeClient, RangeConn, RangeFallback
 from modeld.download.ratelimit import TokenBucket
 from modeld.download.schedule import Piece, Schedule
@@ -50,7 +50,6 @@ except ImportError:  # pragma: no cover (isal has wheels for the usual platforms
 
 __all__ = [
     "CHUNK",
-    "HASH_WINDOW",
     "RAW_RANGES",
     "Fetcher",
     "Piece",

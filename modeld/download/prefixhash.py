@@ -102,7 +102,7 @@ class PrefixHasher:
             self._cond.notify()
 
     def _read(self, start: int, length: int) -> memoryview:
-        if self._buf is None or len(self._buf) < length:
+        if self._buf is None:  # ``length`` is at most one window
             self._buf = memoryview(bytearray(self.window))
         view = self._buf[:length]
         got = 0
