@@ -7,9 +7,9 @@ buffers) unless a mirror needs aiohttp (proxy, redirect, expired signed URL, chu
 Bytes are written with ``os.pwrite`` at their offset straight from the event loop
 (half the CPU of a copied write in a thread; aiofiles has no pwrite: docs/downloader.md); each
 block's CRC-32 is computed as it is written and reported to ``on_block`` (the journal).
-The hashing thread (``prefixhash.PrefixHasher``) starts each finished block's writeback
-(``sync_file_range``, so the final fsync is short) and feeds the whole-file sha256 from
-the contiguous prefix.
+``prefixhash.PrefixHasher`` feeds the whole-file sha256 from the contiguous prefix in one
+thread and starts each finished block's writeback (``sync_file_range``, so the final fsync
+is short) in another.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from modeld.download.mirrors import (
     parse_content_range,
     request,
 )
-from modeld.download.prefixhash import PrefixHasher, start_writeback
+from modeld.download.prefixhash import PrefixHasher
 from modeld.download.rangeio import RangeClient, RangeConn, RangeFallback
 from modeld.download.ratelimit import TokenBucket
 from modeld.download.schedule import Piece, Schedule
@@ -56,7 +56,6 @@ __all__ = [
     "PrefixHasher",
     "Writer",
     "crc32",
-    "start_writeback",
 ]
 
 CHUNK = 1024 * 1024

@@ -1,19 +1,21 @@
 """The whole-file sha256 of a download, computed in a thread over its contiguous written prefix.
 
-The thread also starts the writeback of each finished block (``sync_file_range``), so that
-syscall is off the event loop and the final fsync is short. It keeps a copy of the hash
-state every ``stride`` bytes (a multiple of the block size, at least ``HASH_WINDOW``; at
-most ``MAX_STATES`` of them: about 250 bytes each, so at most about 250 KiB per download),
-so a repair that rewrites a block re-hashes only from the state before it (``rehash``), not
-the whole file.
+A second thread starts the writeback of each finished block (``sync_file_range``), so that
+syscall is off the event loop and the final fsync is short. It is not the hashing thread:
+``sync_file_range`` can block while the disk's queue is full, and a pull that ends when
+its hash does would wait that long too (see ``Writeback``). The hashing thread keeps a
+copy of the hash state every ``stride`` bytes (a multiple of the block size, at least
+``HASH_WINDOW``; at most ``MAX_STATES`` of them: about 250 bytes each, so at most about
+250 KiB per download), so a repair that rewrites a block re-hashes only from the state
+before it (``rehash``), not the whole file.
 
-The thread works in large windows because each call that releases the GIL (the mapping,
-``sha256.update``, the unmapping, ``sync_file_range``) must take it back from the event
-loop, which can keep it for up to the interpreter's switch interval (5 ms) while it is busy
-in Python. With a state and a mapping per 1 MiB block, hashing a cached 512 MiB file beside
-a thread doing Python work and writes ran at 0.75-1.06 GB/s against 1.24-1.35 GB/s alone
-(0.05 GB/s beside pure Python); with 32 MiB windows it runs at 1.33-1.38 GB/s beside the
-same thread, as fast as alone (0.7 GB/s beside pure Python).
+The hashing thread works in large windows because each call that releases the GIL (the
+mapping, ``sha256.update``, the unmapping) must take it back from the event loop, which
+can keep it for up to the interpreter's switch interval (5 ms) while it is busy in Python.
+With a state and a mapping per 1 MiB block, hashing a cached 512 MiB file beside a thread
+doing Python work and writes ran at 0.75-1.06 GB/s against 1.24-1.35 GB/s alone (0.05 GB/s
+beside pure Python); with 32 MiB windows it runs at 1.33-1.38 GB/s beside the same thread,
+as fast as alone (0.7 GB/s beside pure Python).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import mmap
 import os
 import threading
 import time
-from collections import deque
 from hashlib import sha256
 from typing import Any
 
@@ -49,19 +50,78 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
         )
 
 
-class PrefixHasher:
+class _Worker:
+    """A daemon thread that waits on ``cond`` for work until ``stop``."""
+
+    def __init__(self, name: str) -> None:
+        self.cond = threading.Condition()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """End the thread after what it is doing now, without waiting."""
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+
+    def close(self) -> None:
+        """``stop`` and wait for the thread: call before the descriptor is closed."""
+        self.stop()
+        self.thread.join()
+
+
+class Writeback(_Worker):
+    """A thread that starts the writeback of finished ranges of one file (``sync_file_range``).
+
+    Apart from the hashing thread because that call blocks while the disk's queue is full:
+    writing a 512 MiB download here, the hashing thread's calls held the hash back by
+    0.15-0.55 s in all (the digest came 0.53-0.94 s after the first byte, 0.38-0.40 s
+    without them), and a pull that is bound by its hash ends that much later. Ranges that
+    wait when the thread is stopped are dropped: the install's fsync writes them anyway.
+    """
+
+    def __init__(self, fd: int) -> None:
+        super().__init__("modeld-writeback")
+        self.fd = fd
+        self._jobs: list[tuple[int, int]] = []
+        self.thread.start()
+
+    def add(self, start: int, length: int) -> None:
+        with self.cond:
+            self._jobs.append((start, length))
+            self.cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self._jobs and not self.stopped:
+                    self.cond.wait()
+                if self.stopped:
+                    return
+                jobs, self._jobs = sorted(self._jobs), []
+            for start, length in _coalesce(jobs):
+                if self.stopped:
+                    return
+                start_writeback(self.fd, start, length)
+
+
+class PrefixHasher(_Worker):
     """sha256 of the file's contiguous written prefix, computed in a thread while downloading.
 
-    The thread also starts the writeback of each finished block (``block_done``), so that
-    syscall is off the event loop and the final fsync is short. ``sha256.update`` releases
-    the GIL on large buffers, so hashing runs on the other core beside the loop; the prefix
-    is hashed in place from read-only mappings of the page cache (``_update``), a window
-    of up to ``window`` bytes at a time.
+    Its ``writeback`` thread starts the writeback of each finished block (``block_done``),
+    so that syscall is off the event loop and the final fsync is short. ``sha256.update``
+    releases the GIL on large buffers, so hashing runs on the other core beside the loop;
+    the prefix is hashed in place from read-only mappings of the page cache (``_update``),
+    a window of up to ``window`` bytes at a time.
     """
 
     def __init__(
         self, fd: int, size: int, block_size: int = 1024 * 1024, window: int = HASH_WINDOW
     ) -> None:
+        super().__init__("modeld-hash")
         self.fd, self.size, self.window = fd, size, window
         blocks = -(-size // block_size)
         self.stride = block_size * max(-(-window // block_size), -(-blocks // MAX_STATES))
@@ -73,33 +133,28 @@ class PrefixHasher:
         # CPU seconds the hashing thread used (set when it ends): for the benchmark.
         self.cpu = 0.0
         self._target = 0
-        self._jobs: deque[tuple[int, int]] = deque()
-        self._cond = threading.Condition()
         self._digest: str | None = None
         self._error: BaseException | None = None
         self._hash = sha256()
-        self._stop = False
         self._buf: memoryview | None = None  # for ``_read``, made on first use
         self._map = True  # hash from read-only mappings (``_update``) while they work
-        self._thread = threading.Thread(target=self._run, name="modeld-hash", daemon=True)
-        self._thread.start()
+        self.writeback = Writeback(fd)
+        self.thread.start()
 
     def advance(self, prefix: int) -> None:
-        with self._cond:
+        with self.cond:
             if prefix > self._target:
                 self._target = prefix
-                self._cond.notify()
+                self.cond.notify()
 
     def last_byte(self) -> None:
         """The download's last byte is written: note how much is left to hash."""
-        with self._cond:
+        with self.cond:
             self.tail_bytes = self.size - self.hashed
 
     def block_done(self, start: int, length: int) -> None:
         """``[start, start + length)`` is wholly written: start its writeback."""
-        with self._cond:
-            self._jobs.append((start, length))
-            self._cond.notify()
+        self.writeback.add(start, length)
 
     def _read(self, start: int, length: int) -> memoryview:
         if self._buf is None:  # ``length`` is at most one window
@@ -116,19 +171,15 @@ class PrefixHasher:
     def _run(self) -> None:
         try:
             while True:
-                with self._cond:
-                    while not self._jobs and self.hashed >= self._target and not self._stop:
-                        self._cond.wait()
-                    jobs = sorted(self._jobs)
-                    self._jobs.clear()
-                    target, stop = self._target, self._stop
-                for start, length in _coalesce(jobs):
-                    start_writeback(self.fd, start, length)
+                with self.cond:
+                    while self.hashed >= self._target and not self.stopped:
+                        self.cond.wait()
+                    target, stop = self._target, self.stopped
                 if stop:
                     return
-                while self.hashed < target:
+                while self.hashed < target and not self.stopped:
                     self.hashed = self._hash_range(self._hash, self.hashed, target)
-                if self.hashed >= self.size and not self._jobs:
+                if self.hashed >= self.size:
                     self._digest = self._hash.hexdigest()
                     return
         except BaseException as e:  # reported to the waiter in digest()
@@ -180,18 +231,25 @@ class PrefixHasher:
         return str(h.hexdigest())
 
     async def digest(self) -> str:
-        """Wait for the whole file's digest (call after advancing to ``size``)."""
+        """Wait for the whole file's digest (call after advancing to ``size``); then the
+        writeback thread ends (the install's fsync writes what it left)."""
         self.advance(self.size)
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.thread.join)
+        await asyncio.to_thread(self.writeback.close)
         if self._error is not None:
             raise self._error
         assert self._digest is not None
         return self._digest
 
     def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
+        """End both threads (after the window or call each is in), without waiting."""
+        self.writeback.stop()
+        super().stop()
+
+    def close(self) -> None:
+        """``stop`` and wait for both threads: call before the descriptor is closed."""
+        super().close()
+        self.writeback.close()
 
 
 def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

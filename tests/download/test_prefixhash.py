@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import random
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from modeld.download.prefixhash import HASH_WINDOW, MAX_STATES, PrefixHasher, _coalesce
+from modeld.download import prefixhash
+from modeld.download.prefixhash import (
+    HASH_WINDOW,
+    MAX_STATES,
+    PrefixHasher,
+    Writeback,
+    _coalesce,
+)
 
 
 async def test_rehash_from_a_changed_block_matches_a_full_hash(short_tmp: Path) -> None:
@@ -78,5 +89,110 @@ async def test_a_file_shorter_than_the_hash_window_fails_with_an_error_not_a_fau
         os.ftruncate(fd, 4096)
         with pytest.raises(OSError, match="short read"):
             await PrefixHasher(fd, len(data), 4096).digest()
+    finally:
+        os.close(fd)
+
+
+def _fake_writeback(
+    monkeypatch: pytest.MonkeyPatch, *held: int
+) -> tuple[list[tuple[int, int]], dict[int, threading.Event]]:
+    """``start_writeback`` replaced: each call is recorded, and a call at a ``held`` offset
+    blocks until that offset's event is set (as the real one blocks on a full disk queue)."""
+    calls: list[tuple[int, int]] = []
+    events = {offset: threading.Event() for offset in held}
+
+    def fake(fd: int, offset: int, length: int) -> None:
+        calls.append((offset, length))
+        if offset in events:
+            events[offset].wait(30)
+
+    monkeypatch.setattr(prefixhash, "start_writeback", fake)
+    return calls, events
+
+
+async def _until(ready: Callable[[], bool]) -> None:
+    for _ in range(5000):
+        if ready():
+            return
+        await asyncio.sleep(0.001)
+
+
+async def test_the_hash_goes_on_while_a_writeback_call_blocks(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sync_file_range`` blocks while the disk's queue is full: the hash is not held
+    back by it (the writeback has its own thread), and the digest waits for the call in
+    flight before it returns, so no call is ever made on a descriptor closed after it."""
+    calls, held = _fake_writeback(monkeypatch, 0)
+    block = 4096
+    data = random.Random(6).randbytes(8 * block)
+    path = short_tmp / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hasher = PrefixHasher(fd, len(data), block)
+        for i in range(8):
+            hasher.block_done(i * block, block)
+            hasher.advance((i + 1) * block)
+        waiting = asyncio.ensure_future(hasher.digest())
+        await _until(lambda: hasher.hashed == len(data) and bool(calls))
+        assert hasher.hashed == len(data)  # all hashed while the first call still blocks
+        assert calls[0][0] == 0
+        assert not waiting.done()  # the digest waits for that call
+        held[0].set()
+        assert await waiting == hashlib.sha256(data).hexdigest()
+        assert not hasher.writeback.thread.is_alive()
+    finally:
+        os.close(fd)
+
+
+async def test_writeback_merges_what_waits_and_drops_it_when_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ranges that wait while a call is in flight go in the next one, merged where they
+    touch; what still waits when the thread is stopped is dropped (the fsync writes it)."""
+    calls, held = _fake_writeback(monkeypatch, 0, 50)
+    wb = Writeback(-1)
+    wb.add(0, 10)
+    await _until(lambda: len(calls) == 1)
+    wb.add(20, 10)
+    wb.add(10, 10)
+    wb.add(40, 5)
+    held[0].set()
+    await _until(lambda: len(calls) == 3)
+    assert calls == [(0, 10), (10, 20), (40, 5)]
+    wb.add(50, 5)
+    await _until(lambda: len(calls) == 4)
+    wb.add(60, 5)  # waits behind the blocked call, then is dropped
+    wb.stop()
+    held[50].set()
+    await asyncio.to_thread(wb.close)
+    assert calls == [(0, 10), (10, 20), (40, 5), (50, 5)]
+
+
+def test_close_ends_the_hash_mid_backlog(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed pull closes the hasher before its descriptor: the hashing thread stops
+    after the window it is in, not after everything the prefix had released."""
+    block = 4096
+    data = random.Random(7).randbytes(64 * block)
+    path = short_tmp / "f"
+    path.write_bytes(data)
+    update = PrefixHasher._update
+
+    def slow_update(self: PrefixHasher, h: object, start: int, length: int) -> None:
+        time.sleep(0.02)
+        update(self, h, start, length)
+
+    monkeypatch.setattr(PrefixHasher, "_update", slow_update)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hasher = PrefixHasher(fd, len(data), block, window=block)
+        hasher.advance(len(data))
+        deadline = time.monotonic() + 5
+        while hasher.hashed == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        hasher.close()
+        assert 0 < hasher.hashed < len(data) // 2
+        assert not hasher.thread.is_alive() and not hasher.writeback.thread.is_alive()
     finally:
         os.close(fd)
