@@ -387,10 +387,34 @@ class DownloadJob:
             await self._prepare(fd, state, block)
             await self._fetch_and_install(fd, block)
         finally:
-            await self._cancel_probes()
-            os.close(fd)
-            if self._session is not None:
-                await self._session.close()
+            cancelled = await self._end_hasher()
+            try:
+                await self._cancel_probes()
+            finally:
+                os.close(fd)
+                if self._session is not None:
+                    await self._session.close()
+            if cancelled:
+                raise asyncio.CancelledError
+
+    async def _end_hasher(self) -> bool:
+        """Stop the hasher's threads (a ``rehash`` in flight too) and wait for them, after
+        the window or writeback call each is in, through any cancel that comes meanwhile:
+        the descriptor they use is closed next. Returns whether a cancel came (the caller
+        raises it once the descriptor and the session are closed)."""
+        f = self.fetcher
+        hasher = f.hasher if f is not None else None
+        cancelled = False
+        if hasher is None:
+            return cancelled
+        hasher.stop()
+        ended = asyncio.ensure_future(asyncio.to_thread(hasher.close))
+        while not ended.done():
+            try:
+                await asyncio.shield(ended)
+            except asyncio.CancelledError:
+                cancelled = True
+        return cancelled
 
     def _check_space(self) -> None:
         have = 0
@@ -707,10 +731,7 @@ class DownloadJob:
             try:
                 await self._fetch(f)
             except BaseException:
-                # Both threads end before the descriptor is closed (after the window or
-                # the writeback call each is in); a second cancel does not skip the raise.
-                with contextlib.suppress(BaseException):
-                    await asyncio.to_thread(f.hasher.close)
+                f.hasher.stop()  # waited for in ``_end_hasher``, before the fd is closed
                 raise
             last_byte = time.monotonic()
             self._set(DownloadState.VERIFYING)

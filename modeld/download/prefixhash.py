@@ -138,6 +138,8 @@ class PrefixHasher(_Worker):
         self._hash = sha256()
         self._buf: memoryview | None = None  # for ``_read``, made on first use
         self._map = True  # hash from read-only mappings (``_update``) while they work
+        # Held by ``rehash`` (run in a thread of the caller's) so that ``close`` waits for it.
+        self._rehashing = threading.Lock()
         self.writeback = Writeback(fd)
         self.thread.start()
 
@@ -223,12 +225,15 @@ class PrefixHasher(_Worker):
     def rehash(self, offset: int) -> str:
         """The digest again after bytes from ``offset`` on changed: from the state kept at or
         before it (call after ``digest``; the states past ``offset`` are replaced)."""
-        start = offset // self.stride * self.stride
-        h = self.states[start].copy()
-        pos = start
-        while pos < self.size:
-            pos = self._hash_range(h, pos, self.size)
-        return str(h.hexdigest())
+        with self._rehashing:
+            start = offset // self.stride * self.stride
+            h = self.states[start].copy()
+            pos = start
+            while pos < self.size:
+                if self.stopped:
+                    raise OSError("the pull ended while its file was re-hashed")
+                pos = self._hash_range(h, pos, self.size)
+            return str(h.hexdigest())
 
     async def digest(self) -> str:
         """Wait for the whole file's digest (call after advancing to ``size``); then the
@@ -247,9 +252,12 @@ class PrefixHasher(_Worker):
         super().stop()
 
     def close(self) -> None:
-        """``stop`` and wait for both threads: call before the descriptor is closed."""
+        """``stop`` and wait for both threads and a ``rehash`` in flight: call before the
+        descriptor is closed (each ends after the window or call it is in)."""
         super().close()
         self.writeback.close()
+        with self._rehashing:
+            pass
 
 
 def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

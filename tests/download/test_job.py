@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import hashlib
 import os
 import random
+import threading
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -16,8 +19,9 @@ import pytest
 from yarl import URL
 
 from modeld.download import mirrors as mirrors_mod
+from modeld.download import prefixhash
 from modeld.download.fetch import Fetcher
-from modeld.download.job import DownloadJob, DownloadTarget, Tuning, memory_job
+from modeld.download.job import DownloadJob, DownloadState, DownloadTarget, Tuning, memory_job
 from modeld.download.journal import Block, JournalState, MemoryJournal
 from modeld.download.mirrors import MirrorFailure, check_url
 from modeld.errors import DigestConflict, DiskFull, DownloadError, IntegrityError
@@ -453,6 +457,42 @@ async def test_a_cancel_mid_block_resumes_from_the_marks(
     assert kept * mib + (marks[kept].length or 0) in starts  # the rest of the kept mark only
     assert spoilt * mib in starts  # the spoilt one again from its start
     assert job2.resumed >= (marks[kept].length or 0)
+
+
+async def test_a_cancel_while_verifying_waits_for_the_hasher_before_the_file_closes(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled (twice) while the digest waits on a writeback call that blocks (a full
+    disk queue), the pull ends only after the hasher's threads did: they never use the
+    file's descriptor once it is closed (its number may be another file's by then)."""
+    release = threading.Event()
+
+    def blocking_writeback(fd: int, offset: int, length: int) -> None:
+        release.wait(30)
+
+    monkeypatch.setattr(prefixhash, "start_writeback", blocking_writeback)
+    ms = await start_mirrors(data)
+    stop_later.extend(ms)
+    target = DownloadTarget("m1", [ms[0].url], SIZE, hashlib.sha256(data).hexdigest())
+    job = memory_job(target, short_tmp, tuning())
+    job.start()
+    try:
+        await wait_until(lambda: job.state is DownloadState.VERIFYING)
+        assert job.fetcher is not None and job.fetcher.hasher is not None
+        hasher = job.fetcher.hasher
+        job.cancel()
+        await asyncio.sleep(0.05)
+        job.cancel()
+        ended = asyncio.ensure_future(job.wait())
+        with contextlib.suppress(AssertionError):
+            await wait_until(ended.done, limit=0.5)
+        ended_before_the_threads = ended.done()
+    finally:
+        release.set()
+    with pytest.raises(DownloadError, match="cancelled"):
+        await ended
+    assert not ended_before_the_threads
+    assert not hasher.thread.is_alive() and not hasher.writeback.thread.is_alive()
 
 
 async def test_resume_uses_journal_and_rechecks_blocks(

@@ -8,7 +8,6 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from modeld.download.prefixhash import (
     Writeback,
     _coalesce,
 )
+from tests.support.wait import wait_until
 
 
 async def test_rehash_from_a_changed_block_matches_a_full_hash(short_tmp: Path) -> None:
@@ -93,6 +93,28 @@ async def test_a_file_shorter_than_the_hash_window_fails_with_an_error_not_a_fau
         os.close(fd)
 
 
+def _random_file(short_tmp: Path, seed: int, size: int) -> tuple[bytes, int]:
+    """``size`` random bytes in a file, and a read-only descriptor of it."""
+    data = random.Random(seed).randbytes(size)
+    path = short_tmp / "f"
+    path.write_bytes(data)
+    return data, os.open(path, os.O_RDONLY)
+
+
+def _slow_windows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Each window the hasher feeds takes 20 ms longer; returns the windows' starts."""
+    starts: list[int] = []
+    update = PrefixHasher._update
+
+    def slow_update(self: PrefixHasher, h: object, start: int, length: int) -> None:
+        starts.append(start)
+        time.sleep(0.02)
+        update(self, h, start, length)
+
+    monkeypatch.setattr(PrefixHasher, "_update", slow_update)
+    return starts
+
+
 def _fake_writeback(
     monkeypatch: pytest.MonkeyPatch, *held: int
 ) -> tuple[list[tuple[int, int]], dict[int, threading.Event]]:
@@ -110,13 +132,6 @@ def _fake_writeback(
     return calls, events
 
 
-async def _until(ready: Callable[[], bool]) -> None:
-    for _ in range(5000):
-        if ready():
-            return
-        await asyncio.sleep(0.001)
-
-
 async def test_the_hash_goes_on_while_a_writeback_call_blocks(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -125,17 +140,15 @@ async def test_the_hash_goes_on_while_a_writeback_call_blocks(
     flight before it returns, so no call is ever made on a descriptor closed after it."""
     calls, held = _fake_writeback(monkeypatch, 0)
     block = 4096
-    data = random.Random(6).randbytes(8 * block)
-    path = short_tmp / "f"
-    path.write_bytes(data)
-    fd = os.open(path, os.O_RDONLY)
+    data, fd = _random_file(short_tmp, 6, 8 * block)
     try:
         hasher = PrefixHasher(fd, len(data), block)
         for i in range(8):
             hasher.block_done(i * block, block)
             hasher.advance((i + 1) * block)
+        await wait_until(lambda: bool(calls))  # the first call is in flight, and blocks
         waiting = asyncio.ensure_future(hasher.digest())
-        await _until(lambda: hasher.hashed == len(data) and bool(calls))
+        await wait_until(lambda: hasher.hashed == len(data))
         assert hasher.hashed == len(data)  # all hashed while the first call still blocks
         assert calls[0][0] == 0
         assert not waiting.done()  # the digest waits for that call
@@ -154,15 +167,15 @@ async def test_writeback_merges_what_waits_and_drops_it_when_stopped(
     calls, held = _fake_writeback(monkeypatch, 0, 50)
     wb = Writeback(-1)
     wb.add(0, 10)
-    await _until(lambda: len(calls) == 1)
+    await wait_until(lambda: len(calls) == 1)
     wb.add(20, 10)
     wb.add(10, 10)
     wb.add(40, 5)
     held[0].set()
-    await _until(lambda: len(calls) == 3)
+    await wait_until(lambda: len(calls) == 3)
     assert calls == [(0, 10), (10, 20), (40, 5)]
     wb.add(50, 5)
-    await _until(lambda: len(calls) == 4)
+    await wait_until(lambda: len(calls) == 4)
     wb.add(60, 5)  # waits behind the blocked call, then is dropped
     wb.stop()
     held[50].set()
@@ -174,17 +187,8 @@ def test_close_ends_the_hash_mid_backlog(short_tmp: Path, monkeypatch: pytest.Mo
     """A failed pull closes the hasher before its descriptor: the hashing thread stops
     after the window it is in, not after everything the prefix had released."""
     block = 4096
-    data = random.Random(7).randbytes(64 * block)
-    path = short_tmp / "f"
-    path.write_bytes(data)
-    update = PrefixHasher._update
-
-    def slow_update(self: PrefixHasher, h: object, start: int, length: int) -> None:
-        time.sleep(0.02)
-        update(self, h, start, length)
-
-    monkeypatch.setattr(PrefixHasher, "_update", slow_update)
-    fd = os.open(path, os.O_RDONLY)
+    data, fd = _random_file(short_tmp, 7, 64 * block)
+    _slow_windows(monkeypatch)
     try:
         hasher = PrefixHasher(fd, len(data), block, window=block)
         hasher.advance(len(data))
@@ -194,5 +198,27 @@ def test_close_ends_the_hash_mid_backlog(short_tmp: Path, monkeypatch: pytest.Mo
         hasher.close()
         assert 0 < hasher.hashed < len(data) // 2
         assert not hasher.thread.is_alive() and not hasher.writeback.thread.is_alive()
+    finally:
+        os.close(fd)
+
+
+async def test_close_waits_for_a_rehash_and_ends_it(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repair's re-hash runs in a thread of its own: closing the hasher (the pull
+    ended) stops it after its window and waits for it, and it says why it stopped."""
+    block = 4096
+    data, fd = _random_file(short_tmp, 8, 64 * block)
+    try:
+        hasher = PrefixHasher(fd, len(data), block, window=block)
+        assert await hasher.digest() == hashlib.sha256(data).hexdigest()
+        windows = _slow_windows(monkeypatch)
+        rehash = asyncio.ensure_future(asyncio.to_thread(hasher.rehash, 0))
+        await wait_until(lambda: bool(windows))
+        await asyncio.to_thread(hasher.close)
+        seen = len(windows)
+        with pytest.raises(OSError, match="pull ended"):
+            await rehash
+        assert 0 < seen < 32 and len(windows) == seen  # nothing after close returned
     finally:
         os.close(fd)
