@@ -28,6 +28,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from hashlib import sha256
 from typing import Any
 
@@ -53,13 +54,10 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
 class _Worker:
     """A daemon thread that waits on ``cond`` for work until ``stop``."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, run: Callable[[], None]) -> None:
         self.cond = threading.Condition()
         self.stopped = False
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def _run(self) -> None:
-        raise NotImplementedError
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
 
     def stop(self) -> None:
         """End the thread after what it is doing now, without waiting."""
@@ -84,7 +82,7 @@ class Writeback(_Worker):
     """
 
     def __init__(self, fd: int) -> None:
-        super().__init__("modeld-writeback")
+        super().__init__("modeld-writeback", self._run)
         self.fd = fd
         self._jobs: list[tuple[int, int]] = []
         self.thread.start()
@@ -121,7 +119,7 @@ class PrefixHasher(_Worker):
     def __init__(
         self, fd: int, size: int, block_size: int = 1024 * 1024, window: int = HASH_WINDOW
     ) -> None:
-        super().__init__("modeld-hash")
+        super().__init__("modeld-hash", self._run)
         self.fd, self.size, self.window = fd, size, window
         blocks = -(-size // block_size)
         self.stride = block_size * max(-(-window // block_size), -(-blocks // MAX_STATES))
