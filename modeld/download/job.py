@@ -404,11 +404,11 @@ class DownloadJob:
         raises it once the descriptor and the session are closed)."""
         f = self.fetcher
         hasher = f.hasher if f is not None else None
-        cancelled = False
         if hasher is None:
-            return cancelled
+            return False
         hasher.stop()
         ended = asyncio.ensure_future(asyncio.to_thread(hasher.close))
+        cancelled = False
         while not ended.done():
             try:
                 await asyncio.shield(ended)
