@@ -219,7 +219,8 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
     """With a core left by the engine's threads, a job sent while another decodes starts on
     a conversation made during that decode, whatever its settings; its reply is the one a
     conversation made for it alone gives. A cancelled waiting job leaves the next one a
-    working engine. An engine whose threads take every core makes it in line."""
+    working engine. An engine whose threads take every core makes it during the decode for
+    a streamed job only; a whole reply's job makes its own when its turn comes."""
     runner = await Runner.start()
     try:
         await runner.create(spec(short_tmp, LONG, max_tokens=1280, threads=1))
@@ -265,7 +266,13 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
         await runner.create(spec(short_tmp, LONG, max_tokens=1280, threads=default_cpu_threads()))
         waiting_job = {**alone_job, "max_tokens": 6}
         both = await asyncio.gather(collect(runner, long_job), collect(runner, waiting_job))
-        assert "conversation" not in both[1][1] and both[1][1]["tokens"] == 6
+        whole = both[1][1]
+        assert "conversation" not in whole and whole["tokens"] == 6
+        streamed_job = {**waiting_job, "stream": True}
+        both = await asyncio.gather(collect(runner, long_job), collect(runner, streamed_job))
+        text, streamed = both[1]
+        assert streamed["conversation"] == "ready" and streamed["tokens"] == 6
+        assert text == whole["text"]
     finally:
         await runner.close()
 

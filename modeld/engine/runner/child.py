@@ -60,7 +60,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 
@@ -246,16 +246,28 @@ class _TokenBatcher:
                     self._flush_locked(time.monotonic())
 
 
-def _spare_core(backend: str, threads: int | None) -> bool:
-    """Whether a CPU engine's threads leave a core free for making the next conversation
-    while one decodes. On a machine they fill (2 cores, 2 threads), making it then slows the
-    decode more than it saves: on a quiet 2-core host it cut 16 clients' throughput by 4 %
-    (336 against 351 req/s at 8 tokens), which costs a waiting client more than the 0.4 ms it
-    saves its first token. GPU engines make it in line (their sessions are not made while
-    another decodes)."""
+# Which waiting jobs get their conversation made during a decode (``_ahead_during_decode``).
+Ahead = Literal["all", "streamed", "none"]
+
+
+def _ahead_during_decode(backend: str, threads: int | None) -> Ahead:
+    """Which waiting jobs get their conversation made while another job decodes: ``"all"``,
+    ``"streamed"`` or ``"none"``.
+
+    - ``"all"``: a CPU engine whose threads leave a core free.
+    - ``"streamed"``: a CPU engine whose threads fill the machine (2 cores, 2 threads).
+      Making a conversation then slows the running decode: on a quiet 2-core host it cut
+      16 clients' throughput by 4 % (336 against 351 req/s at 8 tokens) and brought the
+      first token after a request's turn from 4.04 to 3.60 ms (p99). A streamed client
+      waits on its first token; a client of a whole reply waits for the end, which the
+      queue's throughput decides. So only a streamed job's is made ahead.
+    - ``"none"``: GPU engines make it in line (their sessions are not made while another
+      decodes)."""
     from modeld.config import default_cpu_threads
 
-    return backend == "cpu" and threads is not None and default_cpu_threads() > threads
+    if backend != "cpu" or threads is None:
+        return "none"
+    return "all" if default_cpu_threads() > threads else "streamed"
 
 
 # The warm-up generation: a few tokens are enough to run every kernel of a prefill and
@@ -285,9 +297,9 @@ class _Child:
         self.ready: tuple[tuple[Any, ...], Future[Any]] | None = None
         self.ready_lock = threading.Lock()
         self.ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead")
-        # Whether a core is left over by the engine's threads (``create``): only then is the
-        # waiting job's conversation made during a decode (``prepare_queued``).
-        self.spare_core = False
+        # Which waiting jobs' conversations are made during a decode (``prepare_queued``):
+        # set by ``create`` (``_ahead_during_decode``).
+        self.ahead_during_decode: Ahead = "none"
         self.current_lock = threading.Lock()
         self._last_error: Any = None
         self._clear_error: Any = None
@@ -365,7 +377,7 @@ class _Child:
             spec = CreateSpec.from_json(msg)
             self.engine = create_engine(spec)
             self.kind = spec.kind
-            self.spare_core = _spare_core(spec.backend, spec.threads)
+            self.ahead_during_decode = _ahead_during_decode(spec.backend, spec.threads)
             if spec.kind == "embedding":
                 import litert_lm
 
@@ -717,13 +729,11 @@ class _Child:
     def prepare_queued(self) -> None:
         """While a job runs, make the conversation of the job waiting next, so that it
         starts the moment this one ends (its first token comes ~0.5 ms sooner after its
-        turn: the runtime's time to make one); only when the engine's threads leave a core
-        (``_spare_core``). On the reader thread when a job comes, and on the generate thread
-        when one starts: whichever sees it first. The look at the queue and the claim of the
-        slot are one step under ``ready_lock``, which ``_open`` takes too: a job taken off
-        the queue meanwhile finds the conversation made for it, never one for a job gone."""
-        if not self.spare_core:
-            return
+        turn: the runtime's time to make one), as ``_ahead_during_decode`` allows. On the
+        reader thread when a job comes, and on the generate thread when one starts:
+        whichever sees it first. The look at the queue and the claim of the slot are one
+        step under ``ready_lock``, which ``_open`` takes too: a job taken off the queue
+        meanwhile finds the conversation made for it, never one for a job gone."""
         from modeld.engine.runner.generate import conversation_args, conversation_key
 
         with self.ready_lock:
@@ -732,6 +742,10 @@ class _Child:
             with self.jobs.mutex:
                 waiting = self.jobs.queue[0] if self.jobs.queue else None
             if waiting is None or waiting.get("op") != "generate":
+                return
+            streamed = waiting.get("stream", True) is not False
+            policy = self.ahead_during_decode
+            if policy == "none" or (policy == "streamed" and not streamed):
                 return
             try:
                 key = conversation_key(waiting)
