@@ -35,6 +35,8 @@ from modeld.config import Settings
 from modeld.download.fetch import CHUNK, Fetcher, PrefixHasher, Writer, crc32
 from modeld.download.journal import BLOCK_SIZE, Block, Journal, JournalState, MemoryJournal
 from modeld.download.mirrors import (
+    NOT_FOUND,
+    WRONG_SIZE,
     Mirror,
     MirrorFailure,
     MirrorState,
@@ -177,6 +179,44 @@ def _crc_blocks(fd: int, size: int, block_size: int, blocks: dict[int, Block]) -
         if pos == start + length and crc == blocks[idx].crc:
             good.append(idx)
     return good
+
+
+# What a pull that kept nothing advises, by the cause of its mirrors' failures.
+_ADVICE = {
+    NOT_FOUND: (
+        "A 404 (or 410) means the entry's URL is wrong or the file is not on that mirror: fix "
+        "the entry's `urls`"
+    ),
+    WRONG_SIZE: (
+        "A file of another size means the mirror has another file than the entry's size "
+        "({size} bytes) says: fix the entry (its `size` and `sha256`) or the mirror"
+    ),
+    None: "Fix or remove a mirror that keeps failing, or add another URL to the entry's `urls`",
+    "unreachable": "Check the network (and HTTPS_PROXY) for the mirrors not reached",
+}
+
+
+def _nothing_kept(model_id: str, size: int, mirrors: list[Mirror]) -> str:
+    """The message of a pull that no mirror could serve and that kept no byte: each mirror's
+    reason, then what to fix for each cause among them."""
+    reasons = "; ".join(f"{m.label}: {m.reason or m.state}" for m in mirrors)
+    if not any(m.answered for m in mirrors):
+        return (
+            f"{model_id}: no mirror could be reached ({reasons}); nothing was kept. Check the "
+            "network (and HTTPS_PROXY), or add a mirror: copy the entry's file (`modeld show "
+            f"{model_id}` names it) into a directory of your own, put your URL first in its "
+            "`urls`, and set MODELD_REGISTRY to that directory (a later registry dir overrides "
+            "the bundled entry by id; it applies without a restart)"
+        )
+    causes = {m.cause if m.answered else "unreachable" for m in mirrors}
+    advice = [_ADVICE[c].format(size=size) for c in _ADVICE if c in causes]
+    return (
+        f"{model_id}: no mirror could serve the file ({reasons}); nothing was kept. "
+        + ". ".join(advice)
+        + f". To change the entry, copy its file (`modeld show {model_id}` names it) into a "
+        "directory of your own, edit it there, and set MODELD_REGISTRY to that directory (a "
+        "later registry dir overrides the bundled entry by id; it applies without a restart)"
+    )
 
 
 @dataclass
@@ -341,25 +381,27 @@ class DownloadJob:
             )
 
     async def _forget_if_empty(self, error: ModeldError) -> ModeldError:
-        """A pull that got no byte from any mirror leaves nothing behind: its partial would be
-        a sparse file of the whole size, holding nothing, that status and prune report."""
+        """A pull that no mirror could serve and that kept no byte leaves nothing behind: its
+        partial would be a sparse file of the whole size, holding nothing to resume, that
+        status, ``rm`` and prune report. The error then says why each mirror failed and what
+        to fix (the network, the entry's URLs, its size, or the mirror)."""
         mirrors = self.mirrors
-        reached_none = bool(mirrors) and not any(
-            m.usable or m.answered or m.received for m in mirrors
-        )
-        kept = self._crcs or self._marks
-        if not isinstance(error, DownloadError) or kept or not reached_none:
+        f = self.fetcher
+        kept = self._crcs or self._marks or (f is not None and f.received)
+        kept = kept or any(m.received for m in mirrors)
+        # ``mirrors`` is set once the journaled blocks were checked: before, ``_crcs`` and
+        # ``_marks`` say nothing about what the partial holds.
+        if (
+            not isinstance(error, DownloadError)
+            or isinstance(error, DiskFull)
+            or kept
+            or not mirrors
+            or any(m.usable for m in mirrors)
+        ):
             return error
         self.partial.unlink(missing_ok=True)
         await self.journal.clear(self.id)
-        reasons = "; ".join(f"{m.label}: {m.reason or m.state}" for m in mirrors)
-        return DownloadError(
-            f"{self.id}: no mirror could be reached ({reasons}); nothing was kept. Check the "
-            "network (and HTTPS_PROXY), or add a mirror: copy the entry's file (`modeld show "
-            f"{self.id}` names it) into a directory of your own, put your URL first in its "
-            "`urls`, and set MODELD_REGISTRY to that directory (a later registry dir overrides "
-            "the bundled entry by id; it applies without a restart)"
-        )
+        return DownloadError(_nothing_kept(self.id, self.target.size, mirrors))
 
     async def _run(self) -> None:
         t = self.target

@@ -56,6 +56,10 @@ PROBE_TRIES = 4
 # Failed connections (DNS, refused, unreachable) before a mirror that never answered this
 # download is given up: offline, six tries with back-off took ~15 s per host for nothing.
 MAX_UNREACHABLE = 2
+# Causes of a failure that call for a fix of the entry or the mirror (``MirrorFailure.cause``):
+# the URL has no file (404, 410), or the file there has another size than the entry's.
+NOT_FOUND = "not_found"
+WRONG_SIZE = "wrong_size"
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -65,13 +69,21 @@ class MirrorFailure(Exception):
 
     kinds: ``transient`` (back off, retry), ``stall`` (retry at once, no strike),
     ``gone`` (drop the mirror for this download), ``no_ranges`` (usable only as a stream
-    from byte 0), ``expired`` (signed URL expired: go back to the original URL).
+    from byte 0), ``expired`` (signed URL expired: go back to the original URL). ``cause``
+    (``NOT_FOUND``, ``WRONG_SIZE``) says what a pull that fails on it advises to fix.
     """
 
-    def __init__(self, kind: str, message: str, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        retry_after: float | None = None,
+        cause: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.retry_after = retry_after
+        self.cause = cause
 
 
 # Hosts that get the HF token and whose redirects carry X-Linked-Etag (tests add loopback).
@@ -130,11 +142,15 @@ def classify_status(status: int, resp: aiohttp.ClientResponse | None = None) -> 
     """The failure for an unexpected HTTP status."""
     after = retry_after(resp.headers.get("Retry-After")) if resp is not None else None
     if status in (404, 410):
-        return MirrorFailure("gone", f"HTTP {status}: the file is not on this mirror")
+        return MirrorFailure(
+            "gone", f"HTTP {status}: the file is not on this mirror", cause=NOT_FOUND
+        )
     if status in (408, 429) or status >= 500:
         return MirrorFailure("transient", f"HTTP {status}", retry_after=after)
     if status == 416:
-        return MirrorFailure("gone", "HTTP 416: the mirror's file is shorter than the entry")
+        return MirrorFailure(
+            "gone", "HTTP 416: the mirror's file is shorter than the entry", cause=WRONG_SIZE
+        )
     return MirrorFailure("gone", f"HTTP {status}")
 
 
@@ -222,6 +238,7 @@ class Mirror:
     primary: bool = False
     state: MirrorState = MirrorState.NEW
     reason: str | None = None
+    cause: str | None = None  # the last failure's ``MirrorFailure.cause``
     resolved: URL | None = None  # cached redirect target (a signed CDN URL)
     # Whether the entry's own URL is on a loopback, link-local or private address: only
     # then may its redirects lead there (None until the first redirect asks).
@@ -280,7 +297,7 @@ class Mirror:
 
     def fail(self, failure: MirrorFailure) -> None:
         """Record a failure: a back-off with jitter, or the mirror dropped."""
-        self.reason = str(failure)
+        self.reason, self.cause = str(failure), failure.cause
         if failure.kind not in ("unreachable", "stall"):
             self.answered = True  # an HTTP answer, if not the one hoped for
         if self.metrics is not None:
@@ -521,7 +538,9 @@ async def open_range(  # noqa: PLR0917 (a range is start, end and total)
             )
         if parsed[2] is not None and parsed[2] != total:
             resp.release()
-            raise MirrorFailure("gone", f"file is {parsed[2]} bytes, the entry says {total}")
+            raise MirrorFailure(
+                "gone", f"file is {parsed[2]} bytes, the entry says {total}", cause=WRONG_SIZE
+            )
         return resp
     resp.release()
     if resp.status == 200:
@@ -549,7 +568,9 @@ def _read_probe_answer(resp: aiohttp.ClientResponse, mirror: Mirror, size: int) 
     else:
         raise classify_status(resp.status, resp)
     if total != size:
-        raise MirrorFailure("gone", f"file is {total} bytes, the entry says {size}")
+        raise MirrorFailure(
+            "gone", f"file is {total} bytes, the entry says {size}", cause=WRONG_SIZE
+        )
     mirror.etag = strong_etag(resp.headers.get("ETag"))
 
 
@@ -611,7 +632,7 @@ async def probe(  # noqa: PLR0917 (two timeouts beside the mirror, size and toke
     except (TimeoutError, MirrorFailure, aiohttp.ClientError, ConnectionError) as e:
         failure = classify_exception(e) or MirrorFailure("gone", str(e))
         if failure.kind == "gone":
-            mirror.answered = True
+            mirror.answered, mirror.cause = True, failure.cause
             mirror.state, mirror.reason = MirrorState.DROPPED, f"probe failed: {failure}"
         else:
             # Still worth trying later: every range answer is checked against the size anyway.

@@ -32,7 +32,13 @@ from tenacity import (
 )
 from yarl import URL
 
-from modeld.download.mirrors import MirrorFailure, classify_status, parse_content_range, retry_after
+from modeld.download.mirrors import (
+    WRONG_SIZE,
+    MirrorFailure,
+    classify_status,
+    parse_content_range,
+    retry_after,
+)
 from modeld.download.ratelimit import TokenBucket
 
 # Per connection. Small enough that the bytes are still in the CPU cache when ``pwrite`` and
@@ -310,7 +316,9 @@ class RangeConn(asyncio.BufferedProtocol):
         if parsed is None or parsed[0] != start or parsed[1] >= end or parsed[1] < start:
             raise MirrorFailure("gone", f"wrong Content-Range {raw_range!r}")
         if parsed[2] is not None and parsed[2] != self.total:
-            raise MirrorFailure("gone", f"file is {parsed[2]} bytes, the entry says {self.total}")
+            raise MirrorFailure(
+                "gone", f"file is {parsed[2]} bytes, the entry says {self.total}", cause=WRONG_SIZE
+            )
         raw_length = headers.get("content-length")
         if raw_length is None:
             raise RangeFallback("a 206 without Content-Length", disable=True)

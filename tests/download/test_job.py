@@ -168,12 +168,65 @@ async def test_mixed_faults_over_three_mirrors(
 async def test_all_mirrors_gone_fails_and_keeps_nothing_broken(
     short_tmp: Path, data: bytes, stop_later: list[Mirror]
 ) -> None:
-    """When no mirror can serve, the pull fails with a message naming each mirror's reason."""
+    """When no mirror can serve, the pull fails with a message naming each mirror's reason and
+    what to fix for each cause."""
     ms = await start_mirrors(data, Faults(status=404), Faults(wrong_size=True))
-    with pytest.raises(DownloadError, match="no mirror can serve") as exc:
+    with pytest.raises(DownloadError, match="no mirror could serve") as exc:
         await run_pull(short_tmp, ms, stop_later, sha=None)
-    assert "404" in str(exc.value)
+    assert "404" in str(exc.value) and "the entry says" in str(exc.value)
+    assert "fix the entry's `urls`" in str(exc.value) and "or the mirror" in str(exc.value)
     assert not (short_tmp / "blobs").exists() or not any((short_tmp / "blobs").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("fault", "advice"),
+    [
+        (Faults(status=404), "the entry's URL is wrong or the file is not on that mirror"),
+        (Faults(wrong_size=True), f"another file than the entry's size ({SIZE} bytes) says"),
+    ],
+    ids=["404", "wrong-size"],
+)
+async def test_a_first_pull_no_mirror_serves_keeps_nothing(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror], fault: Faults, advice: str
+) -> None:
+    """A first pull whose only mirror answers 404, or has a file of another size, wrote not a
+    byte: no partial and no journal stay, and the error says so and what to fix."""
+    ms = await start_mirrors(data, fault)
+    journal = MemoryJournal()
+    with pytest.raises(DownloadError) as exc:
+        await run_pull(short_tmp, ms, stop_later, sha=None, journal=journal)
+    message = exc.value.message
+    assert "nothing was kept" in message and "pull again to resume" not in message
+    assert advice in message and "MODELD_REGISTRY" in message
+    assert exc.value.code == "download_failed"
+    assert not (short_tmp / "partial" / "m1.partial").exists()
+    assert "m1" not in journal.states
+
+
+async def test_only_a_pull_that_wrote_bytes_keeps_its_partial_when_no_mirror_serves(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """A pull whose mirror answers 404 from the start leaves no partial; once it served some
+    bytes and then answers 404, the partial and its journal stay, to be resumed."""
+    ms = await start_mirrors(data, Faults(status=404, throttle=1_000_000))
+    stop_later.extend(ms)
+    journal = MemoryJournal()
+    target = DownloadTarget("m1", [ms[0].url], SIZE, hashlib.sha256(data).hexdigest())
+    job = memory_job(target, short_tmp, tuning(connections=2), journal=journal)
+    job.start()
+    with pytest.raises(DownloadError, match="nothing was kept"):
+        await job.wait()
+    assert not (short_tmp / "partial" / "m1.partial").exists()
+    ms[0].faults.status = None
+    job = memory_job(target, short_tmp, tuning(connections=2), journal=journal)
+    job.start()
+    await wait_until(lambda: job.fetcher is not None and job.fetcher.done_bytes >= 3 * PIECE)
+    ms[0].faults.status = 404
+    with pytest.raises(DownloadError, match="no mirror can serve") as exc:
+        await job.wait()
+    assert "the partial is kept, pull again to resume" in exc.value.message
+    assert (short_tmp / "partial" / "m1.partial").stat().st_blocks > 0
+    assert journal.states["m1"].blocks
 
 
 async def test_lying_mirror_is_repaired_not_redownloaded(
