@@ -359,12 +359,14 @@ def plan_prune(
 # --- the snapshot (file system work, run in a thread) -----------------------------------
 
 
-def _info(path: Path) -> FileInfo | None:
+def _info(path: Path, *, on_disk: bool = False) -> FileInfo | None:
+    """A file's (or a dir's files') size; ``on_disk``: a file's as what removing it frees, the
+    blocks it holds (a partial is sparse at the entry's full size until it is filled)."""
     try:
         st = path.lstat()
     except OSError:
         return None
-    size = st.st_size
+    size = min(st.st_size, st.st_blocks * 512) if on_disk else st.st_size
     if stat.S_ISDIR(st.st_mode):
         size = 0
         for dirpath, _dirs, files in os.walk(path):
@@ -397,7 +399,7 @@ def scan_files(inv: Inventory, blobs_dir: Path, partial_dir: Path, cache_dir: Pa
         else:
             inv.strays.append(info)
     for p in _entries(partial_dir):
-        info = _info(p)
+        info = _info(p, on_disk=True)
         if info is not None:
             inv.partials.append(info)
     for p in _entries(cache_dir):

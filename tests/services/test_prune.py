@@ -290,6 +290,31 @@ async def test_prune_removes_partial_with_its_journal_rows(short_tmp: Path) -> N
         await store.close()
 
 
+async def test_rm_and_prune_count_what_a_sparse_partial_holds(short_tmp: Path) -> None:
+    """A partial is sparse at the entry's full size until it is filled: ``prune`` and ``rm``
+    report the bytes it holds on disk, not its apparent size."""
+    mib = 1024 * 1024
+    store, remover = await _open(short_tmp)
+    try:
+        for model in ("a", "b"):
+            with (short_tmp / "partial" / f"{model}.partial").open("wb") as f:
+                f.truncate(40 * mib)
+                f.write(os.urandom(2 * mib))
+                f.flush()
+                os.fsync(f.fileno())
+        held = (short_tmp / "partial" / "a.partial").stat().st_blocks * 512
+        assert 2 * mib <= held < 40 * mib
+        doc = await remover.prune(Selection(partials=True), dry_run=True)
+        assert [(i["id"], i["size"]) for i in doc["items"]] == [("a", held), ("b", held)]
+        doc = await remover.remove_model("a", force=False)
+        assert doc["freed"] == held
+        doc = await remover.prune(Selection(partials=True), dry_run=False)
+        assert doc["freed"] == held
+        assert not list((short_tmp / "partial").glob("*.partial"))
+    finally:
+        await store.close()
+
+
 async def test_orphan_left_by_a_crash_is_found_by_the_next_prune(
     short_tmp: Path, monkeypatch: Any
 ) -> None:
