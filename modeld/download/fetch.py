@@ -462,6 +462,7 @@ class Fetcher(Schedule):
         piece.got += n
         piece.last = time.monotonic()
         self.received += n
+        mirror.received += n
         piece.window += n
         if piece.window >= CHUNK and not piece.probe:  # a probe piece counts once, at its end
             now = time.monotonic()
@@ -501,6 +502,7 @@ class Fetcher(Schedule):
                 raise MirrorFailure("transient", f"body ended at byte {piece.pos} (short answer)")
             await self.pace(len(chunk))
             now = time.monotonic()
+            mirror.received += len(chunk)
             mirror.count(len(chunk), now - last)
             last = now
             view = memoryview(chunk)[: piece.end - piece.pos]

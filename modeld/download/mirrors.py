@@ -18,6 +18,7 @@ import random
 import re
 import time
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,10 @@ MAX_UNREACHABLE = 2
 # the URL has no file (404, 410), or the file there has another size than the entry's.
 NOT_FOUND = "not_found"
 WRONG_SIZE = "wrong_size"
+# The window of a mirror's speed in the progress (``Mirror.shown_speed``), in seconds, as
+# curl's: long enough to span the bursts of a throttled mirror (a test mirror at 20 KB/s
+# sends 64 KiB every 3.2 s, and a 2 s window showed 0 between them).
+SHOWN_WINDOW = 5.0
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -249,7 +254,7 @@ class Mirror:
     linked_sha256: str | None = None
     linked_size: int | None = None
     active: int = 0
-    received: int = 0
+    received: int = 0  # bytes received from it, counted as they arrive (``Fetcher._consume``)
     strikes: int = 0  # transient failures in a row
     stalls: int = 0  # stalls in a row (they use up no strike)
     answered: bool = False  # some request of this download got an HTTP answer from it
@@ -258,7 +263,11 @@ class Mirror:
     conn_rate: float | None = None
     _window_start: float = field(default_factory=time.monotonic)
     _window_bytes: int = 0
-    speed: float = 0.0  # aggregate bytes/s over the last window
+    speed: float = 0.0  # aggregate bytes/s over the last window (the scheduler's measure)
+    # (when, ``received`` then), taken by the progress's snapshots: its speed's window.
+    _samples: deque[tuple[float, int]] = field(
+        default_factory=lambda: deque([(time.monotonic(), 0)])
+    )
     # Errors by class and per-mirror speed are reported here, where they are known.
     metrics: Metrics | None = field(default=None, repr=False, compare=False)
 
@@ -276,8 +285,8 @@ class Mirror:
         return self.state is not MirrorState.STREAM_ONLY
 
     def count(self, n: int, seconds: float) -> None:
-        """Account ``n`` bytes that took ``seconds`` on one connection."""
-        self.received += n
+        """Account ``n`` bytes that took ``seconds`` on one connection, for the scheduler's
+        rates (``received`` counts them as they arrive)."""
         self._window_bytes += n
         if seconds > 0 and n >= 64 * 1024:
             rate = n / seconds
@@ -294,6 +303,19 @@ class Mirror:
         if now - self._window_start > 2.0:
             self.speed = self._window_bytes / (now - self._window_start)
         return self.speed
+
+    def shown_speed(self) -> float:
+        """The bytes/s the progress shows: what ``received`` gained over the last
+        ``SHOWN_WINDOW`` seconds (or since the snapshot before, when they come further
+        apart). Taken at each snapshot, so the bytes' path pays nothing for it."""
+        now = time.monotonic()
+        samples = self._samples
+        if now - samples[-1][0] >= 0.25:
+            samples.append((now, self.received))
+            while len(samples) > 2 and now - samples[1][0] >= SHOWN_WINDOW:
+                samples.popleft()
+        t0, r0 = samples[0]
+        return (self.received - r0) / (now - t0) if now - t0 >= 0.5 else 0.0
 
     def fail(self, failure: MirrorFailure) -> None:
         """Record a failure: a back-off with jitter, or the mirror dropped."""
@@ -349,7 +371,7 @@ class Mirror:
             "state": self.state.value,
             "reason": self.reason,
             "received": self.received,
-            "speed": round(self.current_speed()),
+            "speed": round(self.shown_speed()),
             "connections": self.active,
         }
 

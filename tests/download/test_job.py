@@ -755,6 +755,34 @@ async def test_a_mirror_that_bursts_then_crawls_is_measured_on_its_probe_piece(
     assert all(i >= f.nblocks // 2 for i in slow_blocks), slow_blocks
 
 
+@pytest.mark.parametrize("capped", [False, True], ids=["throttled-mirror", "limit-rate"])
+async def test_each_mirrors_progress_counts_bytes_as_they_arrive(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror], capped: bool
+) -> None:
+    """A slow pull of a file under one probe piece: each progress record's mirror shows the
+    bytes received so far and a speed above 0 while they flow, not only once its piece ends."""
+    small = data[: 300 * 1024]
+    ms = await start_mirrors(small, Faults() if capped else Faults(throttle=150_000))
+    stop_later.extend(ms)
+    target = DownloadTarget("m1", [ms[0].url], len(small), hashlib.sha256(small).hexdigest())
+    job = memory_job(target, short_tmp, tuning(piece_size=4 * 1024 * 1024))
+    if capped:
+        job.limit_rate(150_000)
+    job.start()
+    seen: list[dict[str, Any]] = []
+
+    def flowing() -> bool:
+        record = job.snapshot()
+        seen.append(record)
+        mirror = record["mirrors"][0] if record["mirrors"] else {"received": 0, "speed": 0}
+        return 0 < mirror["received"] < len(small) and mirror["speed"] > 0
+
+    await wait_until(flowing)
+    assert seen[-1]["mirrors"][0]["received"] <= seen[-1]["received"]
+    await job.wait()
+    assert job.snapshot()["mirrors"][0]["received"] == job.snapshot()["received"]
+
+
 def test_a_near_best_slower_mirror_takes_the_queues_back() -> None:
     """Scheduler unit: the best mirror takes the queue's front, a near-best slower one its back,
     and a piece at the hash front on a far slower mirror is moved to the best one."""
