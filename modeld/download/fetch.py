@@ -90,6 +90,7 @@ class Fetcher(Schedule):
         writer: Writer = os.pwrite,
         on_stream_only: Callable[[Mirror], None] | None = None,
         on_stream: Callable[[Mirror, int], None] | None = None,
+        on_refetch: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(
             size=size,
@@ -107,6 +108,8 @@ class Fetcher(Schedule):
         self.writer = writer
         # A mirror found to ignore Range; a stream from byte 0 begun with bytes already done.
         self.on_stream_only, self.on_stream = on_stream_only, on_stream
+        # The bytes of a block kept in part at the resume (a mark) are fetched again.
+        self.on_refetch = on_refetch
         self.sources: dict[int, str] = {}
         self.received = 0
         self.raw_pieces = 0  # pieces (attempts) read by the raw range reader
@@ -298,6 +301,7 @@ class Fetcher(Schedule):
             await self._idle(0.2)
             return
         self.queue.clear()
+        self.kept_marks.clear()  # the stream fetches every byte again
         mirror = next(m for m in self.mirrors if m.usable)
         if self.on_stream is not None:
             self.on_stream(mirror, self.done_bytes)
@@ -305,11 +309,22 @@ class Fetcher(Schedule):
         if not self._all_done():
             self._plan()
 
+    def _refetching(self, piece: Piece) -> None:
+        """A piece that starts below the end of a block kept in part at the resume (a mark)
+        fetches those bytes again: they are no longer resumed (``on_refetch``)."""
+        idx = piece.pos // self.block_size
+        kept = self.kept_marks.get(idx)
+        if kept is not None and piece.pos < idx * self.block_size + kept and not piece.stream:
+            del self.kept_marks[idx]
+            if self.on_refetch is not None:
+                self.on_refetch(kept)
+
     async def _run_piece(self, piece: Piece, mirror: Mirror) -> None:
         if piece.pos % self.block_size and piece.src not in (None, mirror.label):
             # Its block's first bytes came from another mirror: fetch the block whole here.
             piece.pos -= piece.pos % self.block_size
             piece.crc, piece.src = 0, None
+        self._refetching(piece)
         piece.marked = piece.pos
         piece.mirror, piece.began, piece.got, piece.abandoned = mirror, time.monotonic(), 0, False
         piece.last = piece.began

@@ -546,6 +546,7 @@ class DownloadJob:
             writer=self.writer,
             on_stream_only=self._ignores_range,
             on_stream=self._streams_from_zero,
+            on_refetch=self._refetched,
         )
         self.fetcher.limit = self.limit
         for i, b in self._crcs.items():
@@ -587,8 +588,15 @@ class DownloadJob:
         logs.event("mirror_ignores_range", model=self.id, mirror=m.label, reason=m.reason)
         self._notify()
 
+    def _refetched(self, n: int) -> None:
+        """``n`` bytes kept at the resume (a mark's) are fetched again: not resumed."""
+        self.resumed = max(0, self.resumed - n)
+        self._notify()
+
     def _streams_from_zero(self, m: Mirror, have: int) -> None:
-        """Only ``m`` is left and it ignores Range: a resume must fetch from byte 0."""
+        """Only ``m`` is left and it ignores Range: a resume must fetch from byte 0, and
+        resumes nothing (the blocks already here are skipped, but fetched again)."""
+        self.resumed = 0
         if have:
             self._from_zero(
                 f"{m.label} ignores Range requests and no other mirror is left, so the file "

@@ -109,6 +109,8 @@ class Schedule:
         # -> (bytes from its start, their CRC-32, the mirror that sent them). Used once, by
         # the first plan.
         self.partial: dict[int, tuple[int, int, str]] = {}
+        # Of those, the ones whose bytes no piece has fetched again yet: block -> bytes kept.
+        self.kept_marks: dict[int, int] = {}
         self.queue: deque[Piece] = deque()
         self.inflight: set[Piece] = set()
         self.splits = 0  # in-flight pieces split with a faster mirror
@@ -124,6 +126,8 @@ class Schedule:
         """Queue runs of missing blocks as pieces of at most ``piece_blocks`` blocks; a block
         written in part before a resume starts a piece, at its first byte missing."""
         partial, self.partial = self.partial, {}
+        if partial:
+            self.kept_marks = {i: length for i, (length, _, _) in partial.items()}
         i = 0
         while i < self.nblocks:
             if self.done[i]:

@@ -575,6 +575,60 @@ async def test_resume_uses_journal_and_rechecks_blocks(
     assert "m1" not in journal.states
 
 
+async def test_a_resume_from_a_mirror_that_ignores_range_counts_nothing_as_resumed(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """A resume whose only mirror ignores Range streams the file from byte 0: nothing of the
+    partial spared a byte of it, so ``resumed`` is 0 and ``received`` is the file's size."""
+    ms, target, journal = await cancelled_pull(short_tmp, data, stop_later, SIZE // 3)
+    assert journal.states["m1"].blocks
+    ms[0].faults.throttle = None
+    ms[0].faults.ignore_range = True
+    job = memory_job(target, short_tmp, tuning(), journal=journal)
+    job.start()
+    await job.wait()
+    assert installed_bytes(job) == data
+    assert job.from_zero is not None and "ignores Range" in job.from_zero
+    record = job.snapshot()
+    assert (record["resumed"], record["received"]) == (0, SIZE)
+
+
+async def test_marks_fetched_again_on_another_mirror_are_not_counted_as_resumed(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror]
+) -> None:
+    """A resume whose marks' mirror is gone: another mirror fetches those blocks from their
+    start, so only the whole journaled blocks count as resumed."""
+    mib = 1024 * 1024
+    ms = await start_mirrors(data, Faults(throttle=1_000_000), Faults())
+    stop_later.extend(ms)
+    journal = MemoryJournal()
+    target = DownloadTarget("m1", [ms[0].url], SIZE, hashlib.sha256(data).hexdigest())
+    job = memory_job(target, short_tmp, tuning(connections=2, piece_size=mib), journal=journal)
+    job.start()
+
+    def marks() -> list[Block]:
+        state = journal.states.get("m1")
+        return [b for b in state.blocks.values() if b.length] if state else []
+
+    await wait_until(lambda: len(marks()) == 2 and all((b.length or 0) >= 100_000 for b in marks()))
+    job.cancel()
+    with pytest.raises(DownloadError, match="cancelled"):
+        await job.wait()
+    blocks = journal.states["m1"].blocks
+    whole = sum(min(SIZE, (i + 1) * mib) - i * mib for i, b in blocks.items() if not b.length)
+    marked = [i for i, b in blocks.items() if b.length]
+    assert marked
+    ms[0].faults.status = 404
+    moved = DownloadTarget("m1", [ms[0].url, ms[1].url], SIZE, target.sha256)
+    job = memory_job(moved, short_tmp, tuning(piece_size=mib), journal=journal)
+    job.start()
+    await job.wait()
+    assert installed_bytes(job) == data
+    assert job.resumed == whole
+    starts = {r["Range"].removeprefix("bytes=").partition("-")[0] for r in ms[1].requests}
+    assert {str(i * mib) for i in marked} <= starts
+
+
 async def test_changed_file_on_mirror_discards_its_blocks(
     short_tmp: Path, data: bytes, stop_later: list[Mirror]
 ) -> None:
