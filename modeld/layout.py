@@ -18,6 +18,9 @@ MODEL_ID_RE = re.compile(MODEL_ID_PATTERN)
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 BLOB_RE = re.compile(r"^sha256-([0-9a-f]{64})$")
 PARTIAL_SUFFIX = ".partial"
+# A staging file of an import (``partial/<id>.import-<pid>-<ns>``) or of a blob being placed
+# (``blobs/.sha256-<hex>.install-<pid>``): the pid is the daemon's that writes it.
+_STAGING_RE = re.compile(r"\.(?:import|install)-(\d+)(?:-|$)")
 _NOT_IN_ID = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -26,6 +29,12 @@ def model_id_from(name: str) -> str | None:
     become ``-``, the ends are trimmed, at most 128 characters; None if nothing is left."""
     made = _NOT_IN_ID.sub("-", name).strip("-._")[:128].rstrip("-._")
     return made if MODEL_ID_RE.fullmatch(made) else None
+
+
+def staging_pid(name: str) -> int | None:
+    """The pid of the daemon whose staging file ``name`` is, or None for any other file."""
+    m = _STAGING_RE.search(name)
+    return int(m.group(1)) if m else None
 
 
 def blob_name(digest: str) -> str:

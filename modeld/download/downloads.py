@@ -158,6 +158,10 @@ class Downloads:
     def list(self) -> list[dict[str, Any]]:
         return [job.snapshot() for job in self.jobs.values()]
 
+    def partials(self) -> tuple[Path, ...]:
+        """The partial files of the downloads running now (not leftovers to report)."""
+        return tuple(job.partial for job in self.jobs.values() if not job.finished)
+
     async def cancel(self, model_id: str) -> dict[str, Any]:
         """Cancel a running download; the partial file and its journal stay for a resume."""
         job = self.get(model_id)

@@ -55,7 +55,7 @@ class Services:
             "uptime": round(time.time() - self.started_at, 3),
             "settings": self.settings.effective(),
             "catalog": self.catalog.status(),
-            "store": await self.store.status(),
+            "store": await self.store.status(in_use=self.downloads.partials()),
             # The GPU (backend) probe results.
             "probes": await self.store.probe_status(),
             "downloads": self.downloads.status(),

@@ -20,7 +20,6 @@ Installed models are removed only when asked for (``unused_for``, ``to_budget``)
 from __future__ import annotations
 
 import os
-import re
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -28,13 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from modeld.config import format_duration, format_size
-from modeld.layout import BLOB_RE, DIGEST_RE, MODEL_ID_RE, PARTIAL_SUFFIX
+from modeld.layout import BLOB_RE, DIGEST_RE, MODEL_ID_RE, PARTIAL_SUFFIX, staging_pid
 
 # How long a blob without a row is assumed to be an install in progress (its rename into
 # blobs/ updates its ctime; Store.install writes the row right after the rename).
 ORPHAN_GRACE = 60.0
-
-_STAGING_RE = re.compile(r"\.(?:import|install)-(\d+)(?:-|$)")
 
 # Kinds of items, in the order they are listed and removed.
 KINDS = ("partial", "journal", "quarantined", "orphan_blob", "orphan_cache", "model")
@@ -193,11 +190,6 @@ class PrunePlan:
 # --- planning (pure) -------------------------------------------------------------------
 
 
-def _staging_pid(name: str) -> int | None:
-    m = _STAGING_RE.search(name)
-    return int(m.group(1)) if m else None
-
-
 def _plan_partials(
     inv: Inventory, sel: Selection, act: Activity, pid: int
 ) -> tuple[list[Item], list[Item]]:
@@ -212,7 +204,7 @@ def _plan_partials(
         if model in act.downloading or str(f.path) in act.download_paths:
             kept.append(Item("partial", f.size, "downloading", str(f.path), model))
             continue
-        if _staging_pid(f.path.name) == pid:
+        if staging_pid(f.path.name) == pid:
             kept.append(Item("partial", f.size, "an import in progress", str(f.path), model))
             continue
         age = inv.now - f.mtime

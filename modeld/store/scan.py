@@ -6,12 +6,14 @@ Plain file-system work, run in a thread by :mod:`modeld.store.store`.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeld.layout import BLOB_RE, DIGEST_RE
+from modeld.layout import BLOB_RE, DIGEST_RE, staging_pid
 
 # 1 MiB reads: hashlib releases the GIL for large updates and the syscall count stays low.
 HASH_CHUNK = 1024 * 1024
@@ -91,10 +93,10 @@ class ScanReport:
         }
 
 
-def _size_of(path: Path) -> int:
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    return path.stat().st_size
+def _size_of(entry: os.DirEntry[str]) -> int:
+    if entry.is_dir():
+        return sum(p.stat().st_size for p in Path(entry.path).rglob("*") if p.is_file())
+    return entry.stat().st_size
 
 
 def scan_state_dir(
@@ -102,53 +104,74 @@ def scan_state_dir(
     partial: Path,
     cache: Path,
     rows: dict[str, tuple[str, int, float | None]],
+    *,
+    in_use: Collection[str] = (),
+    pid: int | None = None,
 ) -> ScanReport:
-    """Compare the dirs with the index rows (id -> (digest, size, missing_since))."""
+    """Compare the dirs with the index rows (id -> (digest, size, missing_since)).
+
+    Work in progress is no leftover: the files named in ``in_use`` (the partials of running
+    downloads) and the staging files of the daemon ``pid`` (an import, a blob being placed)
+    are left out. ``modeld status`` runs this each time: one ``scandir`` per dir and one
+    ``stat`` per blob and partial.
+    """
     report = ScanReport()
-    present = _scan_blobs(blobs, {d for d, _, _ in rows.values()}, report)
+
+    def busy(entry: os.DirEntry[str]) -> bool:
+        return entry.path in in_use or (pid is not None and staging_pid(entry.name) == pid)
+
+    present = _scan_blobs(blobs, {d for d, _, _ in rows.values()}, report, busy)
     for model_id, (digest, size, _) in rows.items():
         if digest not in present:
             report.missing.append(model_id)
         elif present[digest] != size:
             report.wrong_size.append({"id": model_id, "size": size, "actual": present[digest]})
-    for entry in _listdir(partial):
-        path = partial / entry
+    for entry in _entries(partial):
+        if busy(entry):
+            continue
         try:
-            st = path.stat()
             report.partials.append(
-                {"path": str(path), "size": _size_of(path), "modified": st.st_mtime}
+                {"path": entry.path, "size": _size_of(entry), "modified": entry.stat().st_mtime}
             )
         except OSError:
             continue
-    for entry in _listdir(cache):
-        if not (DIGEST_RE.match(entry) and entry in present):
-            report.orphan_caches.append(str(cache / entry))
+    for entry in _entries(cache):
+        if not (DIGEST_RE.match(entry.name) and entry.name in present):
+            report.orphan_caches.append(entry.path)
     return report
 
 
-def _scan_blobs(blobs: Path, digests: set[str], report: ScanReport) -> dict[str, int]:
+def _scan_blobs(
+    blobs: Path,
+    digests: set[str],
+    report: ScanReport,
+    busy: Callable[[os.DirEntry[str]], bool],
+) -> dict[str, int]:
     """Sort ``blobs/`` into known blobs (returned: digest -> size), orphans, quarantined."""
     present: dict[str, int] = {}
-    for entry in _listdir(blobs):
-        path = blobs / entry
+    for entry in _entries(blobs):
+        if busy(entry):
+            continue
         try:
-            size = _size_of(path)
+            size = _size_of(entry)
         except OSError:
             continue
-        match = BLOB_RE.match(entry)
+        match = BLOB_RE.match(entry.name)
         if match:
             present[match.group(1)] = size
             if match.group(1) not in digests:
-                report.orphan_blobs.append({"path": str(path), "size": size})
-        elif ".FAILED" in entry:
-            report.quarantined.append({"path": str(path), "size": size})
+                report.orphan_blobs.append({"path": entry.path, "size": size})
+        elif ".FAILED" in entry.name:
+            report.quarantined.append({"path": entry.path, "size": size})
         else:
-            report.orphan_blobs.append({"path": str(path), "size": size})
+            report.orphan_blobs.append({"path": entry.path, "size": size})
     return present
 
 
-def _listdir(path: Path) -> list[str]:
+def _entries(path: Path) -> list[os.DirEntry[str]]:
+    """The entries of ``path`` by name (none when it does not exist)."""
     try:
-        return sorted(p.name for p in path.iterdir())
+        with os.scandir(path) as it:
+            return sorted(it, key=lambda e: e.name)
     except FileNotFoundError:
         return []

@@ -9,7 +9,7 @@ that later upgrades to a write can fail with SQLITE_BUSY despite the busy timeou
 
 A new blob is committed in this order: fsync the file, rename it into ``blobs/``, fsync
 the dir, then write the row. A crash at any point leaves at worst a file without a row
-(an orphan, reported at start-up), never a row that points at a missing file.
+(an orphan, reported by the scan), never a row that points at a missing file.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import queue
 import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -238,19 +239,19 @@ class Store:
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn`` on the read connection in a thread (WAL: never blocked by the writer)."""
-        if self._reader is None:
-            raise RuntimeError("Store.read before Store.open")
+        return await asyncio.to_thread(self._read_now, fn)
+
+    def _read_now(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """``read`` in the calling thread (a worker thread, never the event loop)."""
         reader = self._reader
-
-        def run() -> T:
-            with self._read_lock:
-                reader.execute("BEGIN")
-                try:
-                    return fn(reader)
-                finally:
-                    reader.execute("COMMIT")
-
-        return await asyncio.to_thread(run)
+        if reader is None:
+            raise RuntimeError("Store.read before Store.open")
+        with self._read_lock:
+            reader.execute("BEGIN")
+            try:
+                return fn(reader)
+            finally:
+                reader.execute("COMMIT")
 
     # --- paths -----------------------------------------------------------------------
 
@@ -475,50 +476,103 @@ class Store:
         await self.write(lambda c: c.execute("DELETE FROM installed WHERE digest = ?", (digest,)))
         return dest
 
-    # --- start-up scan ---------------------------------------------------------------
+    # --- the scan: files against rows ------------------------------------------------
 
-    async def scan(self) -> ScanReport:
-        """Find orphans: files without rows, rows without files, leftover partials."""
-        rows = await self.read(
-            lambda c: c.execute("SELECT id, digest, size, missing_since FROM installed").fetchall()
-        )
-        by_id = {r["id"]: (r["digest"], r["size"], r["missing_since"]) for r in rows}
-        report = await asyncio.to_thread(
-            scan_state_dir, self.blobs_dir, self.partial_dir, self.cache_dir, by_id
-        )
-        now = time.time()
-        gone = [m for m in report.missing if by_id[m][2] is None]
+    async def scan(self, *, in_use: Collection[Path] = ()) -> ScanReport:
+        """Compare the state dir's files with the index: files without rows, rows without
+        files, wrong sizes, quarantined files, leftover partials, stray caches.
+
+        Runs at start-up and for each ``status``, so what it reports is the state dir as it
+        is now. A row whose file is gone is marked missing (and unmarked once the file is
+        back). ``in_use``: partials of the downloads running now, which are no leftovers.
+        """
+        paths = {str(p) for p in in_use}
+
+        def look() -> tuple[dict[str, tuple[str, int, float | None]], ScanReport]:
+            rows = self._read_now(
+                lambda c: c.execute(
+                    "SELECT id, digest, size, missing_since FROM installed"
+                ).fetchall()
+            )
+            by_id = {r["id"]: (r["digest"], r["size"], r["missing_since"]) for r in rows}
+            report = scan_state_dir(
+                self.blobs_dir,
+                self.partial_dir,
+                self.cache_dir,
+                by_id,
+                in_use=paths,
+                pid=os.getpid(),
+            )
+            # An install of another file for the id may have come between the rows read and
+            # the listing (its new blob placed, then its row): only a blob still gone is.
+            report.missing = [m for m in report.missing if not self.blob_path(by_id[m][0]).exists()]
+            return by_id, report
+
+        by_id, report = await asyncio.to_thread(look)
+        gone = [(m, by_id[m][0]) for m in report.missing if by_id[m][2] is None]
         back = [
-            m for m, (_, _, since) in by_id.items() if since is not None and m not in report.missing
+            (m, digest)
+            for m, (digest, _, since) in by_id.items()
+            if since is not None and m not in report.missing
         ]
-
-        def tx(conn: sqlite3.Connection) -> None:
-            for m in gone:
-                conn.execute("UPDATE installed SET missing_since = ? WHERE id = ?", (now, m))
-            for m in back:
-                conn.execute("UPDATE installed SET missing_since = NULL WHERE id = ?", (m,))
-
         if gone or back:
-            await self.write(tx)
-        for m in gone:
-            await self.event("blob_missing", model=m, digest=by_id[m][0])
+            await self._set_missing(gone, back)
+        seen = set(self.last_scan.problems()) if self.last_scan is not None else set()
         self.last_scan = report
+        # Logged once each, not at every status that still finds it.
         for problem in report.problems():
-            logs.event("store_problem", problem=problem)
+            if problem not in seen:
+                logs.event("store_problem", problem=problem)
         return report
 
-    async def status(self) -> dict[str, Any]:
-        """The ``store`` section of ``/api/status``."""
+    async def _set_missing(
+        self,
+        gone: list[tuple[str, str]],
+        back: list[tuple[str, str]] | None = None,
+    ) -> list[tuple[str, str]]:
+        """Mark the (id, digest) rows of ``gone`` missing and unmark those of ``back``, each
+        only while its row still names that digest and its file is (not) there; return the
+        rows marked."""
+        now = time.time()
+
+        def tx(conn: sqlite3.Connection) -> list[tuple[str, str]]:
+            marked = []
+            for model_id, digest in gone:
+                if self.blob_path(digest).exists():
+                    continue
+                cur = conn.execute(
+                    "UPDATE installed SET missing_since = ?"
+                    " WHERE id = ? AND digest = ? AND missing_since IS NULL",
+                    (now, model_id, digest),
+                )
+                if cur.rowcount:
+                    marked.append((model_id, digest))
+            for model_id, digest in back or []:
+                if self.blob_path(digest).exists():
+                    conn.execute(
+                        "UPDATE installed SET missing_since = NULL WHERE id = ? AND digest = ?",
+                        (model_id, digest),
+                    )
+            return marked
+
+        marked = await self.write(tx)
+        for model_id, digest in marked:
+            await self.event("blob_missing", model=model_id, digest=digest)
+        return marked
+
+    async def status(self, *, in_use: Collection[Path] = ()) -> dict[str, Any]:
+        """The ``store`` section of ``/api/status``, from a scan made now (``in_use``: the
+        partials of running downloads)."""
+        scan = await self.scan(in_use=in_use)
         installed = await self.list_installed()
         total = sum(i.size for i in installed)
-        scan = self.last_scan
         doc: dict[str, Any] = {
             "home": str(self.home),
             "installed": len(installed),
             "installed_bytes": total,
             "unverified": sorted(i.model_id for i in installed if not i.verified),
-            "scan": scan.to_dict() if scan else None,
-            "problems": scan.problems() if scan else [],
+            "scan": scan.to_dict(),
+            "problems": scan.problems(),
         }
         doc["summary"] = f"{len(installed)} installed model(s), {total} bytes in {self.blobs_dir}"
         return doc

@@ -253,6 +253,55 @@ def test_cli_pull_survives_kill_9_and_resumes(proc_env: tuple[DaemonProcess, Thr
     assert not (d.home / "partial" / "m1.partial").exists()
 
 
+def store_problems(d: DaemonProcess) -> list[str]:
+    """The ``store`` problems of ``modeld status --json``."""
+    problems: list[str] = d.cli_json("status")["store"]["problems"]
+    return problems
+
+
+def test_status_reports_the_state_dir_as_it_is_after_each_pull(
+    proc_env: tuple[DaemonProcess, ThreadMirror],
+) -> None:
+    """`modeld status` reports the store's leftovers as they are now: a partial goes once its
+    pull installs, a running download's partial is none, a cancelled one shows at once, and a
+    missing model pulled again is no longer missing."""
+    d, tm = proc_env
+    assert d.cli("pull", "m1", "--detach").returncode == 0
+    assert wait_pull_progress(d.socket, 128 * 1024), "the pull made no progress"
+    d.stop(signal.SIGKILL)
+    d.start()
+    human = d.cli("status").stdout
+    assert "store: 1 partial download(s)" in human and "`modeld pull ID` resumes" in human
+    tm.mirror.faults.throttle = None
+    assert d.cli_json("pull", "m1")["state"] == "installed"
+    assert not list((d.home / "partial").iterdir())
+    assert store_problems(d) == []
+    assert "! store:" not in d.cli("status").stdout
+
+    assert d.cli("rm", "m1").returncode == 0
+    tm.mirror.faults.throttle = 20_000
+    assert d.cli("pull", "m1", "--detach").returncode == 0
+    assert wait_pull_progress(d.socket, 1), "the pull made no progress"
+    assert store_problems(d) == []  # its partial is a download in progress, no leftover
+    assert d.cli_json("pull", "m1", "--cancel")["state"] == "cancelled"
+    (problem,) = store_problems(d)
+    assert problem.startswith("1 partial download(s)"), problem
+
+    tm.mirror.faults.throttle = None
+    assert d.cli_json("pull", "m1")["state"] == "installed"
+    assert store_problems(d) == []
+    d.stop()
+    blob = d.home / "blobs" / f"sha256-{SHA}"
+    away = d.home / "away"
+    blob.rename(away)
+    d.start()
+    (problem,) = store_problems(d)
+    assert "m1: the file is missing" in problem, problem
+    assert d.cli_json("pull", "m1")["state"] == "installed"
+    assert blob.read_bytes() == DATA
+    assert store_problems(d) == []
+
+
 BIG = 16 * 1024 * 1024 + 777  # 257 blocks of 64 KiB, the last one short
 BIG_DATA = random.Random(13).randbytes(BIG)
 BIG_SHA = hashlib.sha256(BIG_DATA).hexdigest()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import sqlite3
 import stat
 import threading
@@ -234,6 +235,23 @@ async def test_scan_finds_orphans_missing_and_partials(tmp_path: Path) -> None:
         assert await store.missing() == {}
     finally:
         await store.close()
+
+
+async def test_scan_leaves_out_work_in_progress(store: Store) -> None:
+    """A running download's partial and this daemon's own staging files are no leftovers;
+    a dead daemon's staging file is."""
+    running = store.partial_dir / "m1.partial"
+    running.write_bytes(b"12345")
+    own = store.partial_dir / f"m2.import-{os.getpid()}-1"
+    own.write_bytes(b"1")
+    placing = store.blobs_dir / f".sha256-{'a' * 64}.install-{os.getpid()}"
+    placing.write_bytes(b"1")
+    dead = store.partial_dir / "m3.import-999999999-1"
+    dead.write_bytes(b"1")
+    scan = await store.scan(in_use=[running])
+    assert [p["path"] for p in scan.partials] == [str(dead)]
+    assert scan.orphan_blobs == []
+    assert (await store.status(in_use=[running, dead]))["problems"] == []
 
 
 async def test_verify_ok_and_mismatch_quarantines(tmp_path: Path) -> None:
