@@ -24,7 +24,6 @@ from modeld.config import Settings
 from modeld.engine.pool import Pool, Target
 from modeld.engine.types import Journal
 from modeld.errors import (
-    CorruptModel,
     ImageProbeFailed,
     ModeldError,
     ModelNotInstalled,
@@ -119,6 +118,15 @@ def entry_max_tokens(entry: Entry | None, info: ModelInfo | None, *, vision: boo
         or (limits.max_tokens if limits else None)
         or (info.llm_metadata.max_num_tokens if info and info.llm_metadata else None)
         or DEFAULT_MAX_TOKENS
+    )
+
+
+def _file_missing(model_id: str, path: Path | None = None) -> ModelNotInstalled:
+    """The refusal of a model whose installed file is gone (it counts as missing)."""
+    where = f" {path}" if path is not None else ""
+    return ModelNotInstalled(
+        f"model {model_id}: its file{where} is missing, so it no longer counts as installed; "
+        f"run `modeld pull {model_id}` to fetch it again"
     )
 
 
@@ -623,6 +631,8 @@ class Engines:
         entry = self.catalog.get(model_id)
         installed = await self._installed_row(model_id)
         if installed is None:
+            if model_id in await self.store.missing():
+                raise _file_missing(model_id)
             raise ModelNotInstalled(
                 f"model {model_id} is not installed; run `modeld pull {model_id}` first"
             )
@@ -640,9 +650,9 @@ class Engines:
             )
         path = installed.path
         if not path.is_file():
-            raise CorruptModel(
-                f"model {model_id}: its file {path} is missing; run `modeld pull {model_id}`"
-            )
+            # `list` and `pull` then see it missing too: a pull fetches the file again.
+            await self.store.mark_missing(model_id, installed.digest)
+            raise _file_missing(model_id, path)
         info = await self.header(model_id, installed.digest, path)
         if kind is not None:
             check_kind(model_id, info, kind)

@@ -42,7 +42,7 @@ from modeld.store.store import Installed, Store
 NOT_INSTALLED = "not_installed"
 INSTALLED = "installed"
 OUTDATED = "outdated"  # installed, but the entry now names another file; still loadable
-MISSING = "missing"  # the index has a row, but start-up found no file
+MISSING = "missing"  # the index has a row, but its file is gone (scan, load, pull, list)
 
 # ".../resolve/<revision>/<file>": Hugging Face, its mirrors, and entries from hf:// pulls.
 _RESOLVE = re.compile(r"/resolve/(?P<rev>[^/]+)/")

@@ -323,27 +323,54 @@ class Store:
         )
 
     async def installed(self, model_id: str) -> Installed | None:
-        """The model's install, or None (also when start-up found its blob missing)."""
+        """The model's install, or None: never installed, removed, or missing (its blob is
+        gone: found so now, by a scan, or by a load)."""
 
-        def q(conn: sqlite3.Connection) -> sqlite3.Row | None:
-            row: sqlite3.Row | None = conn.execute(
+        def q(conn: sqlite3.Connection) -> list[sqlite3.Row]:
+            rows: list[sqlite3.Row] = conn.execute(
                 "SELECT * FROM installed WHERE id = ? AND missing_since IS NULL", (model_id,)
-            ).fetchone()
-            return row
+            ).fetchall()
+            return rows
 
-        row = await self.read(q)
-        return installed_from(row, self.blobs_dir) if row is not None else None
+        found = await self._present(q)
+        return found[0] if found else None
 
     async def list_installed(self) -> list[Installed]:
-        rows = await self.read(
+        """Every install whose blob is there (one whose blob is gone is marked missing)."""
+        return await self._present(
             lambda c: c.execute(
                 "SELECT * FROM installed WHERE missing_since IS NULL ORDER BY id"
             ).fetchall()
         )
-        return [installed_from(r, self.blobs_dir) for r in rows]
+
+    async def _present(
+        self, query: Callable[[sqlite3.Connection], list[sqlite3.Row]]
+    ) -> list[Installed]:
+        """The installs ``query`` reads whose blob is on disk (one ``stat`` each, in the read's
+        thread); those whose blob is gone are marked missing, so no caller (``pull``, ``list``,
+        a load) takes a row for a file that is not there."""
+
+        def read() -> tuple[list[Installed], list[Installed]]:
+            here: list[Installed] = []
+            gone: list[Installed] = []
+            for row in self._read_now(query):
+                inst = installed_from(row, self.blobs_dir)
+                (here if inst.path.exists() else gone).append(inst)
+            return here, gone
+
+        here, gone = await asyncio.to_thread(read)
+        if gone:
+            await self._set_missing([(i.model_id, i.digest) for i in gone])
+        return here
+
+    async def mark_missing(self, model_id: str, digest: str) -> bool:
+        """Record that the blob of ``model_id`` (``digest``) is gone, as a load found it: the
+        model counts as missing until its file is back or it is pulled again. False when
+        the row changed meanwhile or the file is there after all."""
+        return bool(await self._set_missing([(model_id, digest)]))
 
     async def missing(self) -> dict[str, float]:
-        """Models whose row survives but whose blob was gone at the last scan: id -> since."""
+        """Models whose row survives but whose blob was found gone: id -> since when."""
         rows = await self.read(
             lambda c: c.execute(
                 "SELECT id, missing_since FROM installed WHERE missing_since IS NOT NULL"
@@ -417,7 +444,7 @@ class Store:
         try:
             actual, actual_size = await asyncio.to_thread(sha256_file, inst.path)
         except FileNotFoundError:
-            await self.scan()
+            await self.mark_missing(model_id, inst.digest)
             raise ModelNotInstalled(
                 f"model {model_id}: its file {inst.path} is gone; run `modeld pull {model_id}`"
             ) from None

@@ -302,6 +302,43 @@ def test_status_reports_the_state_dir_as_it_is_after_each_pull(
     assert store_problems(d) == []
 
 
+def test_a_model_whose_file_is_gone_is_missing_and_pulled_again(short_tmp: Path) -> None:
+    """When an installed model's blob disappears, `run` says so and marks it missing, `list`
+    shows it missing, and `pull` (with or without --force) fetches the file again."""
+    data = TINY.read_bytes()
+    tm = ThreadMirror(data, Faults())
+    d = started_daemon(short_tmp, "tiny-text", [tm], len(data), hashlib.sha256(data).hexdigest())
+    blob = d.home / "blobs" / f"sha256-{hashlib.sha256(data).hexdigest()}"
+
+    def state() -> str:
+        (model,) = [m for m in d.cli_json("list")["models"] if m["id"] == "tiny-text"]
+        return str(model["state"])
+
+    try:
+        assert d.cli_json("pull", "tiny-text")["state"] == "installed"
+        assert d.cli("run", "tiny-text", "hi", "--max-tokens", "2").returncode == 0
+        blob.rename(short_tmp / "away")
+        ran = d.cli("run", "tiny-text", "hi", "--max-tokens", "2")
+        assert ran.returncode == 1 and "is missing" in ran.stderr, ran.stderr
+        assert "modeld pull tiny-text" in ran.stderr
+        d.wait_log("blob_missing model=tiny-text")
+        assert state() == "missing"
+        pulled = d.cli_json("pull", "tiny-text")
+        assert pulled["state"] == "installed" and not pulled.get("already"), pulled
+        assert blob.read_bytes() == data
+        assert state() == "installed"
+        assert d.cli("run", "tiny-text", "hi", "--max-tokens", "2").returncode == 0
+
+        blob.unlink()
+        forced = d.cli_json("pull", "tiny-text", "--force")
+        assert forced["state"] == "installed" and not forced.get("already"), forced
+        assert blob.read_bytes() == data
+        assert tm.mirror.sent >= 3 * len(data)
+    finally:
+        d.stop()
+        tm.close()
+
+
 BIG = 16 * 1024 * 1024 + 777  # 257 blocks of 64 KiB, the last one short
 BIG_DATA = random.Random(13).randbytes(BIG)
 BIG_SHA = hashlib.sha256(BIG_DATA).hexdigest()

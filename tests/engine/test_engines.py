@@ -22,10 +22,17 @@ from PIL import Image
 
 from modeld.client import AsyncClient
 from modeld.config import load_settings
-from modeld.errors import EngineError, ImageProbeFailed
+from modeld.daemon.root import Root
+from modeld.errors import EngineError, ImageProbeFailed, ModelNotInstalled
 from modeld.store.store import sha256_file
 from tests.support.daemon import InProcessDaemon, running_daemon
-from tests.support.state import MODELS, install_fixture, open_store, write_entry
+from tests.support.state import (
+    MODELS,
+    install_fixture,
+    open_store,
+    registry_settings,
+    write_entry,
+)
 
 VISION_PLAN = "main=cpu,vision=cpu,audio=none"
 
@@ -389,3 +396,18 @@ async def test_warm_up_setting_off(clean_env: Path) -> None:
     async with running_daemon(settings) as d, d.client() as c:
         view = await c.request("POST", "/api/engines", {"model": "plain", "pin": True})
     assert view["warm_up_seconds"] is None
+
+
+async def test_a_target_whose_file_is_gone_marks_the_model_missing(clean_env: Path) -> None:
+    """A model whose blob disappears after a load resolved it is refused as missing (not as a
+    corrupt file), and from then on counts as missing."""
+    home, registry = clean_env / "home", clean_env / "registry"
+    inst = install_fixture(home, "tiny-text", MODELS / "tiny-text.litertlm", registry=registry)
+    async with Root(registry_settings(home, registry), spare=False) as services:
+        await services.engines.target("tiny-text")
+        inst.path.unlink()
+        with pytest.raises(ModelNotInstalled, match=r"is missing.*modeld pull tiny-text"):
+            await services.engines.target("tiny-text")
+        assert "tiny-text" in await services.store.missing()
+        with pytest.raises(ModelNotInstalled, match="is missing"):
+            await services.engines.target("tiny-text")

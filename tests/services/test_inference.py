@@ -17,7 +17,6 @@ from modeld.daemon.root import Root
 from modeld.errors import (
     BackendConstraint,
     BadRequest,
-    CorruptModel,
     ModelNotInstalled,
     TooLarge,
 )
@@ -143,11 +142,11 @@ async def test_a_warm_target_is_reused_until_what_it_came_from_changes(
     assert await engines.target("tiny-text") is again
     assert link.is_symlink()
 
-    # The file is checked every time, kept target or not.
+    # The file is checked every time, kept target or not: gone, the model is missing.
     installed = await started.store.installed("tiny-text")
     assert installed is not None
     installed.path.unlink()
-    with pytest.raises(CorruptModel, match="missing"):
+    with pytest.raises(ModelNotInstalled, match="missing"):
         await engines.target("tiny-text")
 
 

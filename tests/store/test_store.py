@@ -254,6 +254,28 @@ async def test_scan_leaves_out_work_in_progress(store: Store) -> None:
     assert (await store.status(in_use=[running, dead]))["problems"] == []
 
 
+async def test_an_install_whose_blob_is_gone_is_marked_missing_when_read(tmp_path: Path) -> None:
+    """``installed`` and ``list_installed`` never return a row whose blob is gone: they mark
+    it missing (once), and an install of the file makes it installed again."""
+    home = tmp_path / "home"
+    inst = install_fixture(home, "tiny", TINY)
+    store = Store(home)
+    await store.open()
+    try:
+        inst.path.rename(tmp_path / "away")
+        assert await store.list_installed() == []
+        assert await store.installed("tiny") is None
+        assert list(await store.missing()) == ["tiny"]
+        assert [e["kind"] for e in await store.events()].count("blob_missing") == 1
+        src = store.partial_dir / "again"
+        (tmp_path / "away").rename(src)
+        await store.install("tiny", src, inst.digest, inst.size, "registry sha256")
+        assert await store.installed("tiny") is not None
+        assert await store.missing() == {}
+    finally:
+        await store.close()
+
+
 async def test_verify_ok_and_mismatch_quarantines(tmp_path: Path) -> None:
     """``verify`` re-hashes; a changed file is renamed *.FAILED and no longer installed."""
     home = tmp_path / "home"
