@@ -235,8 +235,7 @@ async def run(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    reloader = Reloader(services, notifier)
-    loop.add_signal_handler(signal.SIGHUP, reloader.request)
+    reloader = _reloads(services, notifier, loop)
     # Pings from the event loop itself: they stop when the loop stops turning.
     watchdog = asyncio.create_task(notifier.watchdog_loop())
     keys = root.keys
@@ -340,6 +339,14 @@ def _announce_ready(
         inherited=inherited,
     )
     notifier.ready(f"serving on {' and '.join([where, *tcp])}")
+
+
+def _reloads(services: Services, notifier: Notifier, loop: asyncio.AbstractEventLoop) -> Reloader:
+    """SIGHUP reloads the settings; the last reload's outcome is the status's ``reload``."""
+    reloader = Reloader(services, notifier)
+    services.reload_status = reloader.status
+    loop.add_signal_handler(signal.SIGHUP, reloader.request)
+    return reloader
 
 
 async def _serve_tcp(

@@ -5,20 +5,23 @@ Only what can change while serving is applied: ``LIVE_FIELDS``. They are assigne
 ``keep_alive``, the API reading the allow-lists, admin lists and CORS origins) sees the new
 values on its next use. Fields that need a restart (the socket, the TCP listeners, the state
 dir, the memory budget, ...) are reported in the log line and left as they were. A config
-that does not load is logged and changes nothing.
+that does not load is logged and changes nothing; ``modeld status`` shows it as a problem
+(section ``reload``) until a reload succeeds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from modeld import logs
 from modeld.catalog.catalog import Catalog, bundled_registry_dir
-from modeld.config import Settings, load_settings
+from modeld.config import Settings, config_file_path, load_settings
 from modeld.daemon.notify import Notifier
 from modeld.errors import ModeldError
 from modeld.services.parts import Services
@@ -45,7 +48,13 @@ async def reload_settings(
         new = load()
     except ModeldError as e:
         logs.event("reload_failed", logging.ERROR, code=e.code, message=e.message)
-        return {"ok": False, "error": e.message, "changed": [], "restart_needed": []}
+        return {
+            "ok": False,
+            "code": e.code,
+            "error": e.message,
+            "changed": [],
+            "restart_needed": [],
+        }
     current = services.settings
     changed = [f for f in LIVE_FIELDS if getattr(new, f) != getattr(current, f)]
     restart_needed = [
@@ -100,6 +109,8 @@ class Reloader:
         self.load = load
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        # The last reload's outcome (``reload_settings``) and when it ran; None before any.
+        self.last: dict[str, Any] | None = None
 
     def request(self) -> None:
         """Signal-handler entry point: schedule a reload on the running loop."""
@@ -114,12 +125,38 @@ class Reloader:
             logs.event("reloading", reason="SIGHUP")
             self.notifier.reloading("reloading settings and registry")
             outcome = await reload_settings(self.services, self.load)
+            path = config_file_path()
+            self.last = outcome | {"at": time.time(), "config_file": str(path) if path else None}
             status = (
                 f"serving on {self.services.settings.socket_path}"
                 if outcome["ok"]
                 else f"serving; reload failed (old settings kept): {outcome['error']}"
             )
             self.notifier.ready(status)
+
+    def status(self) -> dict[str, Any]:
+        """The ``reload`` section of ``/api/status``: the last reload (SIGHUP), and while it
+        failed, a problem saying that the old settings stay and how to fix it."""
+        last = self.last
+        if last is None:
+            return {"summary": None, "problems": [], "last": None}
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["at"]))
+        if last["ok"]:
+            summary = f"settings reloaded at {when}"
+            if last["restart_needed"]:
+                summary += f"; {', '.join(last['restart_needed'])} wait(s) for a restart"
+            return {"summary": summary, "problems": [], "last": last}
+        where = f" ({last['config_file']})" if last["config_file"] else ""
+        problem = (
+            f"the settings reload at {when} failed, so the daemon keeps the settings it had: "
+            f"{last['error']}. Fix the config file{where}, then reload again "
+            f"(`systemctl reload modeld` or `kill -HUP {os.getpid()}`)"
+        )
+        return {
+            "summary": f"settings reload at {when} failed; the old settings stay",
+            "problems": [problem],
+            "last": last,
+        }
 
     async def close(self) -> None:
         """Cancel reloads still running (shutdown)."""

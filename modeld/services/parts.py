@@ -46,6 +46,8 @@ class Services:
     started_at: float = field(default_factory=time.time)
     # The ``tcp`` section of ``/api/status`` once TCP listeners serve (``daemon.py``).
     tcp_status: Callable[[], dict[str, Any]] | None = None
+    # The ``reload`` section: the last SIGHUP reload's outcome (``daemon/lifecycle.py``).
+    reload_status: Callable[[], dict[str, Any]] | None = None
     stopping: bool = False
 
     async def status(self) -> dict[str, Any]:
@@ -62,6 +64,8 @@ class Services:
             "pool": self.pool.status(),
             "runtime": await self.engines.runtime_status(),
         }
+        if self.reload_status is not None:
+            doc["reload"] = self.reload_status()
         if self.tcp_status is not None:
             doc["tcp"] = self.tcp_status()
         return doc

@@ -234,6 +234,33 @@ def test_bad_config_on_sighup_keeps_old_settings(
     assert body["settings"]["keep_alive"] == 300 and body["settings"]["log_level"] == "info"
 
 
+def test_a_failed_reload_is_a_status_problem_until_a_reload_succeeds(
+    configured: tuple[DaemonProcess, Path],
+) -> None:
+    """A config that fails to load on SIGHUP shows in `modeld status` (and --json): what is
+    wrong, that the old settings stay, how to fix it; a reload that succeeds clears it."""
+    d, config = configured
+    assert d.proc is not None
+    config.write_text('keep_alive = "forever"\n')
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_log("reload_failed")
+    doc = d.cli_json("status")
+    assert doc["settings"]["keep_alive"] == 300
+    (problem,) = doc["reload"]["problems"]
+    assert "keep_alive" in problem and "forever" in problem, problem
+    assert "keeps the settings it had" in problem and str(config) in problem, problem
+    assert f"kill -HUP {d.proc.pid}" in problem, problem
+    human = d.cli("status").stdout
+    assert f"! reload: {problem}" in human, human
+
+    config.write_text('keep_alive = "1m"\n')
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_log(" reloaded ")
+    doc = d.cli_json("status")
+    assert doc["reload"]["problems"] == [] and doc["settings"]["keep_alive"] == 60
+    assert "! reload" not in d.cli("status").stdout
+
+
 def test_sighup_applies_allow_lists_live(configured: tuple[DaemonProcess, Path]) -> None:
     """An allow-list added by SIGHUP takes effect on the next request, and so does its removal."""
     d, config = configured
