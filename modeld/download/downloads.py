@@ -189,10 +189,15 @@ class Downloads:
 
     def status(self) -> dict[str, Any]:
         active = self.list()
+        # A model's latest pull speaks for it: a failure is no problem once a later pull of
+        # the model installed it, nor while one runs.
+        latest: dict[str, DownloadJob] = {}
+        for j in reversed(self.recent):
+            latest.setdefault(j.id, j)
         problems = [
             f"{j.id}: {j.error.message}"
-            for j in self.recent
-            if j.error is not None and j.state is DownloadState.FAILED
+            for j in reversed(latest.values())
+            if j.error is not None and j.state is DownloadState.FAILED and j.id not in self.jobs
         ]
         if active:
             parts = [

@@ -302,6 +302,24 @@ def test_status_reports_the_state_dir_as_it_is_after_each_pull(
     assert store_problems(d) == []
 
 
+def test_a_failed_pull_is_a_status_problem_until_the_model_is_pulled_again(
+    proc_env: tuple[DaemonProcess, ThreadMirror],
+) -> None:
+    """A failed pull shows under `downloads` in `modeld status`; once a later pull of the
+    model installs it, the old failure is no longer shown."""
+    d, tm = proc_env
+    tm.mirror.faults.throttle = None
+    tm.mirror.faults.status = 404
+    failed = d.cli("pull", "m1")
+    assert failed.returncode == 1, failed.stdout
+    (problem,) = d.cli_json("status")["downloads"]["problems"]
+    assert problem.startswith("m1: "), problem
+    tm.mirror.faults.status = None
+    assert d.cli_json("pull", "m1")["state"] == "installed"
+    assert d.cli_json("status")["downloads"]["problems"] == []
+    assert "! downloads:" not in d.cli("status").stdout
+
+
 def test_a_model_whose_file_is_gone_is_missing_and_pulled_again(short_tmp: Path) -> None:
     """When an installed model's blob disappears, `run` says so and marks it missing, `list`
     shows it missing, and `pull` (with or without --force) fetches the file again."""
