@@ -513,14 +513,15 @@ class Store:
         is now. A row whose file is gone is marked missing (and unmarked once the file is
         back). ``in_use``: partials of the downloads running now, which are no leftovers.
         """
+        report, _ = await self._scan(in_use)
+        return report
+
+    async def _scan(self, in_use: Collection[Path]) -> tuple[ScanReport, list[Installed]]:
+        """``scan``, and the installs whose blob it found (one thread hop for both)."""
         paths = {str(p) for p in in_use}
 
-        def look() -> tuple[dict[str, tuple[str, int, float | None]], ScanReport]:
-            rows = self._read_now(
-                lambda c: c.execute(
-                    "SELECT id, digest, size, missing_since FROM installed"
-                ).fetchall()
-            )
+        def look() -> tuple[list[sqlite3.Row], ScanReport]:
+            rows = self._read_now(lambda c: c.execute("SELECT * FROM installed").fetchall())
             by_id = {r["id"]: (r["digest"], r["size"], r["missing_since"]) for r in rows}
             report = scan_state_dir(
                 self.blobs_dir,
@@ -533,14 +534,18 @@ class Store:
             # An install of another file for the id may have come between the rows read and
             # the listing (its new blob placed, then its row): only a blob still gone is.
             report.missing = [m for m in report.missing if not self.blob_path(by_id[m][0]).exists()]
-            return by_id, report
+            return rows, report
 
-        by_id, report = await asyncio.to_thread(look)
-        gone = [(m, by_id[m][0]) for m in report.missing if by_id[m][2] is None]
+        rows, report = await asyncio.to_thread(look)
+        gone = [
+            (r["id"], r["digest"])
+            for r in rows
+            if r["id"] in report.missing and r["missing_since"] is None
+        ]
         back = [
-            (m, digest)
-            for m, (digest, _, since) in by_id.items()
-            if since is not None and m not in report.missing
+            (r["id"], r["digest"])
+            for r in rows
+            if r["missing_since"] is not None and r["id"] not in report.missing
         ]
         if gone or back:
             await self._set_missing(gone, back)
@@ -550,7 +555,8 @@ class Store:
         for problem in report.problems():
             if problem not in seen:
                 logs.event("store_problem", problem=problem)
-        return report
+        here = [installed_from(r, self.blobs_dir) for r in rows if r["id"] not in report.missing]
+        return report, sorted(here, key=lambda i: i.model_id)
 
     async def _set_missing(
         self,
@@ -590,8 +596,7 @@ class Store:
     async def status(self, *, in_use: Collection[Path] = ()) -> dict[str, Any]:
         """The ``store`` section of ``/api/status``, from a scan made now (``in_use``: the
         partials of running downloads)."""
-        scan = await self.scan(in_use=in_use)
-        installed = await self.list_installed()
+        scan, installed = await self._scan(in_use)
         total = sum(i.size for i in installed)
         doc: dict[str, Any] = {
             "home": str(self.home),
