@@ -32,6 +32,7 @@ from urllib.parse import quote, urlsplit
 from modeld.config import client_api_key, client_socket_path, client_url
 from modeld.errors import (
     BadRequest,
+    DaemonDisconnected,
     DaemonUnavailable,
     ModeldError,
     SettingsError,
@@ -221,7 +222,10 @@ def _record(line: bytes) -> dict[str, Any] | None:
     line = line.strip()
     if not line:
         return None
-    record = json.loads(line)
+    try:
+        record = json.loads(line)
+    except ValueError:
+        raise ModeldError(f"the daemon sent a record that is not JSON: {line[:80]!r}") from None
     if isinstance(record, dict) and "error" in record and len(record) == 1:
         raise error_from_body(500, record)
     if not isinstance(record, dict):
@@ -243,6 +247,14 @@ def _no_answer(where: Endpoint, seconds: float) -> DaemonUnavailable:
         f"modeld on {where} took the connection but sent no answer in {seconds:g} s; the "
         "service may be failing to start: see `systemctl status modeld` and "
         "`journalctl -u modeld` (add --user for your own unit)"
+    )
+
+
+def _cut_off() -> DaemonDisconnected:
+    return DaemonDisconnected(
+        "the daemon closed the connection before its answer was complete: it stopped or "
+        "crashed (`modeld logs` shows why); once it runs again (`modeld serve`, or its "
+        "service), retry"
     )
 
 
@@ -284,7 +296,7 @@ class _Response:
     def _line(self) -> bytes:
         line = self._stream.readline(_MAX_LINE)
         if not line:
-            raise ConnectionResetError("the daemon closed the connection")
+            raise _cut_off()
         return line
 
     @property
@@ -300,11 +312,14 @@ class _Response:
                     return
                 data = self._stream.read(size)
                 if len(data) < size:
-                    raise ModeldError("the daemon closed the stream early; see its log")
+                    raise _cut_off()
                 self._stream.readline(_MAX_LINE)
                 yield data
         elif "content-length" in self.headers:
-            data = self._stream.read(int(self.headers["content-length"]))
+            length = int(self.headers["content-length"])
+            data = self._stream.read(length)
+            if len(data) < length:
+                raise _cut_off()
             if data:
                 yield data
         else:
@@ -419,6 +434,9 @@ class Client:
         except TimeoutError as e:
             sock.close()
             raise _no_answer(self.endpoint, self.answer_timeout) from e
+        except DaemonDisconnected:
+            sock.close()
+            raise
         except OSError as e:
             sock.close()
             raise _unreachable(self.endpoint, e) from e
@@ -440,6 +458,10 @@ class Client:
             data = response.read()
         except TimeoutError as e:
             raise _no_answer(self.endpoint, self.answer_timeout) from e
+        except ModeldError:  # the daemon's own (some are OSErrors), or a cut-off
+            raise
+        except OSError as e:  # ECONNRESET: the daemon died with our bytes unread
+            raise _cut_off() from e
         finally:
             response.close()
         return _decode(response.status, response.content_type, data)
@@ -455,6 +477,10 @@ class Client:
                 record = _record(line)
                 if record is not None:
                     yield record
+        except ModeldError:  # the daemon's own (some are OSErrors), or a cut-off
+            raise
+        except OSError as e:  # ECONNRESET: the daemon died with our bytes unread
+            raise _cut_off() from e
         finally:
             response.close()
 
@@ -550,12 +576,16 @@ class Client:
                 status, decoded = _send_with_fd(self.endpoint.socket, body, fd, self.answer_timeout)
             except TimeoutError as e:
                 raise _no_answer(self.endpoint, self.answer_timeout) from e
+            except DaemonDisconnected:
+                raise
             except OSError as e:
                 raise _unreachable(self.endpoint, e) from e
         finally:
             os.close(fd)
         if status >= 400:
             raise error_from_body(status, decoded)
+        if not isinstance(decoded, dict):
+            raise _cut_off()
         result: dict[str, Any] = decoded
         return result
 
@@ -697,9 +727,14 @@ class AsyncClient:
             async with self.session.request(
                 method, self._base + path, json=body, timeout=timeout
             ) as resp:
-                data = await resp.read()
+                try:
+                    data = await resp.read()
+                except aiohttp.ClientPayloadError as e:
+                    raise _cut_off() from e
                 status = resp.status
                 ctype = resp.content_type
+        except DaemonDisconnected:
+            raise
         except (aiohttp.ClientConnectionError, OSError, TimeoutError) as e:
             raise self._unavailable(e) from e
         self._answered = True
@@ -723,8 +758,8 @@ class AsyncClient:
                 record = _record(raw)
                 if record is not None:
                     yield record
-        except aiohttp.ClientPayloadError as e:
-            raise ModeldError(f"the daemon closed the stream early ({e}); see its log") from e
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+            raise _cut_off() from e
         finally:
             resp.release()
 
@@ -851,7 +886,7 @@ def _send_with_fd(
         while b"\r\n\r\n" not in data:
             chunk = s.recv(65536)
             if not chunk:
-                raise ConnectionError("the daemon closed the connection without an answer")
+                raise _cut_off()
             data += chunk
         if data.startswith(b"HTTP/1.1 100"):
             data = data.partition(b"\r\n\r\n")[2]
@@ -860,7 +895,10 @@ def _send_with_fd(
         while chunk := s.recv(65536):
             data += chunk
     head_raw, _, raw = data.partition(b"\r\n\r\n")
-    status = int(head_raw.split(b" ", 2)[1])
+    parts = head_raw.split(b" ", 2)
+    if len(parts) < 2 or not parts[1].isdigit():
+        raise _cut_off()  # closed after the 100, before its answer
+    status = int(parts[1])
     try:
         return status, json.loads(raw) if raw else None
     except ValueError:

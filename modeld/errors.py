@@ -330,6 +330,13 @@ class SocketDenied(DaemonUnavailable, PermissionError):
     code = "socket_denied"
 
 
+class DaemonDisconnected(DaemonUnavailable, ConnectionResetError):
+    """The daemon closed the connection before its answer was complete: it stopped or
+    crashed mid-answer (a pull followed, a reply streamed)."""
+
+    code = "daemon_disconnected"
+
+
 def _all_subclasses(cls: type[ModeldError]) -> list[type[ModeldError]]:
     out = [cls]
     for sub in cls.__subclasses__():

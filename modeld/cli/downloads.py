@@ -24,6 +24,7 @@ from modeld.cli.common import (
 )
 from modeld.client import Client
 from modeld.config import RATE_HELP, format_size, parse_rate
+from modeld.errors import DaemonDisconnected
 
 TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
@@ -234,6 +235,11 @@ def pull(
             f"Cancel it with `modeld pull {model_id} --cancel`"
         )
         sys.exit(130)
+    except DaemonDisconnected as e:
+        raise DaemonDisconnected(
+            f"the daemon went away during the pull of {model_id} (`modeld logs` shows why); "
+            f"start it again, and `modeld pull {model_id}` resumes from what is on disk"
+        ) from e
     emit(as_json, record, _print_done)
 
 

@@ -26,6 +26,7 @@ from modeld.cli.common import (
     json_flag,
 )
 from modeld.client import Client
+from modeld.errors import ModeldError
 
 TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
@@ -54,14 +55,19 @@ def _reply(records: Any, *, echo: bool) -> dict[str, Any]:
     """Stream the tokens to stdout (when ``echo``); the final record with the whole text."""
     text: list[str] = []
     final: dict[str, Any] = {}
-    for rec in records:
-        if "token" in rec:
-            text.append(rec["token"])
-            if echo:
-                sys.stdout.write(rec["token"])
-                sys.stdout.flush()
-        elif rec.get("done"):
-            final = rec
+    try:
+        for rec in records:
+            if "token" in rec:
+                text.append(rec["token"])
+                if echo:
+                    sys.stdout.write(rec["token"])
+                    sys.stdout.flush()
+            elif rec.get("done"):
+                final = rec
+    except ModeldError:
+        if echo and text:
+            sys.stdout.write("\n")  # the error's line starts on a line of its own
+        raise
     return {"text": "".join(text), **final}
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +21,11 @@ from modeld.client import Client
 from modeld.download.ratelimit import TokenBucket
 from modeld.errors import BadRequest
 from tests.cli.conftest import TINY, Tiny
+from tests.support.daemon import DaemonProcess, daemon_env
+from tests.support.mirror import Faults, ThreadMirror
 from tests.support.state import write_entry
+from tests.support.unix import cut_off_daemon
+from tests.support.wait import wait_sync
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -54,6 +59,57 @@ def test_no_daemon_one_line_exit_1(short_tmp: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
     assert "modeld serve" in lines[0]
+
+
+def test_a_daemon_that_goes_away_mid_answer_is_one_line_for_any_verb(short_tmp: Path) -> None:
+    """`status` whose daemon closes after half its answer: one line saying what happened and
+    what to do, exit status 1, as for a daemon that is not there at all."""
+    answer = (
+        b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 900\r\n\r\n{"ver'
+    )
+    with cut_off_daemon(short_tmp / "cut.sock", answer) as sock:
+        result = _run("--socket", str(sock), "status")
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("modeld: the daemon closed the connection"), lines[0]
+
+
+def test_a_pull_whose_daemon_is_killed_says_to_start_it_and_pull_again(short_tmp: Path) -> None:
+    """kill -9 of the daemon while `modeld pull ID` follows the download: one line saying the
+    daemon went away and that `modeld pull ID` resumes, exit status 1, no traceback."""
+    data = TINY.read_bytes()
+    mirror = ThreadMirror(data, Faults(throttle=5_000))
+    home, registry = short_tmp / "h", short_tmp / "r"
+    digest = hashlib.sha256(data).hexdigest()
+    write_entry(registry, "slow", size=len(data), sha256=digest, urls=[mirror.mirror.url])
+    d = DaemonProcess(home=home, env=daemon_env(home, MODELD_REGISTRY=str(registry)))
+    d.start()
+    try:
+        pull = subprocess.Popen(
+            [sys.executable, "-m", "modeld", "pull", "slow"],
+            env=d.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+        def pulling() -> bool:
+            with Client(d.socket) as c:
+                return bool(c.request("GET", "/api/downloads")["downloads"])
+
+        wait_sync(pulling, 30, "the pull running in the daemon")
+        d.stop(signal.SIGKILL)
+        _, err = pull.communicate(timeout=60)
+    finally:
+        if d.proc is not None and d.proc.poll() is None:
+            d.stop()
+        mirror.close()
+    assert pull.returncode == 1, err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("modeld: the daemon went away during the pull of slow"), lines[0]
+    assert "`modeld pull slow` resumes" in lines[0]
 
 
 def test_ids_with_slashes_get_a_400_not_a_missing_route(daemon_proc) -> None:  # type: ignore[no-untyped-def]

@@ -15,6 +15,7 @@ import pytest
 from modeld import __version__
 from modeld.client import AsyncClient, Client
 from modeld.errors import (
+    DaemonDisconnected,
     DaemonUnavailable,
     Forbidden,
     ModelNotFound,
@@ -24,6 +25,7 @@ from modeld.errors import (
     Unauthorized,
 )
 from tests.cli.conftest import EMBED_ID, TINY, Tiny
+from tests.support.unix import cut_off_daemon
 
 
 @pytest.fixture
@@ -229,6 +231,28 @@ def _native_id(thread: object) -> int:
     native = getattr(thread, "native_id", None)
     assert isinstance(native, int)
     return native
+
+
+async def test_a_daemon_gone_mid_answer_is_daemon_disconnected(short_tmp: Path) -> None:
+    """Both clients raise `DaemonDisconnected` (a `DaemonUnavailable`, and still a
+    ConnectionResetError) for an answer cut off: a stream after its first chunk, a GET's body."""
+    record = b'{"token": "hel"}\n'
+    ndjson = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+    streamed = ndjson + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(record), record)
+    with cut_off_daemon(short_tmp / "stream.sock", streamed) as sock:
+        with Client(sock) as c, pytest.raises(DaemonDisconnected, match="closed the connection"):
+            list(c.generate("tiny-text", "hi"))
+        async with AsyncClient(sock) as ac:
+            with pytest.raises(DaemonDisconnected, match="closed the connection"):
+                async for _ in ac.generate("tiny-text", "hi"):
+                    pass
+    json_head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 900\r\n"
+    with cut_off_daemon(short_tmp / "get.sock", json_head + b'\r\n{"ver') as sock:
+        with Client(sock) as c, pytest.raises(ConnectionResetError, match="closed the connection"):
+            c.request("GET", "/api/status")
+        async with AsyncClient(sock) as ac:
+            with pytest.raises(DaemonDisconnected, match="closed the connection"):
+                await ac.request("GET", "/api/status")
 
 
 def test_a_bad_url_is_a_settings_error() -> None:

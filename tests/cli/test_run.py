@@ -9,9 +9,11 @@ import select
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from modeld.client import Client
 from tests.cli.conftest import Tiny
+from tests.support.unix import cut_off_daemon
 
 
 def _cli(tiny: Tiny, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -48,6 +50,28 @@ def test_the_timing_line_is_one_line_on_a_pipe(tiny: Tiny) -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("[") and "total" in lines[0]
+
+
+def test_a_daemon_that_goes_away_mid_reply_is_one_line_not_a_traceback(short_tmp: Path) -> None:
+    """A daemon that closes the connection after the first chunk of a reply: the tokens so far
+    end their line, then one line says what happened and what to do, exit status 1."""
+    record = b'{"token": "hel"}\n'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+    answer = head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(record), record)
+    with cut_off_daemon(short_tmp / "cut.sock", answer) as sock:
+        result = subprocess.run(
+            [sys.executable, "-m", "modeld", "--socket", str(sock), "run", "tiny-text", "hi"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert result.returncode == 1, result.stderr
+    assert result.stdout == "hel\n"
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("modeld: the daemon closed the connection"), lines[0]
+    assert "retry" in lines[0]
 
 
 def _read_until(fd: int, needle: bytes | None, deadline: float) -> bytes:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +50,51 @@ def unix_fire(path: Path | str, method: str, target: str, body: Any = None) -> s
     s = connect_unix(path, 5.0)
     s.sendall(_request_bytes(method, target, body))
     return s
+
+
+@contextlib.contextmanager
+def cut_off_daemon(path: Path, answer: bytes) -> Iterator[Path]:
+    """A fake daemon on ``path``: it answers ``/api/health``, sends ``answer`` (the start of
+    an answer) to any other request, then closes the connection, as a daemon killed mid-answer.
+    """
+    health = b'{"status": "ok", "version": "0"}'
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # the listener was closed: the test is over
+                return
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    request += chunk
+                head, _, body = request.partition(b"\r\n\r\n")
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        # Read the whole body: closing with bytes unread would be a reset.
+                        while len(body) < int(value) and (chunk := conn.recv(65536)):
+                            body += chunk
+                if request.startswith(b"GET /api/health "):
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(health), health)
+                    )
+                else:
+                    conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield path
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(10)
