@@ -49,7 +49,6 @@ from modeld.errors import (
     BadRequest,
     Busy,
     ModeldError,
-    ModelNotInstalled,
     TooLarge,
 )
 from modeld.services.inference import Generation, Turn
@@ -727,12 +726,8 @@ def add_routes(app: web.Application, services: Services) -> None:
     @openai_errors
     async def get_model(request: web.Request) -> web.Response:
         model_id = check_model_id(request.match_info["model"])
-        doc = (await installed()).get(model_id)
-        if doc is None:
-            raise ModelNotInstalled(
-                f"model {model_id} is not installed; run `modeld pull {model_id}` first"
-            )
-        return web.json_response(doc)
+        inst = await services.models.servable_one(model_id)
+        return web.json_response(_model_doc(inst.model_id, inst.installed_at))
 
     async def answer(
         request: web.Request, reply: _Reply, gen: Generation, body: _Sampled

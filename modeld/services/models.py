@@ -196,6 +196,18 @@ class Models:
             if self.catalog.find(inst.model_id) is not None
         ]
 
+    async def servable_one(self, model_id: str) -> Installed:
+        """One servable model (``GET /v1/models/{id}``), refused as a generation would be: an
+        id the catalog does not know is ``model_not_found``, a known one not installed is
+        ``model_not_installed``."""
+        self.catalog.get(model_id)  # raises ModelNotFound with its hint
+        inst = await self.store.installed(model_id)
+        if inst is None:
+            raise ModelNotInstalled(
+                f"model {model_id} is not installed; run `modeld pull {model_id}` first"
+            )
+        return inst
+
     async def current(self, model_id: str) -> dict[str, Any] | None:
         """The model's install when it still matches its entry (so a pull has nothing to do).
 

@@ -61,6 +61,23 @@ async def test_models_lists_installed_in_openai_shape(oa: openai.AsyncOpenAI) ->
         await oa.models.retrieve("not-installed")
 
 
+async def test_retrieving_a_model_tells_unknown_from_not_installed(
+    oa: openai.AsyncOpenAI,
+) -> None:
+    """``/v1/models/{id}``: an id the catalog does not know is ``model_not_found``, as a
+    completion says; a catalog entry that is not installed is ``model_not_installed``."""
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await oa.models.retrieve("nope")
+    with pytest.raises(openai.NotFoundError) as completion:
+        await oa.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert unknown.value.code == completion.value.code == "model_not_found"
+    assert unknown.value.message == completion.value.message
+    with pytest.raises(openai.NotFoundError) as absent:
+        await oa.models.retrieve("gemma-4-E2B-it")  # a bundled entry, never installed here
+    assert absent.value.code == "model_not_installed"
+    assert "`modeld pull gemma-4-E2B-it`" in str(absent.value.message)
+
+
 async def test_completion_with_system_and_history_reports_usage(oa: openai.AsyncOpenAI) -> None:
     """A non-streamed completion with system and multi-turn messages carries usage counts."""
     r = await oa.chat.completions.create(
