@@ -189,6 +189,12 @@ class CorruptModel(Refused):
 
     code = "corrupt_model"
 
+    def __init__(self, message: str, *, problem: str | None = None, **details: Any) -> None:
+        super().__init__(message, **details)
+        # What is wrong with the file, without the advice: a caller that knows where the file
+        # came from (an import, an install) words its own. None where no other advice fits.
+        self.problem = problem
+
 
 class IntegrityError(Refused):
     """Bytes on disk or from a mirror do not match the expected size or digest."""

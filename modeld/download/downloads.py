@@ -415,13 +415,20 @@ def _link_or_copy(src: int, dest: Path, size: int, shown: str) -> tuple[str, boo
 
 
 def header_check(path: Path, model_id: str, shown: str | None = None) -> None:
-    """The file must be a readable ``.litertlm`` (``modeld.litertlm.read_header``)."""
+    """The file to import must be a readable ``.litertlm`` (``modelfile.header.read_header``).
+
+    Its message names the file as the importer gave it: no pull can fix a file of one's own.
+    """
     try:
         from modeld.modelfile.header import read_header
     except ImportError:  # the header reader is optional for the downloader
         return
     try:
-        read_header(path, model_id=model_id)
+        read_header(
+            path,
+            subject=f"file {shown or path.name}",
+            hint="it was not imported: choose a LiteRT-LM model (a .litertlm file)",
+        )
     except CorruptModel:
         raise
     except Exception as e:

@@ -24,6 +24,7 @@ from modeld.config import Settings
 from modeld.engine.pool import Pool, Target
 from modeld.engine.types import Journal
 from modeld.errors import (
+    CorruptModel,
     ImageProbeFailed,
     ModeldError,
     ModelNotInstalled,
@@ -36,6 +37,7 @@ from modeld.hostinfo import RUNTIME_PACKAGE, at_least, runtime_version
 from modeld.modelfile.header import Kind, ModelInfo, read_header
 from modeld.modelfile.plan import Plan, Prefs, needs_probe, resolve
 from modeld.modelfile.runtime import CreateSpec
+from modeld.store.scan import sha256_file
 from modeld.store.store import Installed, Store
 
 # (model id, digest) -> what can make that install verified (``services.verification``).
@@ -277,6 +279,9 @@ class Engines:
         # (one daemon per state dir), so these caches cannot go stale; they keep SQLite and
         # header parsing off the warm request path.
         self._headers: dict[str, ModelInfo] = {}
+        # (model id, digest) -> why a blob that matches its digest is no LiteRT-LM file
+        # (``header``: hashed once).
+        self._diagnosed: dict[tuple[str, str], CorruptModel] = {}
         # digest -> backend -> the current probe row (ok, reason, adapter, ...).
         self._probe_cache: dict[str, dict[str, dict[str, Any]]] = {}
         # digest -> plan key -> the image probe's row (``Store.image_probes``).
@@ -295,13 +300,87 @@ class Engines:
         self._touch_task: asyncio.Task[None] | None = None
         self._touch_flushed = 0.0
 
-    async def header(self, model_id: str, digest: str, path: Path) -> ModelInfo:
-        """The header of the installed blob ``digest`` (read once: blobs never change)."""
+    async def header(
+        self, model_id: str, digest: str, path: Path, *, diagnose: bool = False
+    ) -> ModelInfo:
+        """The header of the installed blob ``digest`` (read once: blobs never change).
+
+        A blob that is not a readable LiteRT-LM file is ``corrupt_model``, saying what to do.
+        That depends on whether its bytes still match its digest, which only hashing the file
+        tells: ``diagnose`` (a load, which may take long) hashes it, once; otherwise (``show``,
+        a GET answered at once) the message says how ``modeld verify`` tells.
+        """
         info = self._headers.get(digest)
-        if info is None:
+        if info is not None:
+            return info
+        known = self._diagnosed.get((model_id, digest))
+        if known is not None:  # a copy: the kept one gathers no tracebacks
+            raise CorruptModel(known.message, problem=known.problem, **known.details)
+        try:
             info = await asyncio.to_thread(read_header, path, model_id=model_id)
-            self._headers[digest] = info
+        except CorruptModel as e:
+            if e.problem is None:  # a LiteRT-LM file of a format this runtime cannot read
+                raise
+            raise await self._corrupt_install(model_id, digest, path, e, diagnose) from None
+        self._headers[digest] = info
         return info
+
+    async def _corrupt_install(
+        self, model_id: str, digest: str, path: Path, err: CorruptModel, diagnose: bool
+    ) -> CorruptModel:
+        """``err`` (an installed blob that is not a LiteRT-LM file) with the fix that applies.
+
+        Bytes that no longer match the digest they were installed with were damaged on disk:
+        ``verify`` sets them aside and a new copy fixes it. Bytes that still match are what
+        the entry names (its sha256, or its URLs' file): a new download gives them again, so
+        the entry is what to fix (for an imported file: import a real model).
+        """
+        entry = self.catalog.find(model_id)
+        local = entry is not None and entry.local
+        again = (
+            "import the file again" if local else f"`modeld pull {model_id}` fetches a good copy"
+        )
+        if local:
+            fix_entry = (
+                "import a LiteRT-LM model (a .litertlm file) instead; "
+                f"`modeld rm {model_id} --entry` removes this one"
+            )
+        else:
+            source = self.catalog.source_of(model_id)
+            where = f"entry {source}" if source is not None else "its catalog entry"
+            fix_entry = (
+                f"correct the `urls` and `sha256` of {where} (they name a file that is not a "
+                f"LiteRT-LM model), then run `modeld pull {model_id}`"
+            )
+        if not diagnose:
+            hint = (
+                f"`modeld verify {model_id}` tells why. If the file no longer matches its "
+                f"sha256, it was damaged on disk: verify sets it aside, then {again}. If it "
+                f"matches, a new download gives the same bytes: {fix_entry}"
+            )
+            return CorruptModel(
+                f"model {model_id}: {err.problem}; {hint}", problem=err.problem, **err.details
+            )
+        actual, _ = await asyncio.to_thread(sha256_file, path)
+        if actual != digest:
+            # Not kept: once verify sets the blob aside, a good copy of the digest comes back.
+            hint = (
+                f"its bytes no longer match the sha256 it was installed with ({digest}): it "
+                f"was damaged on disk; `modeld verify {model_id}` sets it aside, then {again}"
+            )
+            return CorruptModel(
+                f"model {model_id}: {err.problem}; {hint}", problem=err.problem, **err.details
+            )
+        hint = (
+            f"its bytes match the sha256 it was installed with ({digest}), so a new download "
+            f"gives the same bytes: {fix_entry}"
+        )
+        # Kept: any blob of this digest has these very bytes.
+        diagnosed = CorruptModel(
+            f"model {model_id}: {err.problem}; {hint}", problem=err.problem, **err.details
+        )
+        self._diagnosed[(model_id, digest)] = diagnosed
+        return diagnosed
 
     async def _installed_row(self, model_id: str) -> Installed | None:
         generation = self.store.generation
@@ -653,7 +732,7 @@ class Engines:
             # `list` and `pull` then see it missing too: a pull fetches the file again.
             await self.store.mark_missing(model_id, installed.digest)
             raise _file_missing(model_id, path)
-        info = await self.header(model_id, installed.digest, path)
+        info = await self.header(model_id, installed.digest, path, diagnose=True)
         if kind is not None:
             check_kind(model_id, info, kind)
         modalities = tuple(modalities)

@@ -212,11 +212,25 @@ class ModelInfo:
         }
 
 
-def read_header(path: Path | str, *, model_id: str | None = None) -> ModelInfo:
+# What to do about a file that is not a readable LiteRT-LM one, where the caller knows no
+# better: whether a new copy helps depends on where the file came from (an import, a
+# download whose bytes match the entry's sha256), which callers that know say themselves.
+DEFAULT_HINT = "use an intact LiteRT-LM model (a .litertlm file)"
+
+
+def read_header(
+    path: Path | str,
+    *,
+    model_id: str | None = None,
+    subject: str | None = None,
+    hint: str = DEFAULT_HINT,
+) -> ModelInfo:
     """Read and validate the header of the ``.litertlm`` file at ``path``.
 
     Raises CorruptModel for anything that is not a readable, complete LiteRT-LM file,
     and FileNotFoundError/PermissionError (as they come) when the file cannot be opened.
+    Its message starts with ``subject`` (default ``model ID``, else ``file PATH``) and ends
+    with ``hint``; its ``problem`` is what is wrong, without the two.
     """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -224,28 +238,24 @@ def read_header(path: Path | str, *, model_id: str | None = None) -> ModelInfo:
         return read_header_from(
             lambda offset, n: os.pread(fd, n, offset),
             size,
-            subject=f"model {model_id}" if model_id else f"file {path}",
-            model_id=model_id,
+            subject=subject or (f"model {model_id}" if model_id else f"file {path}"),
+            hint=hint,
         )
     finally:
         os.close(fd)
 
 
 def read_header_from(
-    pread: PRead, file_size: int, *, subject: str, model_id: str | None = None
+    pread: PRead, file_size: int, *, subject: str, hint: str = DEFAULT_HINT
 ) -> ModelInfo:
     """Parse a header through ``pread``; ``read_header`` with the file access injected.
 
-    ``subject`` starts every error message (``model gemma-4-E2B-it``, ``file /x.litertlm``).
+    ``subject`` starts every error message (``model gemma-4-E2B-it``, ``file /x.litertlm``)
+    and ``hint`` ends it, but for an unsupported format version, which has its own.
     """
-    hint = (
-        f"re-download it with `modeld pull {model_id}`"
-        if model_id
-        else "re-download it (`modeld pull ID`) or import an intact copy"
-    )
 
     def corrupt(what: str) -> CorruptModel:
-        return CorruptModel(f"{subject}: {what}; {hint}", file_size=file_size)
+        return CorruptModel(f"{subject}: {what}; {hint}", problem=what, file_size=file_size)
 
     if file_size < HEADER_BEGIN:
         raise corrupt(f"file is {file_size} bytes, too short for a LiteRT-LM header")

@@ -8,7 +8,6 @@ by ``show``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
 import time
@@ -33,7 +32,6 @@ from modeld.errors import (
     ModelNotInstalled,
 )
 from modeld.hostinfo import RUNTIME_PACKAGE, host_facts
-from modeld.modelfile.header import read_header
 from modeld.services import verification
 from modeld.services.fit import Fits
 from modeld.store.store import Installed, Store
@@ -341,7 +339,7 @@ class Models:
         if gpu is not None and gpu["ok"] and gpu["current"]:
             doc["runtime"]["adapter"] = gpu["adapter"]
         try:
-            info = await asyncio.to_thread(read_header, inst.path, model_id=model_id)
+            info = await self.engines.header(model_id, inst.digest, inst.path)
         except ModeldError as e:
             doc["header_error"] = error_brief(e)
             doc["plans"] = _no_plans(e)

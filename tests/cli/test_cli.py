@@ -298,6 +298,19 @@ def _listed(tiny: Tiny, model_id: str) -> None:
             select.select([], [], [], 0.05)
 
 
+def test_import_of_a_file_that_is_no_model_says_to_choose_one(tiny: Tiny, short_tmp: Path) -> None:
+    """`modeld import` of a file that is not a LiteRT-LM model names the file and says to
+    choose a .litertlm file, not to pull an id that no entry has."""
+    passwd = short_tmp / "passwd"
+    passwd.write_text("root:x:0:0:root:/root:/bin/bash\n" * 20)
+    result = _tiny_cli(tiny, "import", str(passwd))
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        "modeld: file passwd: not a LiteRT-LM file (starts with b'root:x:0', expected "
+        "b'LITERTLM'); it was not imported: choose a LiteRT-LM model (a .litertlm file)"
+    ]
+
+
 def test_pull_limit_rate_caps_the_whole_download(tiny: Tiny) -> None:
     """`pull --limit-rate 128K`: every progress record carries the cap, and the K bytes take
     at least (K - connections x one capped read) / rate seconds. A lower bound on the time: a

@@ -23,7 +23,7 @@ from PIL import Image
 from modeld.client import AsyncClient
 from modeld.config import load_settings
 from modeld.daemon.root import Root
-from modeld.errors import EngineError, ImageProbeFailed, ModelNotInstalled
+from modeld.errors import CorruptModel, EngineError, ImageProbeFailed, ModelNotInstalled
 from modeld.store.store import sha256_file
 from tests.support.daemon import InProcessDaemon, running_daemon
 from tests.support.state import (
@@ -411,3 +411,38 @@ async def test_a_target_whose_file_is_gone_marks_the_model_missing(clean_env: Pa
         assert "tiny-text" in await services.store.missing()
         with pytest.raises(ModelNotInstalled, match="is missing"):
             await services.engines.target("tiny-text")
+
+
+async def test_a_file_that_is_no_litertlm_model_says_which_fix_applies(clean_env: Path) -> None:
+    """Loading an installed file whose header is not LiteRT-LM's: bytes that still match
+    their sha256 point at the entry (a new download gives them again), bytes damaged since
+    the install at `verify` then `pull`; `show`, which hashes nothing, says how verify tells."""
+    home, registry = clean_env / "home", clean_env / "registry"
+    junk = clean_env / "junk.litertlm"
+    junk.write_bytes(b"<html>not a model</html>\n" * 100)
+    install_fixture(home, "junk", junk, registry=registry)
+    rotten = install_fixture(home, "rotten", MODELS / "tiny-text.litertlm", registry=registry)
+    rotten.path.chmod(0o644)
+    with rotten.path.open("r+b") as f:
+        f.write(b"LITERTL!")  # damaged on disk after the install
+    settings = load_settings(
+        home=home, socket=home / "modeld.sock", registry=[registry], main_backend="cpu"
+    )
+    async with running_daemon(settings) as d, d.client() as c:
+        shown = (await c.model("junk"))["header_error"]["message"]
+        assert "`modeld verify junk` tells why" in shown, shown
+        with pytest.raises(CorruptModel) as matching:
+            await _load(c, "junk")
+        message = matching.value.message
+        assert message.startswith("model junk: not a LiteRT-LM file (starts with b'<html>no'")
+        assert "its bytes match the sha256 it was installed with" in message
+        assert f"correct the `urls` and `sha256` of entry {registry / 'junk.toml'}" in message
+        assert "re-download" not in message
+        with pytest.raises(CorruptModel, match="its bytes match the sha256"):
+            await _load(c, "junk")  # from what the first load found: not hashed again
+        assert "its bytes match" in (await c.model("junk"))["header_error"]["message"]
+        with pytest.raises(CorruptModel) as damaged:
+            await _load(c, "rotten")
+        message = damaged.value.message
+        assert "its bytes no longer match the sha256 it was installed with" in message
+        assert "`modeld verify rotten` sets it aside, then `modeld pull rotten`" in message

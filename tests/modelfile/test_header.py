@@ -18,6 +18,7 @@ from litert_lm_builder.runtime.proto import llm_metadata_pb2
 
 from modeld.errors import CorruptModel
 from modeld.modelfile.header import (
+    DEFAULT_HINT,
     HEADER_BEGIN,
     MAX_HEADER_BYTES,
     MAX_LLM_METADATA_BYTES,
@@ -168,14 +169,20 @@ def test_supported_major_matches_the_builder() -> None:
     assert litertlm_core.LITERTLM_MAJOR_VERSION in SUPPORTED_MAJOR_VERSIONS
 
 
-def test_bad_magic_names_the_fix(tmp_path: Path) -> None:
-    """A file without the magic is refused with the pull command for its model id."""
+def test_bad_magic_names_the_problem_and_the_callers_fix(tmp_path: Path) -> None:
+    """A file without the magic is refused naming what it starts with; the message ends with
+    the caller's advice (by default: use an intact file, never a pull that may not help), and
+    ``problem`` holds what is wrong alone, for a caller that words its own advice."""
     path = tmp_path / "x.litertlm"
     path.write_bytes(b"<html>404 not found</html>" + bytes(100))
-    with pytest.raises(
-        CorruptModel, match=r"model gemma-x: not a LiteRT-LM file.*modeld pull gemma-x"
-    ):
+    with pytest.raises(CorruptModel) as plain:
         read_header(path, model_id="gemma-x")
+    problem = "not a LiteRT-LM file (starts with b'<html>40', expected b'LITERTLM')"
+    assert plain.value.message == f"model gemma-x: {problem}; {DEFAULT_HINT}"
+    assert plain.value.problem == problem
+    with pytest.raises(CorruptModel) as told:
+        read_header(path, subject="file x.litertlm", hint="choose another")
+    assert told.value.message == f"file x.litertlm: {problem}; choose another"
 
 
 @pytest.mark.parametrize("size", [0, 1, 8, 31])
@@ -284,7 +291,7 @@ def _check_fuzzed(data: bytes) -> None:
         read_header_from(_bounded_pread(data, reads), len(data), subject="f")
     except CorruptModel as e:
         assert e.message.startswith("f: ")
-        assert "re-download" in e.message or "upgrade" in e.message
+        assert e.message.endswith(DEFAULT_HINT) or "upgrade" in e.message
     assert sum(reads) <= HEADER_BEGIN + MAX_HEADER_BYTES + MAX_LLM_METADATA_BYTES
 
 
