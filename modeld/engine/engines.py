@@ -766,6 +766,7 @@ class Engines:
             ),
             max_tokens=max_tokens,
             learned=learned,
+            file_max_tokens=info.llm_metadata.max_num_tokens if info.llm_metadata else None,
             runtime=self.runtime,
             adapter=adapter,
             image_probe=image_probe,

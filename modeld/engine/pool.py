@@ -134,6 +134,31 @@ class Turn:
 LAST_RUNNERS = 16
 
 
+def prompt_too_long(target: Target, why: str) -> str:
+    """The 413 for a prompt over the window of the engine made for ``target``.
+
+    The window is the entry's ``[limits] max_tokens`` (``vision_max_tokens`` with vision),
+    else the file's own, and the runtime never goes past the file's: that entry key is the one
+    control. A loaded engine keeps the window it was created with until it is unloaded.
+    """
+    model = target.model_id
+    ceiling = target.file_max_tokens
+    window = min(target.max_tokens, ceiling) if ceiling else target.max_tokens
+    said = (
+        f"model {model}: the prompt is longer than the engine's window of {window} tokens "
+        f"({why}); send a shorter one"
+    )
+    if ceiling is not None and window >= ceiling:
+        return f"{said}: {window} tokens is the most the model's file allows"
+    key = "vision_max_tokens" if target.plan.vision else "max_tokens"
+    most = f", up to the file's own {ceiling}" if ceiling else ""
+    return (
+        f"{said}, or raise `{key}` under `[limits]` in the model's catalog entry{most} "
+        f"(`modeld show {model}` names the entry's file; a copy in a MODELD_REGISTRY dir "
+        f"overrides a bundled one), then `modeld unload {model}` so the next load takes it"
+    )
+
+
 class Pool:
     """Owns every engine and runner of one daemon; see the module docstring."""
 
@@ -579,11 +604,7 @@ class Pool:
                         f"({err.message}); send shorter inputs"
                     ) from err
                 if err.code == "too_large":
-                    raise TooLarge(
-                        f"model {target.model_id}: the prompt is longer than the engine's "
-                        f"window of {target.max_tokens} tokens ({err.message}); send a shorter "
-                        "one, or load the model with a larger max_tokens"
-                    ) from err
+                    raise TooLarge(prompt_too_long(e.target, err.message)) from err
                 cls = BadRequest if err.code == "bad_request" else EngineError
                 raise cls(f"model {target.model_id}: {err.message}") from err
             except RunnerDied as died:

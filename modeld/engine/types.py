@@ -83,6 +83,9 @@ class Target:
     estimate: int
     max_tokens: int
     learned: int | None = None  # measured peak PSS from earlier runs, if any
+    # The file's own window (its LlmMetadata), if it names one: the runtime never goes past
+    # it, whatever the entry's [limits] ask.
+    file_max_tokens: int | None = None
     # The plan's image probe on this file (``Engines._image_probe``); None without vision.
     image_probe: dict[str, Any] | None = None
     runtime: str | None = None  # the litert-lm version the runner loads

@@ -23,7 +23,13 @@ from PIL import Image
 from modeld.client import AsyncClient
 from modeld.config import load_settings
 from modeld.daemon.root import Root
-from modeld.errors import CorruptModel, EngineError, ImageProbeFailed, ModelNotInstalled
+from modeld.errors import (
+    CorruptModel,
+    EngineError,
+    ImageProbeFailed,
+    ModelNotInstalled,
+    TooLarge,
+)
 from modeld.store.store import sha256_file
 from tests.support.daemon import InProcessDaemon, running_daemon
 from tests.support.state import (
@@ -129,6 +135,31 @@ async def test_entry_limits_reach_the_runtime(limited: InProcessDaemon) -> None:
     by_id = {e["id"]: e["engine_options"] for e in ps["engines"]}
     assert by_id["vision:cpu+vision-cpu"] == vision
     assert by_id["spec-off:cpu"] == off
+
+
+async def test_a_prompt_over_the_window_names_the_entry_limit(limited: InProcessDaemon) -> None:
+    """A prompt over the engine's window (413) names the one control, the entry's `[limits]
+    max_tokens`, up to the file's own window; at the file's window only a shorter prompt helps."""
+    prompt = "hello world " * 80  # about 410 tokens: over both windows, under the byte bound
+    async with limited.client() as c:
+        with pytest.raises(TooLarge) as capped:
+            async for _ in c.generate("spec-off", prompt, max_tokens=4):
+                pass
+        message = capped.value.message
+        assert "the engine's window of 200 tokens" in message, message
+        assert (
+            "or raise `max_tokens` under `[limits]` in the model's catalog entry, up to the "
+            "file's own 256 (`modeld show spec-off` names the entry's file" in message
+        ), message
+        assert message.endswith("then `modeld unload spec-off` so the next load takes it")
+        with pytest.raises(TooLarge) as full:
+            async for _ in c.generate("spec-default", prompt, max_tokens=4):
+                pass
+        message = full.value.message
+        assert "the engine's window of 256 tokens" in message, message
+        assert message.endswith(
+            "send a shorter one: 256 tokens is the most the model's file allows"
+        )
 
 
 async def test_speculative_true_reaches_the_runtime(limited: InProcessDaemon) -> None:
