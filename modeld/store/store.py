@@ -31,6 +31,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from modeld import logs
+from modeld.config import format_size
 from modeld.errors import (
     BadRequest,
     DatabaseUnusable,
@@ -606,7 +607,9 @@ class Store:
             "scan": scan.to_dict(),
             "problems": scan.problems(),
         }
-        doc["summary"] = f"{len(installed)} installed model(s), {total} bytes in {self.blobs_dir}"
+        doc["summary"] = (
+            f"{len(installed)} installed model(s), {format_size(total)} in {self.blobs_dir}"
+        )
         return doc
 
     # --- records: measured memory, backend probes, kept digests, events ---------------

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from modeld.client import Client
+from modeld.config import format_size
 from modeld.download.ratelimit import TokenBucket
 from modeld.errors import BadRequest
 from tests.cli.conftest import TINY, Tiny
@@ -296,6 +297,19 @@ def _listed(tiny: Tiny, model_id: str) -> None:
         while model_id not in [m["id"] for m in c.models()["models"]]:  # live reload
             assert time.monotonic() < deadline, "the registry file was never read"
             select.select([], [], [], 0.05)
+
+
+def test_status_gives_the_store_size_in_binary_units(tiny: Tiny) -> None:
+    """`modeld status`'s store line gives the installed bytes as KiB/MiB/GiB, like the rest
+    of the human output; `--json` keeps the bytes."""
+    doc = json.loads(_tiny_cli(tiny, "status", "--json").stdout)["store"]
+    result = _tiny_cli(tiny, "status")
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.lstrip().startswith("store "))
+    size = format_size(doc["installed_bytes"])
+    assert size.endswith("KiB")
+    assert f"{doc['installed']} installed model(s), {size} in " in line, line
+    assert "bytes" not in line
 
 
 def test_import_of_a_file_that_is_no_model_says_to_choose_one(tiny: Tiny, short_tmp: Path) -> None:
