@@ -63,7 +63,13 @@ def prepare_image(data: bytes, max_pixels: int) -> bytes:
         # Pillow's own bound (about 179 MP; over 89 MP it warns) is past ours unless
         # MODELD_MAX_IMAGE_PIXELS was raised.
         raise TooLarge(f"an image has too many pixels ({e}); send a smaller image") from None
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except UnidentifiedImageError as e:
+        # Its text names Pillow's buffer object (<_io.BytesIO object at 0x...>): say it plainly.
+        raise BadRequest(
+            "an image could not be decoded (its bytes are in no image format modeld reads); "
+            "send PNG or JPEG bytes"
+        ) from e
+    except (OSError, ValueError) as e:
         raise BadRequest(f"an image could not be decoded ({e}); send PNG or JPEG bytes") from e
     rgb.thumbnail((IMAGE_LONG_SIDE, IMAGE_LONG_SIDE))
     out = io.BytesIO()

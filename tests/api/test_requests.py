@@ -90,3 +90,20 @@ def test_an_undecodable_image_is_a_bad_request() -> None:
     with pytest.raises(BadRequest) as info:
         prepare_image(b"not an image at all", MAX_PIXELS)
     assert "PNG or JPEG" in info.value.message
+
+
+def test_an_undecodable_image_is_said_plainly() -> None:
+    """The 400 for bytes that are no image, or a truncated one, says so without a Python repr
+    (Pillow names its buffer object: ``<_io.BytesIO object at 0x...>``)."""
+    png = _encode(Image.new("RGB", (64, 64), (1, 2, 3)))
+    with pytest.raises(BadRequest) as unknown:
+        prepare_image(b"not an image at all", MAX_PIXELS)
+    assert unknown.value.message == (
+        "an image could not be decoded (its bytes are in no image format modeld reads); "
+        "send PNG or JPEG bytes"
+    )
+    with pytest.raises(BadRequest) as truncated:
+        prepare_image(png[:60], MAX_PIXELS)
+    assert truncated.value.message == (
+        "an image could not be decoded (image file is truncated); send PNG or JPEG bytes"
+    )
