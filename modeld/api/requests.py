@@ -230,6 +230,8 @@ def validation_message(e: ValidationError, model: type[BaseModel]) -> str:
             why = _UNION_HINTS[where]
         elif set(unique) == {"must be an integer", "must be a number"}:
             why = "must be a number"
+        elif set(unique) == {"must be an integer", "must be a finite number"}:
+            why = "must be a finite number"  # NaN or Infinity: a float, but not a finite one
         else:
             why = " or ".join(unique[:2])
         parts.append(f'"{where}": {why}' if where else why)

@@ -351,6 +351,22 @@ async def test_native_bodies_and_ids_are_validated(
     assert needle in r.json()["error"]["message"], r.json()
 
 
+@pytest.mark.parametrize("path", ["/api/generate", "/v1/chat/completions"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+async def test_a_temperature_that_is_not_finite_says_so_once(
+    http: httpx.AsyncClient, path: str, value: str
+) -> None:
+    """A NaN or infinite temperature (JSON as Python writes it) is a 400 saying it must be a
+    finite number, not \"must be an integer or must be a finite number\"."""
+    fields = '"prompt": "x"'
+    if path.startswith("/v1/"):
+        fields = '"messages": [{"role": "user", "content": "x"}]'
+    body = '{"model": "tiny-text", ' + fields + ', "temperature": ' + value + "}"
+    r = await http.post(path, content=body.encode())
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == '"temperature": must be a finite number'
+
+
 async def test_daemon_serves_after_bad_requests(
     oa: openai.AsyncOpenAI, http: httpx.AsyncClient
 ) -> None:
