@@ -150,8 +150,10 @@ class Downloads:
     def get(self, model_id: str) -> DownloadJob:
         job = self.jobs.get(model_id)
         if job is None:
+            # Not "see `modeld pull ID`": that would start the download.
             raise DownloadNotFound(
-                f"no download of {model_id!r} is running; see `modeld pull {model_id}`"
+                f"no pull of {model_id!r} is running, so there is none to cancel; "
+                "`modeld status` lists the pulls that are"
             )
         return job
 

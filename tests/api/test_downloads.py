@@ -496,7 +496,7 @@ def test_cli_cancel_detach_and_import(
     assert cancelled["state"] == "cancelled"
     assert (d.home / "partial" / "m1.partial").exists()
     missing = d.cli("pull", "m1", "--cancel")
-    assert missing.returncode == 1 and "modeld pull m1" in missing.stderr
+    assert missing.returncode == 1 and "no pull of 'm1' is running" in missing.stderr
     # A file no entry names: imported under a local entry (its sha256, no URL).
     local = d.cli("import", str(TINY))
     assert local.returncode == 0, local.stderr

@@ -325,6 +325,17 @@ def test_import_of_a_file_that_is_no_model_says_to_choose_one(tiny: Tiny, short_
     ]
 
 
+def test_cancel_with_no_pull_running_says_so(tiny: Tiny) -> None:
+    """`modeld pull ID --cancel` with nothing running says that no pull of ID is running, and
+    points at no command that would start one."""
+    result = _tiny_cli(tiny, "pull", "tiny-text", "--cancel")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        "modeld: no pull of 'tiny-text' is running, so there is none to cancel; "
+        "`modeld status` lists the pulls that are"
+    ]
+
+
 def test_pull_limit_rate_caps_the_whole_download(tiny: Tiny) -> None:
     """`pull --limit-rate 128K`: every progress record carries the cap, and the K bytes take
     at least (K - connections x one capped read) / rate seconds. A lower bound on the time: a
