@@ -247,7 +247,6 @@ class DownloadJob:
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _crcs: dict[int, Block] = field(default_factory=dict)
     _marks: dict[int, Block] = field(default_factory=dict)  # blocks kept in part on resume
-    _speed: tuple[float, int, float] = (0.0, 0, 0.0)  # (time, done bytes, bytes/s)
     _digest: str | None = None
     _session: aiohttp.ClientSession | None = None
     _kept: Vouch | None = None  # what a hub vouched for earlier for this revision
@@ -297,11 +296,10 @@ class DownloadJob:
         f = self.fetcher
         done = f.done_bytes if f else 0
         hashed = f.hasher.hashed if f and f.hasher else 0
-        now = time.monotonic()
-        t0, d0, speed = self._speed
-        if now - t0 >= 0.5:
-            speed = (done - d0) / (now - t0) if t0 else 0.0
-            self._speed = (now, done, speed)
+        mirrors = [m.snapshot() for m in self.mirrors]
+        # The bytes as they arrive, as each mirror's own figure: done bytes move by whole
+        # blocks, so a speed from them swings between 0 and twice the rate on a slow pull.
+        speed = sum(m["speed"] for m in mirrors)
         left = self.target.size - done
         record: dict[str, Any] = {
             "id": self.id,
@@ -314,7 +312,7 @@ class DownloadJob:
             "resumed": self.resumed,
             "speed": round(speed),
             "eta": round(left / speed, 1) if speed > 0 and left > 0 else None,
-            "mirrors": [m.snapshot() for m in self.mirrors],
+            "mirrors": mirrors,
             "started_at": self.started_at,
             "limit_rate": self.limit.rate if self.limit is not None else None,
         }

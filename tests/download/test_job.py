@@ -813,8 +813,9 @@ async def test_a_mirror_that_bursts_then_crawls_is_measured_on_its_probe_piece(
 async def test_each_mirrors_progress_counts_bytes_as_they_arrive(
     short_tmp: Path, data: bytes, stop_later: list[Mirror], capped: bool
 ) -> None:
-    """A slow pull of a file under one probe piece: each progress record's mirror shows the
-    bytes received so far and a speed above 0 while they flow, not only once its piece ends."""
+    """A slow pull of a file under one probe piece: each progress record's mirror, and the
+    job's own speed, show the bytes received so far and a speed above 0 while they flow, not
+    only once its piece (or block) ends."""
     small = data[: 300 * 1024]
     ms = await start_mirrors(small, Faults() if capped else Faults(throttle=150_000))
     stop_later.extend(ms)
@@ -829,7 +830,8 @@ async def test_each_mirrors_progress_counts_bytes_as_they_arrive(
         record = job.snapshot()
         seen.append(record)
         mirror = record["mirrors"][0] if record["mirrors"] else {"received": 0, "speed": 0}
-        return 0 < mirror["received"] < len(small) and mirror["speed"] > 0
+        flows = 0 < mirror["received"] < len(small) and mirror["speed"] > 0
+        return flows and record["speed"] > 0 and record["eta"] is not None
 
     await wait_until(flowing)
     assert seen[-1]["mirrors"][0]["received"] <= seen[-1]["received"]
