@@ -352,35 +352,31 @@ class Engines:
                 f"correct the `urls` and `sha256` of {where} (they name a file that is not a "
                 f"LiteRT-LM model), then run `modeld pull {model_id}`"
             )
+        keep = False
         if not diagnose:
             hint = (
                 f"`modeld verify {model_id}` tells why. If the file no longer matches its "
                 f"sha256, it was damaged on disk: verify sets it aside, then {again}. If it "
                 f"matches, a new download gives the same bytes: {fix_entry}"
             )
-            return CorruptModel(
-                f"model {model_id}: {err.problem}; {hint}", problem=err.problem, **err.details
-            )
-        actual, _ = await asyncio.to_thread(sha256_file, path)
-        if actual != digest:
+        elif (await asyncio.to_thread(sha256_file, path))[0] != digest:
             # Not kept: once verify sets the blob aside, a good copy of the digest comes back.
             hint = (
                 f"its bytes no longer match the sha256 it was installed with ({digest}): it "
                 f"was damaged on disk; `modeld verify {model_id}` sets it aside, then {again}"
             )
-            return CorruptModel(
-                f"model {model_id}: {err.problem}; {hint}", problem=err.problem, **err.details
+        else:
+            hint = (
+                f"its bytes match the sha256 it was installed with ({digest}), so a new "
+                f"download gives the same bytes: {fix_entry}"
             )
-        hint = (
-            f"its bytes match the sha256 it was installed with ({digest}), so a new download "
-            f"gives the same bytes: {fix_entry}"
-        )
-        # Kept: any blob of this digest has these very bytes.
-        diagnosed = CorruptModel(
+            keep = True  # any blob of this digest has these very bytes
+        found = CorruptModel(
             f"model {model_id}: {err.problem}; {hint}", problem=err.problem, **err.details
         )
-        self._diagnosed[(model_id, digest)] = diagnosed
-        return diagnosed
+        if keep:
+            self._diagnosed[(model_id, digest)] = found
+        return found
 
     async def _installed_row(self, model_id: str) -> Installed | None:
         generation = self.store.generation
