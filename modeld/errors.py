@@ -79,6 +79,11 @@ class ModelNotFound(NotFound):
 class ModelNotInstalled(NotFound):
     code = "model_not_installed"
 
+    @classmethod
+    def of(cls, model_id: str) -> ModelNotInstalled:
+        """The refusal of a catalog model that is not installed."""
+        return cls(f"model {model_id} is not installed; run `modeld pull {model_id}` first")
+
 
 class DownloadNotFound(NotFound):
     code = "download_not_found"

@@ -708,9 +708,7 @@ class Engines:
         if installed is None:
             if model_id in await self.store.missing():
                 raise _file_missing(model_id)
-            raise ModelNotInstalled(
-                f"model {model_id} is not installed; run `modeld pull {model_id}` first"
-            )
+            raise ModelNotInstalled.of(model_id)
         if not installed.verified and not allow_unverified:
             explain = self.explain_unverified
             hint = (

@@ -201,9 +201,7 @@ class Models:
         self.catalog.get(model_id)  # raises ModelNotFound with its hint
         inst = await self.store.installed(model_id)
         if inst is None:
-            raise ModelNotInstalled(
-                f"model {model_id} is not installed; run `modeld pull {model_id}` first"
-            )
+            raise ModelNotInstalled.of(model_id)
         return inst
 
     async def current(self, model_id: str) -> dict[str, Any] | None:

@@ -438,9 +438,7 @@ class Store:
         """
         inst = await self.installed(model_id)
         if inst is None:
-            raise ModelNotInstalled(
-                f"model {model_id} is not installed; run `modeld pull {model_id}`"
-            )
+            raise ModelNotInstalled.of(model_id)
         started = time.monotonic()
         try:
             actual, actual_size = await asyncio.to_thread(sha256_file, inst.path)
