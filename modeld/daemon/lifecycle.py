@@ -143,9 +143,19 @@ class Reloader:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["at"]))
         if last["ok"]:
             summary = f"settings reloaded at {when}"
-            if last["restart_needed"]:
-                summary += f"; {', '.join(last['restart_needed'])} wait(s) for a restart"
-            return {"summary": summary, "problems": [], "last": last}
+            waiting = last["restart_needed"]
+            if not waiting:
+                return {"summary": summary, "problems": [], "last": last}
+            names = ", ".join(waiting)
+            summary += f"; {names} wait(s) for a restart"
+            # The daemon runs on values its config no longer holds: say so until a restart
+            # (or a reload that puts the old values back).
+            problem = (
+                f"the settings now give {names} new values that only a restart applies; "
+                "the daemon still runs on the old ones. Restart it (`systemctl restart "
+                "modeld`, or stop and start `modeld serve`) to apply them"
+            )
+            return {"summary": summary, "problems": [problem], "last": last}
         where = f" ({last['config_file']})" if last["config_file"] else ""
         problem = (
             f"the settings reload at {when} failed, so the daemon keeps the settings it had: "

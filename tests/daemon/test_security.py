@@ -210,9 +210,18 @@ def check_reload(d: DaemonProcess, config: Path, conn: KeepAlive) -> None:
     assert conn.get("/api/health") == 200
     assert d.proc.poll() is None
     d.wait_log("path=/api/health")
-    settings = d.cli_json("status")["settings"]
+    doc = d.cli_json("status")
+    settings = doc["settings"]
     assert settings["log_level"] == "debug" and settings["keep_alive"] == 30
     assert settings["memory_budget"] == budget
+    # The deferred key is a status problem until the config no longer changes it.
+    (problem,) = doc["reload"]["problems"]
+    assert "memory_budget" in problem and "systemctl restart modeld" in problem, problem
+    assert f"! reload: {problem}" in d.cli("status").stdout
+    config.write_text('log_level = "debug"\nkeep_alive = "30s"\n')
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_log(" reloaded ", count=2)
+    assert d.cli_json("status")["reload"]["problems"] == []
 
 
 def test_bad_config_on_sighup_keeps_old_settings(
