@@ -162,7 +162,12 @@ def _follow(
             if record.get("already") or record.get("adopted") or "size" not in record:
                 break
             state = ", ".join(filter(None, (record["state"], _cap(record))))
-            progress.update(task, total=record["size"], completed=record["completed"], state=state)
+            progress.update(
+                task,
+                total=record["size"],
+                completed=record.get("arrived", record["completed"]),
+                state=state,
+            )
             live.update(Group(progress, _mirror_table(record).rich()))
             record = next(records, {})
     return last
@@ -198,7 +203,7 @@ def pull(
             as_json,
             doc,
             lambda d: console.print(
-                f"cancelled {model_id} at {format_size(d['completed'])} of "
+                f"cancelled {model_id} at {format_size(d.get('arrived', d['completed']))} of "
                 f"{format_size(d['size'])}; the partial is kept, `modeld pull {model_id}` resumes"
             ),
         )

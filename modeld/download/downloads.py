@@ -25,7 +25,7 @@ import aiofiles.os
 
 from modeld import logs
 from modeld.catalog.catalog import Catalog, Entry
-from modeld.config import Settings
+from modeld.config import Settings, format_size
 from modeld.download.job import DownloadJob, DownloadState, DownloadTarget, Installer, Tuning
 from modeld.download.journal import Journal
 from modeld.errors import (
@@ -203,8 +203,8 @@ class Downloads:
         ]
         if active:
             parts = [
-                f"{a['id']} {100 * a['completed'] // max(1, a['size'])}%"
-                f" ({a['speed'] / 1e6:.0f} MB/s)"
+                f"{a['id']} {100 * a['arrived'] // max(1, a['size'])}%"
+                f" ({format_size(a['speed'])}/s)"
                 for a in active
             ]
             summary = f"{len(active)} running: " + ", ".join(parts)

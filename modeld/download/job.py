@@ -307,6 +307,9 @@ class DownloadJob:
             "state": self.state.value,
             "size": self.target.size,
             "completed": done,
+            # For a progress bar: what is here, the block on its way included (``completed``
+            # moves by whole blocks: a file of one block showed 0 % until its end).
+            "arrived": max(done, min(self.target.size, self.resumed + (f.received if f else 0))),
             "verified": hashed if self.state is not DownloadState.INSTALLED else self.target.size,
             "received": f.received if f else 0,
             "resumed": self.resumed,
