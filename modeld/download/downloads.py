@@ -140,6 +140,36 @@ class Downloads:
         logs.event("download_started", model=model_id, mirrors=len(target.urls))
         return job
 
+    async def drop_stale(self, model_id: str) -> None:
+        """Cancel a running pull of ``model_id`` whose entry changed since it started (its
+        ``size``, ``sha256`` or ``urls``) or is gone, so that a pull now does not join a
+        download of a file the catalog no longer names. Its waiters are told why; the pull
+        that follows starts on the entry as it is (a partial of another size or sha256 is
+        started again), or, for a removed entry, is refused as one not in the catalog."""
+        job = self.jobs.get(model_id)
+        if job is None or job.finished:
+            return
+        try:
+            now: DownloadTarget | None = self.resolve(model_id)
+        except ModelNotFound:
+            now = None
+        if now == job.target:
+            return
+        why = "was removed from the catalog" if now is None else "changed (size, sha256 or urls)"
+        logs.event("download_stale", model=model_id, why=why)
+        job.cancel(
+            f"download of {model_id} stopped: its catalog entry {why} during the pull; "
+            + (
+                "nothing more is fetched for it"
+                if now is None
+                else f"`modeld pull {model_id}` fetches the file the entry names now"
+            )
+        )
+        if job.task is not None:
+            await asyncio.wait([job.task])
+        if self.jobs.get(model_id) is job:
+            del self.jobs[model_id]  # now, not at its done callback: the pull goes on at once
+
     def _finished(self, job: DownloadJob, _task: object = None) -> None:
         if self.jobs.get(job.id) is job:
             del self.jobs[job.id]

@@ -254,6 +254,7 @@ class DownloadJob:
     _probes: dict[asyncio.Task[None], Mirror] = field(default_factory=dict)
     _ended: set[asyncio.Task[None]] = field(default_factory=set)  # probes looked at
     _fetching: asyncio.Task[None] | None = None
+    _cancel_message: str | None = None  # ``cancel(why)``: what the waiters are told
 
     @property
     def id(self) -> str:
@@ -351,8 +352,10 @@ class DownloadJob:
             raise self.error
         return self.result
 
-    def cancel(self) -> None:
+    def cancel(self, why: str | None = None) -> None:
+        """Stop the job; ``why`` replaces the waiters' "cancelled; the partial is kept"."""
         if self.task is not None and not self.task.done():
+            self._cancel_message = why
             self.task.cancel()
 
     # --- the job -------------------------------------------------------------------
@@ -362,7 +365,8 @@ class DownloadJob:
             await self._run()
         except asyncio.CancelledError:
             self.error = DownloadError(
-                f"download of {self.id} cancelled; the partial is kept, pull again to resume"
+                self._cancel_message
+                or f"download of {self.id} cancelled; the partial is kept, pull again to resume"
             )
             self.error.code = "cancelled"  # type: ignore[misc]
             self._set(DownloadState.CANCELLED)

@@ -233,6 +233,8 @@ class Models:
         taken (``Fits.choose``; ``force`` skips the refusal). ``limit_rate`` caps the
         download's total rate in bytes/s (``pull --limit-rate``).
         """
+        # A pull never joins a download of a file its entry no longer names.
+        await self.downloads.drop_stale(model_id)
         current = await self.current(model_id)
         choice: dict[str, Any] | None = None
         if current is None and model_id not in self.downloads.jobs:

@@ -22,6 +22,7 @@ from modeld.errors import (
     CorruptModel,
     DownloadNotFound,
     IntegrityError,
+    ModeldError,
     ModelNotFound,
 )
 from tests.support.daemon import DaemonProcess, daemon_env
@@ -162,6 +163,74 @@ async def test_cancel_keeps_partial_and_pull_resumes(env: Env) -> None:
         records = await pull_all(c, "m1")
     assert records[-1]["state"] == "installed"
     assert records[-1]["resumed"] > 0
+
+
+async def test_a_pull_after_the_entry_changed_or_went_does_not_join_the_old_download(
+    env: Env,
+) -> None:
+    """An entry edited during its pull (another file: size, sha256, urls): a pull now stops
+    the old download, telling its waiter why, and fetches the file the entry names now. An
+    entry removed during its pull: a pull now is refused as not in the catalog, and the old
+    download stops too."""
+    env.mirror.faults.throttle = 50_000
+    other = random.Random(12).randbytes(SIZE // 2)
+    other_sha = hashlib.sha256(other).hexdigest()
+    mirror2 = await Mirror(other).start()
+    try:
+        async with env.client() as a, env.client() as b:
+            waiter = asyncio.create_task(pull_all(a, "m1"))
+
+            async def started() -> bool:
+                listed = (await b.request("GET", "/api/downloads"))["downloads"]
+                return bool(listed) and listed[0]["received"] > 0
+
+            await until(started)
+            write_entry(env.reg, "m1", [mirror2.url], len(other), other_sha)
+
+            async def reloaded() -> bool:
+                shown = await b.request("GET", "/api/models/m1")
+                return bool(shown.get("sha256") == other_sha)
+
+            await until(reloaded)
+            records = await pull_all(b, "m1")
+            assert records[-1]["state"] == "installed", records[-1]
+            assert records[-1]["installed"]["digest"] == other_sha
+            with pytest.raises(ModeldError) as old:
+                await waiter
+            assert "catalog entry changed" in old.value.message, old.value.message
+
+            # Removed while pulling.
+            write_entry(env.reg, "m2", [env.mirror.url], SIZE, SHA)
+            await until(lambda: _shown(b, "m2"))
+            waiter = asyncio.create_task(pull_all(a, "m2"))
+
+            async def m2_started() -> bool:
+                listed = (await b.request("GET", "/api/downloads"))["downloads"]
+                return any(d["id"] == "m2" and d["received"] > 0 for d in listed)
+
+            await until(m2_started)
+            (env.reg / "m2.toml").unlink()
+
+            async def gone() -> bool:
+                return not await _shown(b, "m2")
+
+            await until(gone)
+            with pytest.raises(ModelNotFound):
+                await pull_all(b, "m2")
+            with pytest.raises(ModeldError) as old:
+                await waiter
+            assert "was removed from the catalog" in old.value.message, old.value.message
+            assert (await b.request("GET", "/api/downloads"))["downloads"] == []
+    finally:
+        await mirror2.stop()
+
+
+async def _shown(c: AsyncClient, model_id: str) -> bool:
+    try:
+        await c.request("GET", f"/api/models/{model_id}")
+    except ModelNotFound:
+        return False
+    return True
 
 
 async def test_unknown_model_is_404_before_streaming(env: Env) -> None:
