@@ -36,7 +36,7 @@ from modeld.download.job import DownloadJob, DownloadTarget, Tuning  # noqa: E40
 from modeld.download.journal import Block, SqliteJournal  # noqa: E402
 from modeld.store.store import Store  # noqa: E402
 from tests.support.daemon import DaemonProcess, checkout_pythonpath, daemon_env  # noqa: E402
-from tests.support.state import write_entry  # noqa: E402
+from tests.support.state import model_head, write_entry  # noqa: E402
 
 # Goal (2): a fast mirror plus a 20 MB/s-per-connection one takes at most this times the
 # fast one alone, in every run.
@@ -68,12 +68,17 @@ def free_port() -> int:
 
 
 def make_file(path: Path, size: int) -> str:
+    """A LiteRT-LM header (a pull refuses a file that is not one), then random bytes."""
     marker = path.with_suffix(".sha256")
+    head = model_head()
     if path.exists() and path.stat().st_size == size and marker.exists():
-        return marker.read_text().strip()
-    h = hashlib.sha256()
+        with path.open("rb") as f:
+            if f.read(8) == head[:8]:
+                return marker.read_text().strip()
+    h = hashlib.sha256(head)
     with path.open("wb") as f:
-        left = size
+        f.write(head)
+        left = size - len(head)
         while left:
             chunk = os.urandom(min(left, 16 << 20))
             h.update(chunk)

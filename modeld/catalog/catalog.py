@@ -376,6 +376,16 @@ class Catalog:
         self.reload()
         return path
 
+    def put_back(self, model_id: str, text: str) -> Path:
+        """Write ``text`` (a file ``write_entry`` wrote before) back as ``own/<id>.toml`` and
+        reload: the entry a refused change replaced. Returns the file's path."""
+        if self.own is None:
+            raise RegistryError("this catalog has no registry dir of its own to write to")
+        path = self.own / f"{model_id}.toml"
+        atomic_write(path, text)
+        self.reload()
+        return path
+
     def remove_entry(self, model_id: str) -> Path:
         """Delete ``own/<id>.toml`` and reload (``is_own`` must hold); returns its path."""
         path = self._sources.get(model_id)

@@ -26,7 +26,15 @@ import aiofiles.os
 from modeld import logs
 from modeld.catalog.catalog import Catalog, Entry
 from modeld.config import Settings, format_size
-from modeld.download.job import DownloadJob, DownloadState, DownloadTarget, Installer, Tuning
+from modeld.download.job import (
+    DownloadJob,
+    DownloadState,
+    DownloadTarget,
+    HeaderCheck,
+    Installer,
+    OnRefused,
+    Tuning,
+)
 from modeld.download.journal import Journal
 from modeld.errors import (
     BadRequest,
@@ -82,6 +90,7 @@ class Downloads:
         find_by_file_name: Callable[[str], DownloadTarget | None] | None = None,
         vouches: VouchBook | None = None,
         local_entry: LocalEntryWriter | None = None,
+        pull_check: HeaderCheck | None = None,
     ) -> None:
         self.settings = settings
         self.resolve = resolve
@@ -89,6 +98,8 @@ class Downloads:
         self.installer = installer
         self.metrics = metrics
         self.header_check = header_check
+        # The same check on a pull's verified file, worded for a pull (``pull_header_check``).
+        self.pull_check = pull_check
         self.find_by_file_name = find_by_file_name
         # Writes the local entry of an imported file no entry names (the daemon's catalog).
         self.local_entry = local_entry
@@ -100,9 +111,12 @@ class Downloads:
 
     # --- jobs ----------------------------------------------------------------------
 
-    def pull(self, model_id: str, *, limit_rate: int | None = None) -> DownloadJob:
+    def pull(
+        self, model_id: str, *, limit_rate: int | None = None, on_refused: OnRefused | None = None
+    ) -> DownloadJob:
         """Start the model's download, or join the one running; ``limit_rate`` (bytes/s)
-        caps the job from now on, whoever started it."""
+        caps the job from now on, whoever started it. ``on_refused`` runs when the file the
+        job started here verified is not a LiteRT-LM model (see ``DownloadJob``)."""
         job = self.jobs.get(model_id)
         if job is not None and not job.finished:
             job.limit_rate(limit_rate)
@@ -129,6 +143,8 @@ class Downloads:
             tuning=Tuning.from_settings(self.settings),
             metrics=self.metrics,
             vouches=self.vouches,
+            check=self.pull_check,
+            on_refused=on_refused,
         )
         job.limit_rate(limit_rate)
         self.jobs[model_id] = job
@@ -469,6 +485,31 @@ def header_check(path: Path, model_id: str, shown: str | None = None) -> None:
         ) from e
 
 
+def pull_header_check(catalog: Catalog) -> HeaderCheck:
+    """The header check of a pull's verified file: a file that is not a LiteRT-LM model is
+    refused as ``import`` refuses it, naming the entry that points at it."""
+
+    def check(path: Path, model_id: str) -> None:
+        from modeld.modelfile.header import read_header
+
+        source = catalog.source_of(model_id)
+        fix = (
+            f"remove it (`modeld rm --entry {model_id}`)"
+            if catalog.is_own(model_id)
+            else "correct its `urls` and `sha256`"
+        )
+        read_header(
+            path,
+            subject=f"{model_id}: the downloaded file",
+            hint=(
+                f"it was not installed and nothing was kept: the entry {source or model_id} "
+                f"points at a file that is not a .litertlm model; {fix}"
+            ),
+        )
+
+    return check
+
+
 def daemon_downloads(
     settings: Settings, catalog: Catalog, store: Store, metrics: Metrics | None
 ) -> Downloads:
@@ -512,6 +553,7 @@ def daemon_downloads(
         find_by_file_name=by_file_name,
         vouches=store,
         local_entry=local_entry,
+        pull_check=pull_header_check(catalog),
     )
 
 

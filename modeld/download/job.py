@@ -49,6 +49,7 @@ from modeld.download.mirrors import (
 from modeld.download.ratelimit import TokenBucket
 from modeld.errors import (
     BadRequest,
+    CorruptModel,
     DigestConflict,
     DiskFull,
     DownloadError,
@@ -64,6 +65,12 @@ from modeld.store.vouches import MemoryVouches, Vouch, VouchBook, pinned_revisio
 DISK_MARGIN = 64 * 1024 * 1024
 
 Installer = Callable[[str, Path, str, int, str | None], Awaitable[Any]]
+# The header check of a verified file before it is installed: (file, model id); raises
+# CorruptModel for a file that is not a LiteRT-LM model (``downloads.pull_header_check``).
+HeaderCheck = Callable[[Path, str], Any]
+# What a pull whose file the header check refused does once the partial is gone, before it
+# fails (a hub pull removes the entry it wrote): returns the error the pull ends with.
+OnRefused = Callable[[CorruptModel], Awaitable[ModeldError]]
 
 
 class DownloadState(enum.StrEnum):
@@ -231,6 +238,8 @@ class DownloadJob:
     metrics: Metrics | None = None
     writer: Writer = os.pwrite
     vouches: VouchBook = field(default_factory=MemoryVouches)
+    check: HeaderCheck | None = None  # run on the verified file before the install
+    on_refused: OnRefused | None = None
     state: DownloadState = DownloadState.STARTING
     error: ModeldError | None = None
     result: Any = None
@@ -798,6 +807,7 @@ class DownloadJob:
             if expected is not None and digest != expected:
                 digest = await self._repair(fd, expected, digest, by)
             await self._drop_late_probes()
+            await self._check_header()
             self._digest, self.verified_by = digest, by
             self._set(DownloadState.INSTALLING)
             self.result = await self.installer(self.id, self.partial, digest, self.target.size, by)
@@ -817,6 +827,21 @@ class DownloadJob:
             # Also on a cancel or a failure: what was recorded is written before the end.
             with contextlib.suppress(Exception):
                 await self.journal.flush(self.id)
+
+    async def _check_header(self) -> None:
+        """Refuse a verified file that is not a LiteRT-LM model, as ``import`` does: its
+        partial and journal go, nothing is installed (a sha256 says which bytes, not what
+        they are: an entry may pin any file)."""
+        if self.check is None:
+            return
+        try:
+            await asyncio.to_thread(self.check, self.partial, self.id)
+        except CorruptModel as e:
+            self.partial.unlink(missing_ok=True)
+            await self.journal.flush(self.id)
+            await self.journal.clear(self.id)
+            logs.event("download_refused", model=self.id, reason=e.message)
+            raise (await self.on_refused(e) if self.on_refused is not None else e) from None
 
     # --- repair, not re-download -----------------------------------------------------
     # On a whole-file sha256 mismatch, the blocks of one mirror at a time (the suspect) are

@@ -21,7 +21,7 @@ from modeld.catalog.catalog import Catalog, Entry, bundled_registry_dir, outdate
 from modeld.config import Settings
 from modeld.download.downloads import Downloads, result_dict
 from modeld.download.hub import cached_copy, pinned_parts
-from modeld.download.job import DownloadJob, DownloadTarget
+from modeld.download.job import DownloadJob, DownloadTarget, OnRefused
 from modeld.engine.engines import Engines, error_brief
 from modeld.engine.pool import Pool
 from modeld.errors import (
@@ -225,13 +225,19 @@ class Models:
         return inst.to_dict()
 
     async def pull(
-        self, model_id: str, *, force: bool = False, limit_rate: int | None = None
+        self,
+        model_id: str,
+        *,
+        force: bool = False,
+        limit_rate: int | None = None,
+        on_refused: OnRefused | None = None,
     ) -> Pull:
         """Start or join the model's download, unless its install is current already.
 
         Before any byte, a model that can never load is refused, or a variant that fits is
         taken (``Fits.choose``; ``force`` skips the refusal). ``limit_rate`` caps the
-        download's total rate in bytes/s (``pull --limit-rate``).
+        download's total rate in bytes/s (``pull --limit-rate``); ``on_refused`` runs when
+        the downloaded file is not a LiteRT-LM model (``Downloads.pull``).
         """
         # A pull never joins a download of a file its entry no longer names.
         await self.downloads.drop_stale(model_id)
@@ -249,7 +255,7 @@ class Models:
         if adopted is not None:
             doc, source = adopted
             return Pull(model_id, installed=doc, choice=choice, adopted=source)
-        job = self.downloads.pull(model_id, limit_rate=limit_rate)
+        job = self.downloads.pull(model_id, limit_rate=limit_rate, on_refused=on_refused)
         return Pull(model_id, job=job, choice=choice)
 
     async def _adopt(self, model_id: str) -> tuple[dict[str, Any], str] | None:

@@ -21,8 +21,10 @@ from modeld.download.hub import HubFile, HubRef, parse_source, pinned_parts, res
 from modeld.download.job import Tuning
 from modeld.errors import (
     BadRequest,
+    CorruptModel,
     EntryExists,
     EntryNotRemovable,
+    ModeldError,
     ModelNotFound,
     ModelNotInstalled,
     Offline,
@@ -103,7 +105,9 @@ class Sources:
         async with self._lock:
             self._check_id(model_id, ref)
             path = self.catalog.source_of(model_id)
+            replaced: str | None = None  # the entry this one replaces (another revision)
             if self.catalog.find(model_id) != entry:
+                replaced = path.read_text() if path is not None else None
                 comment = (
                     f"Written by `modeld pull {ref.shown}` on "
                     f"{time.strftime('%Y-%m-%d', time.gmtime())}: revision {ref.revision} is "
@@ -119,7 +123,13 @@ class Sources:
                     commit=found.commit,
                     path=str(path),
                 )
-        pull = await self.models.pull(model_id, force=force, limit_rate=limit_rate)
+
+        async def refused(e: CorruptModel) -> ModeldError:
+            return await self._refused(model_id, entry, replaced, ref, e)
+
+        pull = await self.models.pull(
+            model_id, force=force, limit_rate=limit_rate, on_refused=refused
+        )
         pull.entry = {
             "path": str(path),
             "source": ref.shown,
@@ -127,6 +137,26 @@ class Sources:
             "commit": found.commit,
         }
         return pull
+
+    async def _refused(
+        self, model_id: str, entry: Entry, replaced: str | None, ref: HubRef, e: CorruptModel
+    ) -> ModeldError:
+        """The Hub file is not a LiteRT-LM model: the entry written for it goes (the one it
+        replaced comes back), so nothing of the pull is left; the error says so."""
+        async with self._lock:
+            if self.catalog.find(model_id) == entry and self.catalog.is_own(model_id):
+                if replaced is None:
+                    self.catalog.remove_entry(model_id)
+                else:
+                    self.catalog.put_back(model_id, replaced)
+                logs.event("hub_entry_refused", model=model_id, source=ref.shown)
+        after = "the entry it had before is back" if replaced else "its entry was removed"
+        return CorruptModel(
+            f"{ref.shown} is not a LiteRT-LM model ({e.problem or e.message}); it was not "
+            f"installed, nothing was kept and {after}: choose a LiteRT-LM model (a .litertlm "
+            "file)",
+            problem=e.problem,
+        )
 
     async def remove_entry(self, model_id: str, *, force: bool) -> dict[str, Any]:
         """Remove the model's install (if any) and the entry modeld wrote for it.

@@ -25,15 +25,15 @@ from modeld.errors import (
     ModeldError,
     ModelNotFound,
 )
-from tests.support.daemon import DaemonProcess, daemon_env
+from tests.support.daemon import DaemonProcess, daemon_env, running_daemon
 from tests.support.faults import journaled_blocks, wait_pull_progress
 from tests.support.mirror import Faults, Mirror, ThreadMirror
-from tests.support.state import MODELS
+from tests.support.state import MODELS, model_bytes
 from tests.support.unix import unix_request
 from tests.support.wait import until, wait_sync
 
 SIZE = 2 * 1024 * 1024 + 999
-DATA = random.Random(11).randbytes(SIZE)
+DATA = model_bytes(SIZE, 11)
 SHA = hashlib.sha256(DATA).hexdigest()
 TINY = MODELS / "tiny-text.litertlm"
 
@@ -173,7 +173,7 @@ async def test_a_pull_after_the_entry_changed_or_went_does_not_join_the_old_down
     entry removed during its pull: a pull now is refused as not in the catalog, and the old
     download stops too."""
     env.mirror.faults.throttle = 50_000
-    other = random.Random(12).randbytes(SIZE // 2)
+    other = model_bytes(SIZE // 2, 12)
     other_sha = hashlib.sha256(other).hexdigest()
     mirror2 = await Mirror(other).start()
     try:
@@ -231,6 +231,37 @@ async def _shown(c: AsyncClient, model_id: str) -> bool:
     except ModelNotFound:
         return False
     return True
+
+
+async def test_an_entry_pinning_a_file_that_is_not_a_litertlm_is_not_installed(
+    clean_env: Path,
+) -> None:
+    """A catalog entry whose sha256 pins a file that is not a LiteRT-LM model: the pull
+    verifies it, then refuses it as ``import`` would, naming the entry; no blob, partial,
+    journal or install is left."""
+    junk = random.Random(3).randbytes(300_000)
+    mirror = await Mirror(junk, Faults()).start()
+    reg, home = clean_env / "reg", clean_env / "home"
+    write_entry(reg, "junk", [mirror.url], len(junk), hashlib.sha256(junk).hexdigest())
+    settings = load_settings(
+        home=home, socket=home / "modeld.sock", main_backend="cpu", registry=[reg]
+    )
+    try:
+        async with running_daemon(settings) as d, d.client() as c:
+            with pytest.raises(CorruptModel) as exc:
+                await pull_all(c, "junk")
+            listed = {m["id"]: m for m in (await c.models())["models"]}
+            assert listed["junk"]["state"] == "not_installed"
+    finally:
+        await mirror.stop()
+    assert exc.value.message.startswith("junk: the downloaded file: not a LiteRT-LM file (")
+    assert exc.value.message.endswith(
+        f"it was not installed and nothing was kept: the entry {reg / 'junk.toml'} points at "
+        "a file that is not a .litertlm model; correct its `urls` and `sha256`"
+    )
+    assert not any((home / "blobs").iterdir())
+    assert not (home / "partial" / "junk.partial").exists()
+    assert journaled_blocks(home, "junk") == 0
 
 
 async def test_unknown_model_is_404_before_streaming(env: Env) -> None:
@@ -427,7 +458,7 @@ def test_a_model_whose_file_is_gone_is_missing_and_pulled_again(short_tmp: Path)
 
 
 BIG = 16 * 1024 * 1024 + 777  # 257 blocks of 64 KiB, the last one short
-BIG_DATA = random.Random(13).randbytes(BIG)
+BIG_DATA = model_bytes(BIG, 13)
 BIG_SHA = hashlib.sha256(BIG_DATA).hexdigest()
 
 
@@ -494,7 +525,7 @@ def test_kill_9_at_half_then_resume_fetches_at_most_5_percent_more(short_tmp: Pa
 
 
 MANY = 48 * 1024 * 1024 + 333  # 49 blocks of 1 MiB, the last one short
-MANY_DATA = random.Random(17).randbytes(MANY)
+MANY_DATA = model_bytes(MANY, 17)
 MANY_SHA = hashlib.sha256(MANY_DATA).hexdigest()
 
 

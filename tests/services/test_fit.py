@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import random
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,10 +24,10 @@ from modeld.engine.engines import DEFAULT_MAX_TOKENS, estimate_from_size
 from modeld.errors import OverBudget
 from tests.support.daemon import InProcessDaemon, running_daemon
 from tests.support.mirror import Faults, Mirror
-from tests.support.state import MODELS, install_fixture, write_entry
+from tests.support.state import MODELS, install_fixture, model_bytes, write_entry
 
-SMALL = random.Random(3).randbytes(256 * 1024)
-BIG = random.Random(4).randbytes(2 * 1024 * 1024)
+SMALL = model_bytes(256 * 1024, 3)
+BIG = model_bytes(2 * 1024 * 1024, 4)
 NEEDS_SMALL = estimate_from_size(len(SMALL), DEFAULT_MAX_TOKENS)
 NEEDS_BIG = estimate_from_size(len(BIG), DEFAULT_MAX_TOKENS)
 BUDGET = (NEEDS_SMALL + NEEDS_BIG) // 2

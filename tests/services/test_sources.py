@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
-import random
 import sys
 import tomllib
 from collections.abc import AsyncIterator
@@ -34,13 +34,13 @@ from modeld.errors import (
 )
 from tests.support.daemon import daemon_env, running_daemon
 from tests.support.hub import Hub, start_hub
-from tests.support.state import MODELS, registry_settings, write_entry
+from tests.support.state import MODELS, model_bytes, registry_settings, write_entry
 
 TINY = (MODELS / "tiny-text.litertlm").read_bytes()
 TINY_B = (MODELS / "tiny-text-b.litertlm").read_bytes()  # same size, other bytes
 C1 = "1" * 40
 C2 = "2" * 40
-BIG = random.Random(5).randbytes(2 * 1024 * 1024 + 77)
+BIG = model_bytes(2 * 1024 * 1024 + 77, 5)
 
 
 def sha(data: bytes) -> str:
@@ -346,6 +346,61 @@ async def test_cli_pulls_from_hf_endpoint(
         assert rc == 0, err
         assert f"at commit {C2}" in out and "from the Hugging Face cache" in out
     assert _cdn(the_hub) == [r for r in _cdn(the_hub) if sha(TINY) in r["path"]]
+
+
+def _damaged_header(data: bytes) -> bytes:
+    """``data`` with its header flatbuffer (after the first 32 bytes) overwritten."""
+    end = int.from_bytes(data[24:32], "little")
+    return data[:32] + b"\xff" * (end - 32) + data[end:]
+
+
+BAD = {
+    "passwd": Path("/etc/passwd").read_bytes(),
+    "trunc": TINY[: len(TINY) // 2],
+    "damaged": _damaged_header(TINY),
+}
+
+
+async def test_a_hub_file_that_is_not_a_litertlm_model_is_refused_leaving_nothing(
+    clean_env: Path, the_hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``modeld pull hf://org/bad/X.litertlm`` of /etc/passwd, a truncated model and one with
+    a damaged header: each verified against the hub's sha256, then refused as ``import``
+    refuses it; no blob, partial, entry or install is left. A bad new revision of a file
+    pulled before puts the entry of the old one back."""
+    monkeypatch.setenv("HF_ENDPOINT", the_hub.endpoint)
+    the_hub.add("org/bad", C2, {f"{k}.litertlm": v for k, v in BAD.items()}, "main")
+    the_hub.add("org/tiny", C2, {"m.litertlm": BAD["passwd"]}, "bad")
+    settings = _settings(clean_env)
+    home = settings.home
+    env = daemon_env(home, HF_ENDPOINT=the_hub.endpoint)
+    async with running_daemon(settings):
+        said = {}
+        for name in BAD:
+            rc, out, err = await _cli(env, "pull", f"hf://org/bad/{name}.litertlm")
+            assert rc == 1, out
+            said[name] = " ".join(err.split())
+            assert f"hf://org/bad/{name}.litertlm@main is not a LiteRT-LM model (" in said[name]
+            assert "not installed, nothing was kept and its entry was removed" in said[name]
+        assert "not a LiteRT-LM file (starts with b'root:x:0'" in said["passwd"]
+        assert "the file is truncated" in said["trunc"]
+        assert "header flatbuffer cannot be parsed" in said["damaged"]
+        rc, out, err = await _cli(env, "list", "--json")
+        assert rc == 0, err
+        assert not [m for m in json.loads(out)["models"] if m["id"].startswith("bad-")]
+        assert not list((home / "registry").glob("bad-*"))
+        assert not any((home / "blobs").iterdir())
+        assert not [p for p in (home / "partial").iterdir() if p.name.startswith("bad-")]
+        # A new revision of a file pulled before: the entry of the old one comes back.
+        rc, out, err = await _cli(env, "pull", "hf://org/tiny/m.litertlm@v1")
+        assert rc == 0, err
+        before = (home / "registry" / "tiny-m.toml").read_text()
+        rc, out, err = await _cli(env, "pull", "hf://org/tiny/m.litertlm@bad")
+        assert rc == 1 and "the entry it had before is back" in " ".join(err.split()), out
+        assert (home / "registry" / "tiny-m.toml").read_text() == before
+        rc, out, err = await _cli(env, "list", "--json")
+        tiny = next(m for m in json.loads(out)["models"] if m["id"] == "tiny-m")
+        assert tiny["state"] == "installed" and tiny["installed"]["digest"] == sha(TINY)
 
 
 async def test_hub_vouch_contradicting_the_entry_fails_naming_both(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import random
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -30,13 +29,20 @@ from modeld.store.vouches import Vouch, pinned_revision
 from tests.support.daemon import daemon_env, running_daemon
 from tests.support.hub import hub
 from tests.support.mirror import COMMIT, Faults, Mirror, pinned_path
-from tests.support.state import MODELS, install_fixture, open_store, registry_settings, write_entry
+from tests.support.state import (
+    MODELS,
+    install_fixture,
+    model_bytes,
+    open_store,
+    registry_settings,
+    write_entry,
+)
 from tests.support.wait import until
 
 SIZE = 2 * 1024 * 1024 + 4321
-DATA = random.Random(23).randbytes(SIZE)
+DATA = model_bytes(SIZE, 23)
 SHA = hashlib.sha256(DATA).hexdigest()
-OTHER = random.Random(24).randbytes(SIZE)  # same size, other bytes
+OTHER = model_bytes(SIZE, 24)  # same size, other bytes
 TINY = MODELS / "tiny-text.litertlm"
 REVISION = f"org/repo@{COMMIT}/m.litertlm"
 DEAD_HUB = f"http://localhost:9{pinned_path()}"  # nothing listens on port 9

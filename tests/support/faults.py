@@ -21,12 +21,12 @@ from typing import Any
 
 from tests.support.daemon import DaemonProcess, daemon_env
 from tests.support.mirror import Faults, ThreadMirror
-from tests.support.state import MODELS, install_fixture, write_entry
+from tests.support.state import MODELS, install_fixture, model_bytes, write_entry
 from tests.support.unix import unix_fire, unix_request
 
 _BLOB_RE = re.compile(r"^sha256-([0-9a-f]{64})$")
 PULL_SIZE = 3 * 1024 * 1024 + 4321  # not a multiple of a block: a short last block
-PULL_DATA = random.Random(23).randbytes(PULL_SIZE)
+PULL_DATA = model_bytes(PULL_SIZE, 23)
 PULL_SHA = hashlib.sha256(PULL_DATA).hexdigest()
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import random
 import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,32 @@ from modeld.store.store import Store, sha256_file
 
 REPO = Path(__file__).resolve().parent.parent.parent
 MODELS = REPO / "tests" / "models"
+
+
+@functools.cache
+def model_head() -> bytes:
+    """A LiteRT-LM file of one small LlmMetadata section (built once per process)."""
+    from litert_lm_builder import litertlm_builder as lb
+    from litert_lm_builder.runtime.proto import llm_metadata_pb2
+
+    with tempfile.TemporaryDirectory() as d:
+        meta, out = Path(d) / "meta.pb", Path(d) / "head.litertlm"
+        msg = llm_metadata_pb2.LlmMetadata()
+        msg.max_num_tokens = 64
+        meta.write_bytes(msg.SerializeToString())
+        builder = lb.LitertLmFileBuilder()
+        builder.add_llm_metadata(str(meta))
+        with out.open("wb") as f:
+            builder.build(f)
+        return out.read_bytes()
+
+
+def model_bytes(size: int, seed: int) -> bytes:
+    """``size`` bytes of a file a pull installs: a small LiteRT-LM header (a pull refuses a
+    file that is not one), then random bytes from ``seed``."""
+    head = model_head()
+    assert size >= len(head), f"a model file is at least {len(head)} bytes"
+    return head + random.Random(seed).randbytes(size - len(head))
 
 
 def write_entry(
