@@ -107,6 +107,9 @@ class Downloads:
         self.vouches: VouchBook = vouches if vouches is not None else MemoryVouches()
         self.jobs: dict[str, DownloadJob] = {}
         self.recent: deque[DownloadJob] = deque(maxlen=10)
+        # Imports copy at once but commit (decide again, entry, install) one at a time: two
+        # imports of different files to one new id end as one after the other would.
+        self._import_commit = asyncio.Lock()
         self._stopping = False
 
     # --- jobs ----------------------------------------------------------------------
@@ -300,19 +303,7 @@ class Downloads:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise BadRequest(f"{shown} is not a regular file; import reads model files only")
-        found = self._import_target(Path(name), model_id)
-        target = found or self._local_target(Path(name), model_id, st.st_size)
-        running = self.jobs.get(target.model_id)
-        if running is not None and not running.finished:
-            raise Conflict(
-                f"{target.model_id} is being downloaded; cancel it first "
-                f"(`modeld pull {target.model_id} --cancel`)"
-            )
-        if st.st_size != target.size:
-            raise IntegrityError(
-                f"{shown} has {st.st_size} bytes but entry {target.model_id} says "
-                f"{target.size}; it is another file or another revision"
-            )
+        found, target = self._import_decide(name, model_id, st.st_size, shown)
         await aiofiles.os.makedirs(self.settings.partial_dir, exist_ok=True)
         # A sparse or cloned source says nothing about what a copy takes: count the copy.
         free = await asyncio.to_thread(free_bytes, self.settings.partial_dir)
@@ -327,12 +318,16 @@ class Downloads:
             digest, linked = await asyncio.to_thread(_link_or_copy, fd, tmp, target.size, shown)
             if self.header_check is not None:
                 await asyncio.to_thread(self.header_check, tmp, target.model_id, shown)
-            by: str | None = LOCAL_VOUCH
-            if found is None:
-                await self._write_local_entry(target.model_id, tmp, name, target.size, digest)
-            else:
-                by = await self._import_vouched_by(target, shown, digest)
-            result = await self.installer(target.model_id, tmp, digest, target.size, by)
+            async with self._import_commit:
+                # Decided again: an import that committed meanwhile may have written the
+                # entry of this id (then this file is checked against it, as after it).
+                found, target = self._import_decide(name, model_id, st.st_size, shown)
+                by: str | None = LOCAL_VOUCH
+                if found is None:
+                    await self._write_local_entry(target.model_id, tmp, name, target.size, digest)
+                else:
+                    by = await self._import_vouched_by(target, shown, digest)
+                result = await self.installer(target.model_id, tmp, digest, target.size, by)
         finally:
             tmp.unlink(missing_ok=True)
         logs.event("imported", model=target.model_id, digest=digest, linked=linked)
@@ -340,6 +335,26 @@ class Downloads:
         if isinstance(out, dict):
             out = {**out, "linked": linked, "source": shown}
         return {"id": target.model_id, "installed": out}
+
+    def _import_decide(
+        self, name: str, model_id: str | None, size: int, shown: str
+    ) -> tuple[DownloadTarget | None, DownloadTarget]:
+        """(the entry's target or None, the target) of an import of a file of ``size``
+        bytes; refused while the id is being downloaded or when the entry's size differs."""
+        found = self._import_target(Path(name), model_id)
+        target = found or self._local_target(Path(name), model_id, size)
+        running = self.jobs.get(target.model_id)
+        if running is not None and not running.finished:
+            raise Conflict(
+                f"{target.model_id} is being downloaded; cancel it first "
+                f"(`modeld pull {target.model_id} --cancel`)"
+            )
+        if size != target.size:
+            raise IntegrityError(
+                f"{shown} has {size} bytes but entry {target.model_id} says "
+                f"{target.size}; it is another file or another revision"
+            )
+        return found, target
 
     async def _import_vouched_by(
         self, target: DownloadTarget, path: str, digest: str

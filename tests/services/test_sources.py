@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 
 from modeld.client import AsyncClient
 from modeld.config import Settings
+from modeld.download import downloads as downloads_mod
 from modeld.errors import (
     BadRequest,
     DigestConflict,
@@ -315,6 +317,42 @@ async def _cli(env: dict[str, str], *args: str) -> tuple[int, str, str]:
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+async def test_two_imports_of_different_files_to_one_new_id_end_as_one_after_the_other(
+    clean_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``modeld import A race & modeld import B race``: both copies are held until both
+    imports have decided and copied, so they truly overlap; still one wins, and the other
+    is refused as it would be after it, against the entry the winner wrote."""
+    both_copying = threading.Barrier(2)
+    copy = downloads_mod._link_or_copy
+
+    def held(*args: Any) -> tuple[str, bool]:
+        both_copying.wait(60)
+        return copy(*args)
+
+    monkeypatch.setattr(downloads_mod, "_link_or_copy", held)
+    home = clean_env / "home"
+    settings = _settings(clean_env)
+    env = daemon_env(home)
+    files = {sha(data): data for data in (TINY, TINY_B)}
+    async with running_daemon(settings):
+        done = await asyncio.gather(
+            _cli(env, "import", str(MODELS / "tiny-text.litertlm"), "race"),
+            _cli(env, "import", str(MODELS / "tiny-text-b.litertlm"), "race"),
+        )
+        rc, out, err = await _cli(env, "list", "--json")
+        assert rc == 0, err
+        race = next(m for m in json.loads(out)["models"] if m["id"] == "race")
+    assert sorted(rc for rc, _, _ in done) == [0, 1], done
+    said = next(err for rc, _, err in done if rc == 1)
+    entry = _entry(home, "race")
+    assert entry["sha256"] in files and race["installed"]["digest"] == entry["sha256"]
+    loser = next(d for d in files if d != entry["sha256"])
+    assert f"has sha256 {loser}, entry race expects {entry['sha256']}; it was not imported" in (
+        " ".join(said.split())
+    )
 
 
 async def test_cli_pulls_from_hf_endpoint(
