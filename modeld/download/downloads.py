@@ -42,9 +42,11 @@ from modeld.errors import (
     CorruptModel,
     DigestConflict,
     DiskFull,
+    DownloadError,
     DownloadNotFound,
     IntegrityError,
     LocalEntry,
+    ModeldError,
     ModelNotFound,
     Offline,
     ShuttingDown,
@@ -177,11 +179,13 @@ class Downloads:
         why = "was removed from the catalog" if now is None else "changed (size, sha256 or urls)"
         logs.event("download_stale", model=model_id, why=why)
         job.cancel(
-            f"download of {model_id} stopped: its catalog entry {why} during the pull; "
-            + (
-                "nothing more is fetched for it"
-                if now is None
-                else f"`modeld pull {model_id}` fetches the file the entry names now"
+            DownloadError(
+                f"download of {model_id} stopped: its catalog entry {why} during the pull; "
+                + (
+                    "nothing more is fetched for it"
+                    if now is None
+                    else f"`modeld pull {model_id}` fetches the file the entry names now"
+                )
             )
         )
         if job.task is not None:
@@ -213,10 +217,11 @@ class Downloads:
         """The partial files of the downloads running now (not leftovers to report)."""
         return tuple(job.partial for job in self.jobs.values() if not job.finished)
 
-    async def cancel(self, model_id: str) -> dict[str, Any]:
-        """Cancel a running download; the partial file and its journal stay for a resume."""
+    async def cancel(self, model_id: str, why: ModeldError | None = None) -> dict[str, Any]:
+        """Cancel a running download; the partial file and its journal stay for a resume.
+        ``why`` is what the pull's clients are told instead, when the caller removes them."""
         job = self.get(model_id)
-        job.cancel()
+        job.cancel(why)
         if job.task is not None:
             await asyncio.wait([job.task])
         return job.snapshot()

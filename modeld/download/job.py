@@ -263,7 +263,7 @@ class DownloadJob:
     _probes: dict[asyncio.Task[None], Mirror] = field(default_factory=dict)
     _ended: set[asyncio.Task[None]] = field(default_factory=set)  # probes looked at
     _fetching: asyncio.Task[None] | None = None
-    _cancel_message: str | None = None  # ``cancel(why)``: what the waiters are told
+    _cancelled_by: ModeldError | None = None  # what a cancel that keeps nothing says
 
     @property
     def id(self) -> str:
@@ -361,10 +361,11 @@ class DownloadJob:
             raise self.error
         return self.result
 
-    def cancel(self, why: str | None = None) -> None:
-        """Stop the job; ``why`` replaces the waiters' "cancelled; the partial is kept"."""
+    def cancel(self, why: ModeldError | None = None) -> None:
+        """Stop the job; ``why`` is what its waiting clients are told (default: cancelled,
+        the partial kept for a resume), for a cancel that does not keep the partial."""
         if self.task is not None and not self.task.done():
-            self._cancel_message = why
+            self._cancelled_by = why
             self.task.cancel()
 
     # --- the job -------------------------------------------------------------------
@@ -373,9 +374,8 @@ class DownloadJob:
         try:
             await self._run()
         except asyncio.CancelledError:
-            self.error = DownloadError(
-                self._cancel_message
-                or f"download of {self.id} cancelled; the partial is kept, pull again to resume"
+            self.error = self._cancelled_by or DownloadError(
+                f"download of {self.id} cancelled; the partial is kept, pull again to resume"
             )
             self.error.code = "cancelled"  # type: ignore[misc]
             self._set(DownloadState.CANCELLED)

@@ -24,6 +24,7 @@ from modeld.download.journal import SqliteJournal, journal_keys
 from modeld.engine.pool import Pool
 from modeld.errors import (
     BadRequest,
+    DownloadError,
     DownloadNotFound,
     EngineNotFound,
     ModeldError,
@@ -396,8 +397,12 @@ class Remover:
         downloads = self.downloads
         if downloads is None or model_id not in self.activity().downloading:
             return False
+        removed = DownloadError(
+            f"download of {model_id} stopped: `modeld rm --force` removed the model and its "
+            f"partial; nothing was kept, `modeld pull {model_id}` starts it again"
+        )
         with contextlib.suppress(DownloadNotFound):
-            await downloads.cancel(model_id)
+            await downloads.cancel(model_id, removed)
             logs.event("rm_cancelled_download", model=model_id)
             return True
         return False

@@ -250,6 +250,34 @@ async def test_downloading_model_is_kept_and_rm_force_cancels(clean_env: Path) -
         await mirror.stop()
 
 
+async def test_rm_force_tells_a_waiting_pull_that_nothing_was_kept(clean_env: Path) -> None:
+    """``modeld pull slow --json`` follows a slow download; ``modeld rm slow --force`` removes
+    it: the puller is told the model was removed and nothing kept, not that the partial is
+    kept for a resume."""
+    home, reg = clean_env / "home", clean_env / "reg"
+    data = TINY.read_bytes()
+    mirror = await Mirror(data, Faults(throttle=20_000)).start()
+    try:
+        write_entry(reg, "slow", size=len(data), sha256=mirror.sha256, urls=[mirror.url])
+        async with running_daemon(registry_settings(home, reg)):
+            puller = asyncio.create_task(_cli(home, "pull", "slow", "--json"))
+            partial = home / "partial" / "slow.partial"
+
+            async def started() -> bool:
+                return partial.exists() and mirror.sent > 0
+
+            await until(started, 20.0)
+            doc = await _cli_json(home, "rm", "slow", "--force")
+            assert doc["cancelled_download"] is True and not partial.exists()
+            rc, out, err = await puller
+    finally:
+        await mirror.stop()
+    said = " ".join((out + err).split())
+    assert rc == 1, said
+    assert "`modeld rm --force` removed the model and its partial; nothing was kept" in said
+    assert "partial is kept" not in said
+
+
 async def _journal_keys(home: Path) -> set[str]:
     from modeld.download.journal import journal_keys
 
