@@ -7,6 +7,9 @@
 - A body must arrive within ``body_timeout`` (408), so a slow sender cannot hold its share.
 - JSON nested deeper than ``JSON_MAX_DEPTH`` is a 400, with more than ``JSON_MAX_VALUES``
   values a 413; so is an integer of more than 4,300 digits (CPython's own limit) a 400.
+- A string holding an unpaired UTF-16 surrogate (``"\\ud800"``, or its bytes in the body) is
+  a 400 naming where: it is no text the runtime can take. Only a body whose bytes can yield
+  one (a ``\\ud`` escape, a surrogate's UTF-8 bytes, or a body not in UTF-8) is walked.
 
 Parsing runs off the event loop once a body is over ``SMALL_BODY``. A thread alone does not
 keep the loop turning: the C parser holds the GIL for the whole document (a 21 MB body of
@@ -23,6 +26,7 @@ import json
 import json.decoder
 import json.scanner
 import logging
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,6 +46,9 @@ JSON_MAX_VALUES = 100_000
 SMALL_BODY = 64 * 1024
 
 _Scan = Callable[[str, int], tuple[Any, int]]
+
+# A surrogate (U+D800-U+DFFF) written as UTF-8 bytes; json decodes them ("surrogatepass").
+_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 class _Bound(Exception):
@@ -135,8 +142,59 @@ def _check_depth(doc: Any) -> None:
         stack.extend((v, depth + 1) for v in value)
 
 
+def _may_hold_surrogates(raw: bytes) -> bool:
+    """Whether ``raw`` can decode to a lone surrogate (a cheap scan; images are base64)."""
+    return (
+        b"\\ud" in raw
+        or b"\\uD" in raw
+        or _SURROGATE_BYTES.search(raw) is not None
+        or json.detect_encoding(raw) != "utf-8"
+    )
+
+
+def _named(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _check_text(doc: Any) -> None:
+    """A 400 naming a string (or key) of ``doc`` with an unpaired surrogate (no recursion)."""
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_string(key, f"a key of {path or 'the body'}")
+                stack.append((item, _named(path, key)))
+        elif isinstance(value, list):
+            stack.extend((item, _named(path, i)) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_string(value, f'"{path}"' if path else "the body")
+
+
+def _check_string(text: str, where: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = text[e.start]
+        raise BadRequest(
+            f"{where}: is not valid text: it holds an unpaired UTF-16 surrogate "
+            f"\\u{ord(char):04x}; send valid UTF-8"
+        ) from None
+
+
 def decode(raw: bytes) -> Any:
     """``raw`` parsed as JSON within the depth and value bounds, else a clear 400 or 413."""
+    doc = _decode(raw)
+    if _may_hold_surrogates(raw):
+        _check_text(doc)
+    return doc
+
+
+def _decode(raw: bytes) -> Any:
     try:
         # Upper bounds: each value but the first follows ``[ { , :``, and each level of
         # nesting opens with ``[`` or ``{`` (in a string too, which only raises the bound).

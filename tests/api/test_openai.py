@@ -367,6 +367,49 @@ async def test_a_temperature_that_is_not_finite_says_so_once(
     assert r.json()["error"]["message"] == '"temperature": must be a finite number'
 
 
+LONE = '"a\\ud800b"'  # the JSON escape of an unpaired surrogate
+PAIRED = '"a\\ud83d\\ude00b"'  # the JSON escapes of one emoji
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/api/generate", '{"model": "tiny-text", "prompt": TEXT, "max_tokens": 2}', '"prompt"'),
+        (
+            "/api/generate",
+            '{"model": "tiny-text", "prompt": "x", "system": TEXT, "max_tokens": 2}',
+            '"system"',
+        ),
+        (
+            "/v1/chat/completions",
+            '{"model": "tiny-text", "max_tokens": 2, "messages": [{"role": "system", '
+            '"content": TEXT}, {"role": "user", "content": "x"}]}',
+            '"messages[0].content"',
+        ),
+        (
+            "/v1/completions",
+            '{"model": "tiny-text", "prompt": TEXT, "max_tokens": 2}',
+            '"prompt"',
+        ),
+    ],
+    ids=["generate-prompt", "generate-system", "chat-system", "completions-prompt"],
+)
+async def test_an_unpaired_surrogate_is_a_400_naming_the_field(
+    http: httpx.AsyncClient, path: str, body: str, field: str
+) -> None:
+    """A lone UTF-16 surrogate, escaped or as its UTF-8 bytes, is no text the runtime takes:
+    a 400 naming the field, not a 500 from the engine; a pair (an emoji) is text and served."""
+    for text in (LONE.encode(), b'"a\xed\xa0\x80b"'):
+        r = await http.post(path, content=body.encode().replace(b"TEXT", text))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == (
+            f"{field}: is not valid text: it holds an unpaired UTF-16 surrogate \\ud800; "
+            "send valid UTF-8"
+        )
+    r = await http.post(path, content=body.replace("TEXT", PAIRED).encode())
+    assert r.status_code == 200, r.text
+
+
 async def test_daemon_serves_after_bad_requests(
     oa: openai.AsyncOpenAI, http: httpx.AsyncClient
 ) -> None:
