@@ -385,11 +385,13 @@ def _turn(i: int, m: ChatMessage, names: dict[str, str]) -> Turn:
 def forced_call_schema(tools: list[ToolDef], name: str | None) -> dict[str, Any]:
     """The JSON schema of one call to ``name`` (or to any of ``tools``)."""
     options = []
-    for tool in tools:
+    for i, tool in enumerate(tools):
         fn = tool.function
         if name is not None and fn.name != name:
             continue
         params = fn.parameters or {"type": "object", "properties": {}}
+        if fn.parameters is not None:
+            requests.check_json_schema(params, f"tools[{i}].function.parameters")
         options.append(
             {
                 "type": "object",
@@ -434,6 +436,8 @@ def generation_of(body: ChatBody) -> tuple[Generation, bool]:
     elif fmt is not None and fmt.json_schema is not None:
         gen.schema = fmt.json_schema.schema_ or {"type": "object"}
         gen.strict = bool(fmt.json_schema.strict)
+        gen.schema_of = "response_format.json_schema.schema"
+        requests.check_json_schema(gen.schema, gen.schema_of)
     choice = body.tool_choice
     if choice is not None and not body.tools:
         raise BadRequest('"tool_choice": needs "tools"')
@@ -449,6 +453,7 @@ def generation_of(body: ChatBody) -> tuple[Generation, bool]:
             name = choice.function.name if isinstance(choice, NamedTool) else None
             gen.schema = forced_call_schema(body.tools, name)
             gen.strict = True
+            gen.schema_of = "tools[].function.parameters"
             forced = True
     return gen, forced
 

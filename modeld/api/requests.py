@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import warnings
 from typing import Annotated, Any, Literal, TypeVar
 
 from aiohttp import web
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import Draft202012Validator, validator_for
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -254,6 +257,36 @@ async def read_body(request: web.Request, model: type[B], *, optional: bool = Fa
 
 
 # --- generation ------------------------------------------------------------------------------
+
+
+def check_json_schema(schema: dict[str, Any], where: str) -> None:
+    """A 400 naming ``where`` for a schema that is no JSON schema or refers outside itself.
+
+    What only the runtime finds (an unsatisfiable schema, a pattern its regex engine does not
+    take) is a 400 from the runner when it makes the constraint.
+    """
+    with warnings.catch_warnings():
+        # An unknown "$schema" is checked against the latest draft (jsonschema warns).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            validator_for(schema, default=Draft202012Validator).check_schema(schema)
+        except SchemaError as e:
+            at = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.path)
+            raise BadRequest(f'"{where}{at}": is not a valid JSON schema: {e.message}') from None
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                raise BadRequest(
+                    f'"{where}": $ref {ref!r} points outside the schema, and modeld fetches '
+                    'nothing; put what it names under "$defs" and refer to it as '
+                    '"#/$defs/NAME"'
+                )
+            stack.extend(node.values())
 
 
 def decode_base64(item: str, where: str) -> bytes:

@@ -140,6 +140,8 @@ class Generation:
     # whether the daemon also checks the finished reply against it.
     schema: dict[str, Any] | None = None
     strict: bool = False
+    # The request's field the schema came from, named when the runtime cannot use it.
+    schema_of: str | None = None
     # OpenAI tool descriptions (``{"type": "function", "function": {...}}``) given to the
     # runtime, which hands calls back instead of running them.
     tools: list[dict[str, Any]] = field(default_factory=list)
@@ -173,6 +175,7 @@ class Generation:
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "schema": self.schema,
+            "schema_of": self.schema_of if self.schema is not None else None,
             "strict": self.strict or None,
             "tools": self.tools or None,
             "raw": self.raw or None,

@@ -471,6 +471,60 @@ async def test_json_schema_constrains_the_reply(oa: openai.AsyncOpenAI) -> None:
     Verdict.model_validate_json(streamed)
 
 
+@pytest.mark.parametrize(
+    ("schema", "why"),
+    [
+        ({"type": "nonsense"}, '"response_format.json_schema.schema.type": is not a valid JSON'),
+        ({"type": "string", "pattern": "(["}, 'schema.pattern": is not a valid JSON schema'),
+        ({"$ref": "http://example.com/s.json"}, "points outside the schema, and modeld fetches"),
+        # What only the runtime finds: unsatisfiable, a pattern its regex engine does not take.
+        (
+            {"type": "integer", "minimum": 5, "maximum": 3},
+            "the runtime cannot constrain the reply to this schema (Unsatisfiable schema: "
+            "minimum (5) is greater than maximum (3)); change the schema",
+        ),
+        ({"type": "string", "pattern": "(?<=a)b"}, "look-around, including look-ahead"),
+    ],
+    ids=["invalid", "bad-regex", "remote-ref", "unsatisfiable", "regex-the-runtime-refuses"],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_schema_that_cannot_constrain_is_a_400_naming_response_format(
+    oa: openai.AsyncOpenAI, schema: dict[str, Any], why: str, stream: bool
+) -> None:
+    """A schema that is none, or that the runtime cannot make a constraint of, is the
+    client's to fix: a 400 naming the field and why (it was a 500 engine_error)."""
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as bad:
+        await oa.chat.completions.create(
+            model="tiny-text", messages=ASK, max_tokens=4, stream=stream, response_format=fmt
+        )
+    assert bad.value.code == "bad_request"
+    message = bad.value.message
+    assert '"response_format.json_schema.schema' in message and why in message, message
+    assert "\n" not in message and "RuntimeError" not in message, message
+
+
+async def test_a_required_call_to_a_tool_with_a_bad_schema_names_the_tool(
+    oa: openai.AsyncOpenAI,
+) -> None:
+    """A required call's schema is the tool's parameters: a bad one is a 400 naming them."""
+    bad_tool: Any = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "required": "city"}},
+    }
+    with pytest.raises(openai.BadRequestError) as bad:
+        await oa.chat.completions.create(
+            model="tiny-text", messages=ASK, tools=[bad_tool], tool_choice="required"
+        )
+    assert '"tools[0].function.parameters.required": is not a valid JSON schema' in (
+        bad.value.message
+    )
+    r = await oa.chat.completions.create(
+        model="tiny-text", messages=ASK, max_tokens=80, response_format=SCHEMA_FORMAT
+    )
+    Verdict.model_validate_json(r.choices[0].message.content or "")
+
+
 async def test_openai_parse_helper_gets_a_pydantic_object(oa: openai.AsyncOpenAI) -> None:
     """The client's own structured-output helper (a strict schema made from a pydantic model)
     gets back a parsed object."""

@@ -15,7 +15,8 @@ JSON object. Parent -> child ops, each with an ``id``:
   generation's timings (None when not asked); ``options`` are the settings the engine was
   created with, read back from the runtime's ``Engine`` object (``engine_options``)
 - ``generate``: messages (role/content, last one is sent), max_tokens, sampler, stop,
-  format, stream; when set: presence/frequency/repetition_penalty, schema (+ strict),
+  format, stream; when set: presence/frequency/repetition_penalty, schema (+ strict, and
+  schema_of: the request's field it came from, named when the runtime cannot use it),
   tools (OpenAI descriptions; calls come back, never run), raw (no chat template)
   -> token frames... then ``{"id", "done": true, "finish", "timings"...}`` (with
   ``tool_calls`` when the model made some); with ``"stream": false`` no token frames, and
@@ -78,14 +79,33 @@ MAX_FRAME = 80 * 1024 * 1024
 _PROMPT_TOO_LONG = ("Input token ids are too long", "exceeds maximum supported signature length")
 
 
+# The runtime's refusal of a response format (a JSON schema) it cannot make a constraint of:
+# one unsatisfiable (minimum over maximum), a pattern its regex engine does not take, ...
+_NO_CONSTRAINT = "Failed to create LLGuidance constraint:"
+
+
 def generate_error_code(exc: Exception, reason: str) -> str:
     """The code of a failed generation: the client's fault (4xx) or the engine's (500)."""
-    if isinstance(exc, ValueError):
+    if isinstance(exc, ValueError) or _NO_CONSTRAINT in reason:
         return "bad_request"
     # A prompt under the daemon's byte bound can still hold more tokens than the window.
     if any(text in reason for text in _PROMPT_TOO_LONG):
         return "too_large"
     return "engine_error"
+
+
+def generate_error_message(exc: Exception, reason: str, job: dict[str, Any]) -> str:
+    """What the client is told of a failed generation: for its own fault, what to change."""
+    if _NO_CONSTRAINT not in reason:
+        return reason
+    why = reason.split(_NO_CONSTRAINT, 1)[1].removesuffix(f" ({type(exc).__name__}: {exc})")
+    # A regex error spans lines, with a line of carets under the pattern: one line here.
+    why = " ".join(line.strip() for line in why.splitlines() if line.strip(" ^"))
+    field = job.get("schema_of") or "the JSON schema"
+    return (
+        f'"{field}": the runtime cannot constrain the reply to this schema ({why}); '
+        "change the schema"
+    )
 
 
 class ProtocolError(Exception):
@@ -489,7 +509,8 @@ class _Child:
                 return
             except Exception as e:
                 reason = self.runtime_reason(e)
-                self.error(rid, generate_error_code(e, reason), reason)
+                message = generate_error_message(e, reason, job)
+                self.error(rid, generate_error_code(e, reason), message)
             finally:
                 with self.current_lock:
                     self.current = None
