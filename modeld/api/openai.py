@@ -39,7 +39,16 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from modeld.api import access, requests
 from modeld.api.bodies import read_json
@@ -97,7 +106,13 @@ class ImagePart(_Loose):
 
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
-FunctionName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+FunctionName = Annotated[
+    StrictStr,
+    requests.pattern(
+        r"^[A-Za-z0-9_.-]{1,64}$",
+        "is not a valid function name (1 to 64 letters, digits, _ . or -)",
+    ),
+]
 
 
 class CalledFunction(_Loose):
@@ -142,7 +157,12 @@ class NamedTool(_Loose):
 
 
 class JsonSchema(_Loose):
-    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] = "response"
+    name: Annotated[
+        StrictStr,
+        requests.pattern(
+            r"^[A-Za-z0-9_-]{1,64}$", "is not a valid schema name (1 to 64 letters, digits, _ or -)"
+        ),
+    ] = "response"
     description: StrictStr | None = None
     schema_: Annotated[dict[str, Any], Field(alias="schema")] = {}
     strict: StrictBool | None = None
@@ -203,9 +223,16 @@ class ChatBody(_Sampled):
 class CompletionBody(_Sampled):
     """``POST /v1/completions``: the prompt goes to the model without the chat template."""
 
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+    prompt: StrictStr | list[StrictStr]
     # OpenAI's default for this route.
     max_tokens: Annotated[StrictInt, Field(ge=1, le=INT32)] | None = 16
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and len(prompt) != 1:
+            raise ValueError(f"takes one prompt per request (got {len(prompt)}); send a string")
+        return prompt
 
 
 class EmbeddingBody(_Body):
@@ -337,9 +364,9 @@ def _arguments(call: ToolCallIn, where: str) -> dict[str, Any]:
     try:
         args = json.loads(call.function.arguments or "{}")
     except json.JSONDecodeError as e:
-        raise BadRequest(f"{where}.function.arguments: not JSON ({e.msg})") from e
+        raise BadRequest(f'"{where}.function.arguments": not JSON ({e.msg})') from e
     if not isinstance(args, dict):
-        raise BadRequest(f"{where}.function.arguments: must be a JSON object")
+        raise BadRequest(f'"{where}.function.arguments": must be a JSON object')
     return args
 
 
@@ -362,7 +389,7 @@ def _turn(i: int, m: ChatMessage, names: dict[str, str]) -> Turn:
         if role != "assistant":
             raise BadRequest(f'{where}.tool_calls": only assistant messages make tool calls')
         names[call.id] = call.function.name
-        args = _arguments(call, f'{where}.tool_calls[{j}]"')
+        args = _arguments(call, f"messages[{i}].tool_calls[{j}]")
         calls.append({"name": call.function.name, "arguments": args})
     if m.content is None:
         if role != "assistant":

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
+import re
 import warnings
-from typing import Annotated, Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from aiohttp import web
 from jsonschema.exceptions import SchemaError
@@ -37,7 +40,22 @@ from modeld.services.inference import Generation, Turn
 # Bounds the runtime's C++ side takes without overflow (int32 fields).
 INT32 = 2**31 - 1
 
-ModelId = Annotated[StrictStr, Field(pattern=ID_PATTERN)]
+# What a value that does not match a field's pattern is told, by pattern (``pattern``).
+_PATTERNS: dict[str, str] = {}
+
+
+def pattern(regex: str, says: str) -> Any:
+    """A ``Field`` whose value must match ``regex``; one that does not is told ``says``."""
+    _PATTERNS[regex] = says
+    return Field(pattern=regex)
+
+
+ModelId = Annotated[
+    StrictStr,
+    pattern(
+        ID_PATTERN, "is not a valid model id (letters, digits, . _ -; at most 128; no / or ..)"
+    ),
+]
 Number = StrictInt | StrictFloat
 Duration = StrictStr | StrictInt | StrictFloat
 Backend = Literal["cpu", "gpu"]
@@ -88,7 +106,9 @@ class GenerateBody(Sampling):
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> GenerateBody:
-        if (self.prompt is None) == (self.messages is None):
+        if self.prompt is None and self.messages is None:
+            raise ValueError('"prompt" (a string) or "messages" (a list) is required; send one')
+        if self.prompt is not None and self.messages is not None:
             raise ValueError('send either "prompt" (a string) or "messages" (a list), not both')
         return self
 
@@ -129,11 +149,21 @@ class ImportBody(Strict):
     file's ``name``, the descriptor following over the socket (``SCM_RIGHTS``)."""
 
     path: (
-        Annotated[StrictStr, Field(min_length=1, max_length=4096, pattern=r"^/[^\x00]*$")] | None
+        Annotated[
+            StrictStr,
+            Field(min_length=1, max_length=4096),
+            pattern(r"^/[^\x00]*$", "must be an absolute path (no NUL)"),
+        ]
+        | None
     ) = None
     fd: StrictBool = False
     name: (
-        Annotated[StrictStr, Field(min_length=1, max_length=255, pattern=r"^[^/\x00]+$")] | None
+        Annotated[
+            StrictStr,
+            Field(min_length=1, max_length=255),
+            pattern(r"^[^/\x00]+$", "must be a file name (no / or NUL)"),
+        ]
+        | None
     ) = None
     id: ModelId | None = None
 
@@ -147,25 +177,29 @@ class ImportBody(Strict):
 
 
 # --- validation messages -------------------------------------------------------------------
+# pydantic names each problem by its location, and in a union each branch it tried by a label
+# ("str", "list[str]", "list[tagged-union[TextPart,ImagePart]]", "literal['a']", a model's
+# class name), after a tagged union's branch its tag. The labels and tags are no field: they
+# are taken out of the names, and the branches' problems are narrowed to the branch the value
+# was meant for (``_meant``).
 
-
-def _where(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not part.startswith(("function-", "constrained-", "literal[")) and part not in (
-            "str",
-            "int",
-            "float",
-            "bool",
-            "list[str]",
-            "list",
-        ):
-            out += ("." if out else "") + part[:40]
-    return out or "body"
-
-
+_TYPE_LABELS = frozenset(("str", "int", "float", "bool", "list", "dict", "none", "bytes"))
+# Problems that say the value is not of a branch's type: that branch was not meant.
+_MISMATCH = frozenset(
+    (
+        "int_type",
+        "int_from_float",
+        "float_type",
+        "string_type",
+        "bool_type",
+        "list_type",
+        "dict_type",
+        "model_type",
+        "model_attributes_type",
+        "literal_error",
+        "none_required",
+    )
+)
 _SIMPLE = {
     "missing": "is required",
     "int_type": "must be an integer",
@@ -179,10 +213,17 @@ _SIMPLE = {
     "model_type": "must be an object",
     "model_attributes_type": "must be an object",
 }
+# What a value that fits no branch of a union must be, by the field's name.
 _UNION_HINTS = {
     "keep_alive": 'must be a duration such as "30s", "5m", 0 or -1',
     "stop": "must be a string or a list of strings",
     "image_url": 'must be {"url": "data:image/png;base64,..."}',
+    "content": 'must be a string or a list of parts ({"type": "text", ...} or '
+    '{"type": "image_url", ...})',
+    "input": "must be a string or a list of strings",
+    "prompt": "must be a string",
+    "tool_choice": 'must be "none", "auto", "required" or {"type": "function", "function": '
+    '{"name": ...}}',
 }
 _BOUNDS = {
     "greater_than_equal": ("≥", "ge"),
@@ -192,51 +233,157 @@ _BOUNDS = {
 }
 
 
-def _why(err: Any, fields: list[str]) -> str:
+@dataclass
+class _Problem:
+    where: str
+    name: str  # the field's own name: the last one in ``where``
+    kind: str
+    why: str
+    # The unions the location went through: (where the union is, the branch tried).
+    unions: list[tuple[str, str]]
+
+
+@functools.cache
+def _model_names(model: type[BaseModel]) -> frozenset[str]:
+    """The class names of ``model`` and the models in its fields (a union's labels)."""
+    names = {model.__name__}
+    stack: list[Any] = [f.annotation for f in model.model_fields.values()]
+    while stack:
+        tp = stack.pop()
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            if tp.__name__ not in names:
+                names.add(tp.__name__)
+                stack.extend(f.annotation for f in tp.model_fields.values())
+        else:
+            stack.extend(get_args(tp))
+    return frozenset(names)
+
+
+# Labels of a generic or a wrapped type: "list[str]", "tagged-union[A,B]", "constrained-str".
+_LABEL = re.compile(r"[a-z][a-z-]*\[.*\]|constrained-[a-z]+|function-[a-z]+")
+
+
+def _is_label(part: str, models: frozenset[str]) -> bool:
+    return part in _TYPE_LABELS or part in models or _LABEL.fullmatch(part) is not None
+
+
+def _path(parts: list[int | str]) -> str:
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + part[:40]
+    return out
+
+
+def _problem(err: Any, model: type[BaseModel]) -> _Problem:
+    loc, kind = tuple(err["loc"]), err["type"]
+    models = _model_names(model)
+    parts: list[int | str] = []
+    unions: list[tuple[str, str]] = []
+    tag_at = -1
+    for i, part in enumerate(loc):
+        if i == tag_at:
+            continue  # a tagged union's tag: the value's own "type", not a field
+        # An unknown field's name is the client's, whatever it looks like.
+        key = kind == "extra_forbidden" and i == len(loc) - 1
+        if isinstance(part, str) and not key and _is_label(part, models):
+            unions.append((_path(parts), part))
+            if "tagged-union[" in part:
+                tag_at = i + (2 if part.startswith(("list[", "dict[")) else 1)
+            continue
+        parts.append(part)
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        parts.append(str((err.get("ctx") or {}).get("discriminator", "type")).strip("'"))
+    names = [p for p in parts if isinstance(p, str)]
+    return _Problem(_path(parts), names[-1] if names else "", kind, _why(err, model), unions)
+
+
+def _meant(problems: list[_Problem], level: int = 0) -> list[_Problem]:
+    """The problems of the union branches the values were meant for.
+
+    A branch whose type the value is not (a string for a list) was not meant; of the others,
+    the one with the fewest problems was (a list of 2,049 strings is a list of strings one
+    too long, not a list of integers); when no branch takes the value's type, all are said.
+    """
+    kept = [p for p in problems if len(p.unions) <= level]
+    at: dict[str, dict[str, list[_Problem]]] = {}
+    for p in problems:
+        if len(p.unions) > level:
+            where, label = p.unions[level]
+            at.setdefault(where, {}).setdefault(label, []).append(p)
+    for where, branches in at.items():
+        tried = [
+            ps
+            for ps in branches.values()
+            if not any(p.where == where and p.kind in _MISMATCH for p in ps)
+        ]
+        if not tried:
+            kept += [p for ps in branches.values() for p in ps]
+            continue
+        fewest = min(len(ps) for ps in tried)
+        kept += _meant([p for ps in tried if len(ps) == fewest for p in ps], level + 1)
+    return [p for p in problems if any(p is k for k in kept)]
+
+
+def _items(n: Any) -> str:
+    return f"{n} item" if n == 1 else f"{n} items"
+
+
+def _why(err: Any, model: type[BaseModel]) -> str:  # noqa: PLR0911
     kind, ctx = err["type"], err.get("ctx") or {}
     why = _SIMPLE.get(kind)
+    if why is not None:
+        return why
     if kind == "extra_forbidden":
-        why = "unknown field; allowed: " + ", ".join(fields)
-    elif kind in _BOUNDS:
+        return "unknown field; allowed: " + ", ".join(model.model_fields)
+    if kind in _BOUNDS:
         sign, key = _BOUNDS[kind]
-        why = f"must be {sign} {ctx.get(key)}"
-    elif kind == "literal_error":
-        why = f"must be {ctx.get('expected')}"
-    elif kind == "string_pattern_mismatch":
-        why = (
-            "must be an absolute path (no NUL)"
-            if err["loc"][:1] == ("path",)
-            else "is not a valid model id (letters, digits, . _ -; at most 128; no / or ..)"
-        )
-    elif kind == "value_error":
-        why = str(err["msg"]).removeprefix("Value error, ")
-    return why if why is not None else str(err["msg"]).lower()
+        return f"must be {sign} {ctx.get(key)}"
+    if kind == "literal_error":
+        return f"must be {ctx.get('expected')}"
+    if kind == "string_pattern_mismatch":
+        regex = str(ctx.get("pattern"))
+        return _PATTERNS.get(regex, f"must match {regex}")
+    if kind == "too_long":
+        return f"takes at most {_items(ctx.get('max_length'))}, got {ctx.get('actual_length')}"
+    if kind == "too_short":
+        return f"takes at least {_items(ctx.get('min_length'))}, got {ctx.get('actual_length')}"
+    if kind == "string_too_long":
+        return f"must be at most {ctx.get('max_length')} characters"
+    if kind == "string_too_short":
+        return f"must be at least {ctx.get('min_length')} characters"
+    if kind == "union_tag_invalid":
+        head, _, last = str(ctx.get("expected_tags")).rpartition(", ")
+        return f"must be {head + ' or ' if head else ''}{last}, not {ctx.get('tag')!r}"
+    if kind == "union_tag_not_found":
+        return "is required"
+    if kind == "value_error":
+        return str(err["msg"]).removeprefix("Value error, ")
+    return str(err["msg"]).lower()
+
+
+def _one(name: str, whys: list[str]) -> str:
+    """What a field must be, once, from what each branch of its union said."""
+    if len(whys) == 1:
+        return whys[0]
+    if name in _UNION_HINTS:
+        return _UNION_HINTS[name]
+    if set(whys) == {"must be an integer", "must be a number"}:
+        return "must be a number"
+    if all(w.startswith("must be ") for w in whys):
+        return "must be " + " or ".join(w.removeprefix("must be ") for w in whys)
+    return " or ".join(whys[:2])
 
 
 def validation_message(e: ValidationError, model: type[BaseModel]) -> str:
     """One line per problem: ``"field": why``; a union's branches collapse into one."""
-    fields = list(model.model_fields)
-    by_field: dict[str, list[str]] = {}
-    for err in e.errors():
-        where = _where(tuple(err["loc"]))
-        if where == "body" and err["type"] == "value_error":
-            by_field.setdefault("", []).append(_why(err, fields))
-            continue
-        by_field.setdefault(where, []).append(_why(err, fields))
+    by_field: dict[str, tuple[str, list[str]]] = {}
+    for p in _meant([_problem(err, model) for err in e.errors()]):
+        # A check of the whole body (a model validator) says its own field names.
+        where = p.where or ("" if p.kind == "value_error" else "body")
+        by_field.setdefault(where, (p.name, []))[1].append(p.why)
     parts = []
-    for where, whys in by_field.items():
-        # A union (int or float, str or list) reports once per branch: say it once.
-        unique = list(dict.fromkeys(whys))
-        if len(unique) == 1:
-            why = unique[0]
-        elif where in _UNION_HINTS:
-            why = _UNION_HINTS[where]
-        elif set(unique) == {"must be an integer", "must be a number"}:
-            why = "must be a number"
-        elif set(unique) == {"must be an integer", "must be a finite number"}:
-            why = "must be a finite number"  # NaN or Infinity: a float, but not a finite one
-        else:
-            why = " or ".join(unique[:2])
+    for where, (name, whys) in by_field.items():
+        why = _one(name, list(dict.fromkeys(whys)))
         parts.append(f'"{where}": {why}' if where else why)
     return "; ".join(parts[:6])
 

@@ -30,7 +30,7 @@ from modeld import logs
 from modeld.config import Settings
 from modeld.engine.engines import Engines
 from modeld.engine.pool import Pool, Target, validate_keep_alive
-from modeld.errors import BadRequest, TooLarge
+from modeld.errors import BadRequest, Refused, TooLarge
 
 IMAGE_LONG_SIDE = 640
 JPEG_QUALITY = 88
@@ -249,15 +249,26 @@ class Inference:
         A preload, like a pinned load, is made for a quick first reply: it warms up unless
         the entry or ``MODELD_WARM_UP=0`` says no (``Target.warm_up`` False).
         """
-        modalities = ["text"] + (["image"] if backends and backends.get("vision") else [])
+        vision = bool(backends and backends.get("vision"))
+        modalities = ["text"] + (["image"] if vision else [])
         alive = validate_keep_alive(keep_alive)
-        target = await self.engines.target(
-            model,
-            modalities=modalities,
-            backends=backends,
-            allow_unverified=allow_unverified,
-            kind=None,  # a load takes the file's own kind: an embedding model loads too
-        )
+        try:
+            target = await self.engines.target(
+                model,
+                modalities=modalities,
+                backends=backends,
+                allow_unverified=allow_unverified,
+                kind=None,  # a load takes the file's own kind: an embedding model loads too
+            )
+        except Refused as e:
+            if not (vision and e.details.get("modality") == "image"):
+                raise
+            # The plan's refusal speaks of a request with images; this load asked for none.
+            raise Refused(
+                f"model {model} has no vision encoder, so backends.vision does not apply; "
+                "load it without backends.vision",
+                modality="image",
+            ) from None
         if warm_up is None and preload:
             warm_up = True if target.warm_up is None else target.warm_up
         return await self.pool.load(target, keep_alive=alive, pin=pin, warm_up=warm_up)

@@ -239,7 +239,7 @@ async def test_image_data_url_takes_the_image_path(
         ({"top_p": 1.5}, 400, '"top_p": must be ≤ 1'),
         ({"model": "../etc"}, 400, '"model": is not a valid model id'),
         ({"model": "nope"}, 404, "no model 'nope'"),
-        ({"messages": []}, 400, '"messages": list should have at least 1 item'),
+        ({"messages": []}, 400, '"messages": takes at least 1 item, got 0'),
         ({"messages": [{"role": "robot", "content": "x"}]}, 400, '"messages[0].role"'),
         (
             {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]},
@@ -326,7 +326,12 @@ async def test_openai_client_raises_typed_errors(oa: openai.AsyncOpenAI) -> None
     [
         ("POST", "/api/generate", {"model": "tiny-text", "prompt": "x", "max_tokens": 0}, "≥ 1"),
         ("POST", "/api/generate", {"model": "tiny-text", "prompt": "x", "tokens": 3}, "unknown"),
-        ("POST", "/api/generate", {"model": "tiny-text"}, 'either "prompt"'),
+        (
+            "POST",
+            "/api/generate",
+            {"model": "tiny-text", "prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+            'either "prompt" (a string) or "messages" (a list), not both',
+        ),
         ("POST", "/api/generate", {"model": "tiny-text", "prompt": 5}, '"prompt": must be'),
         ("POST", "/api/generate", {"model": "tiny-text", "prompt": "x", "images": ["*"]}, "base64"),
         ("POST", "/api/generate", {"model": "tiny-text", "prompt": "x", "keep_alive": []}, "30s"),
@@ -349,6 +354,97 @@ async def test_native_bodies_and_ids_are_validated(
     assert r.status_code == 400, r.text
     assert set(r.json()) == {"error"}
     assert needle in r.json()["error"]["message"], r.json()
+
+
+CHAT = "/v1/chat/completions"
+CALL: Any = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{nope"}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "message"),
+    [
+        (
+            CHAT,
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            400,
+            '"tools[0].function.name": is not a valid function name (1 to 64 letters, digits, '
+            "_ . or -)",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": 5}]},
+            400,
+            '"messages[0].content": must be a string or a list of parts ({"type": "text", ...} '
+            'or {"type": "image_url", ...})',
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+            400,
+            "\"messages[0].content[0].type\": must be 'text' or 'image_url', not 'input_audio'",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            400,
+            '"messages[0].content[0].text": is required',
+        ),
+        (
+            CHAT,
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "tool_calls": [CALL]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "r"},
+                ]
+            },
+            400,
+            '"messages[1].tool_calls[0].function.arguments": not JSON (Expecting property name '
+            "enclosed in double quotes)",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": ["a", "b"]},
+            400,
+            '"prompt": takes one prompt per request (got 2); send a string',
+        ),
+        (
+            "/api/generate",
+            {"prompt": None},
+            400,
+            '"prompt" (a string) or "messages" (a list) is required; send one',
+        ),
+        (
+            "/api/engines",
+            {"backends": {"vision": "gpu"}},
+            422,
+            "model tiny-text has no vision encoder, so backends.vision does not apply; load it "
+            "without backends.vision",
+        ),
+    ],
+    ids=[
+        "tool-name",
+        "content-type",
+        "audio-part",
+        "part-field",
+        "tool-arguments",
+        "prompt-list",
+        "no-prompt",
+        "load-vision",
+    ],
+)
+async def test_validation_messages_name_the_field_in_the_clients_terms(
+    http: httpx.AsyncClient, path: str, body: dict[str, Any], status: int, message: str
+) -> None:
+    """A refusal names the field as the client wrote it and what it must be: no pydantic
+    union branch (``list[tagged-union[...]]``), no other field's wording, one line a field."""
+    full = {"model": "tiny-text", **body}
+    if path == CHAT:
+        full = {"messages": [{"role": "user", "content": "x"}], **full}
+    full = {k: v for k, v in full.items() if v is not None}
+    r = await http.post(path, json=full)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["message"] == message
 
 
 @pytest.mark.parametrize("path", ["/api/generate", "/v1/chat/completions"])

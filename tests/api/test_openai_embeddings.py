@@ -106,6 +106,10 @@ async def test_inputs_it_cannot_take_are_clear_errors(http: httpx.AsyncClient) -
         r = await embed(http, **body)
         assert r.status_code == 400, (body, r.text)
         assert needle in r.json()["error"]["message"], (body, r.text)
+    # One line for the whole list, not one per branch of input's union (and per item).
+    r = await embed(http, input=["x"] * 2049)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == '"input": takes at most 2048 items, got 2049'
     r = await embed(http, input=" ".join(["word"] * 100))
     assert r.status_code == 413, r.text
     err = r.json()["error"]
