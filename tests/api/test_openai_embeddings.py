@@ -86,14 +86,17 @@ async def test_dimensions_shortens_and_renormalises_or_is_refused(
     r = await embed(http, input="Hello world", dimensions=DIMENSION + 1)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "bad_request"
-    assert f"dimensions {DIMENSION + 1} is more than this model's {DIMENSION}" in r.text
+    assert r.json()["error"]["message"] == (
+        f"model tiny-embed: dimensions {DIMENSION + 1} is more than this model's {DIMENSION}; "
+        f"ask for at most {DIMENSION}, or leave dimensions out"
+    )
     # The engine still serves after the refusal.
     assert (await embed(http, input="Hello world")).status_code == 200
 
 
 async def test_inputs_it_cannot_take_are_clear_errors(http: httpx.AsyncClient) -> None:
-    """Token ids, an empty string, an empty list, an unknown field: 400 naming the field; an
-    input longer than the encoder's longest signature: 413 saying so."""
+    """Token ids, an empty string, an empty list, too many inputs, an unknown field: 400
+    naming the field; an input longer than the encoder's longest signature: 413 saying so."""
     cases: list[tuple[dict[str, Any], str]] = [
         ({"input": [1, 2, 3]}, "input: token ids are not taken"),
         ({"input": [[1, 2], [3]]}, "input: token ids are not taken"),

@@ -96,6 +96,8 @@ def generate_error_code(exc: Exception, reason: str) -> str:
 
 def generate_error_message(exc: Exception, reason: str, job: dict[str, Any]) -> str:
     """What the client is told of a failed generation: for its own fault, what to change."""
+    if isinstance(exc, ValueError):
+        return str(exc)  # modeld's own refusal, worded for the client already
     if _NO_CONSTRAINT not in reason:
         return reason
     why = reason.split(_NO_CONSTRAINT, 1)[1].removesuffix(f" ({type(exc).__name__}: {exc})")
