@@ -267,6 +267,13 @@ class ShuttingDown(Busy):
     code = "shutting_down"
 
 
+class EngineUnloaded(Busy):
+    """An admin unloaded the engine before this request was served (its grace ran out);
+    sent again, the request starts a fresh engine."""
+
+    code = "engine_unloaded"
+
+
 # --- failures (500/502/507) ------------------------------------------------------------
 
 

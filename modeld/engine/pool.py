@@ -17,9 +17,10 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Any, Self
 
@@ -47,6 +48,7 @@ from modeld.errors import (
     EngineCrashed,
     EngineError,
     EngineNotFound,
+    EngineUnloaded,
     HeldBack,
     ModeldError,
     ShuttingDown,
@@ -128,6 +130,22 @@ class Turn:
     def before_its_turn(self) -> bool:
         """At a crash: the runner died before it ended the job ahead, so never ran this one."""
         return self.ahead is not None and (not self.ahead.done() or self.ahead.result() is None)
+
+
+def unloaded_by_admin(target: Target) -> EngineUnloaded:
+    """The error of a request that an unload's grace did not leave time to serve."""
+    return EngineUnloaded(
+        f"model {target.model_id}: an admin unloaded its engine (`modeld unload`) before "
+        "this request was served; send it again to start a fresh engine",
+        1.0,
+    )
+
+
+def stopped_error(e: Engine) -> ModeldError:
+    """The error of a request whose engine was stopped while it ran or waited in the runner."""
+    if e.refusal is not None:  # an unload's grace ran out, or the daemon stops
+        return e.refusal()
+    return EngineError(f"model {e.target.model_id}: its engine was stopped during the request")
 
 
 # Models whose latest runner (and its stderr, up to runner_client.STDERR_LIMIT) is kept.
@@ -261,6 +279,10 @@ class Pool:
         for task in list(self._tasks):
             task.cancel()
         engines = list(self.engines.values())
+        for e in engines:
+            e.refusal = e.refusal or functools.partial(
+                ShuttingDown, "the daemon is stopping; retry when it is back"
+            )
         await asyncio.gather(
             *(self._stop_engine(e, "daemon stopping") for e in engines), return_exceptions=True
         )
@@ -304,6 +326,9 @@ class Pool:
         while True:
             e = self.engines.get(target.key)
             if e is not None and e.state in (State.UNLOADING, State.FAILED):
+                if e.final and e.refusal is not None:
+                    raise e.refusal()  # the model is being removed: no fresh engine
+                # An unload's requests finish first; then this one starts a fresh engine.
                 await e.gone.wait()
                 continue
             break
@@ -342,8 +367,10 @@ class Pool:
                 dataclasses.replace(t.spec, warm_up=True) if e.warm_up else t.spec
             )
         except BaseException as exc:
-            err = load_error(t, exc)
-            if not isinstance(exc, asyncio.CancelledError):
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            # Cancelled by an unload: its waiters get the unload's error.
+            err = e.refusal() if cancelled and e.refusal is not None else load_error(t, exc)
+            if not cancelled:
                 self._record(
                     "engine_load_failed",
                     model=t.model_id,
@@ -372,7 +399,11 @@ class Pool:
         self.budget.note_used()
         if e.state is not State.LOADING:
             # Unloaded while the engine was being created: the unload stops the runner.
-            e.ready.set_exception(EngineError(f"model {t.model_id}: unloaded while loading"))
+            e.ready.set_exception(
+                e.refusal()
+                if e.refusal is not None
+                else EngineError(f"model {t.model_id}: unloaded while loading")
+            )
             e.ready.exception()
             return
         self._set_state(e, State.READY)
@@ -585,7 +616,6 @@ class Pool:
             turn = Turn(e)
             given = False  # whether a record went to the caller
             try:
-                self._set_state(e, State.BUSY)
                 self._note_queue(target.model_id)
                 e.served += 1
                 records = self._run(
@@ -610,9 +640,7 @@ class Pool:
             except RunnerDied as died:
                 turn.end(None)
                 if e.runner is None or e.runner.closing:
-                    raise EngineError(
-                        f"model {target.model_id}: its engine was stopped during the request"
-                    ) from died
+                    raise stopped_error(e) from died
                 if fresh_engine_once and not given and turn.before_its_turn():
                     fresh_engine_once = False
                     continue  # it never ran: as a request queued on the lock, a fresh engine
@@ -631,9 +659,11 @@ class Pool:
                 self._release(e)
 
     async def _admit(self, target: Target, keep_alive: float | None) -> tuple[Engine, float]:
-        """The target's engine, ready, with its lock held (FIFO) and the caller counted as a
-        user: the caller releases both. Returns the engine and when it was ready; an engine
-        that crashed while the request waited raises ``CrashedWhileQueued``."""
+        """The target's engine, ready (now busy), with its lock held (FIFO) and the caller
+        counted as a user: the caller releases both. Returns the engine and when it was
+        ready; an engine that crashed while the request waited raises ``CrashedWhileQueued``.
+        While an unload drains it, the engine stays ``unloading`` and serves what it admitted.
+        """
         e = await self._engine_for(target, keep_alive)
         try:
             await self._wait_ready(e)
@@ -643,6 +673,11 @@ class Pool:
             self._release(e)
             raise
         if e.state in (State.READY, State.BUSY):
+            self._set_state(e, State.BUSY)
+            return e, loaded_at
+        runner = e.runner
+        if e.state is State.UNLOADING and runner is not None and not runner.closing:
+            # Admitted before the unload began: it is served within the unload's grace.
             return e, loaded_at
         e.lock.release()
         self._release(e)
@@ -651,6 +686,8 @@ class Pool:
                 f"model {target.model_id}: its engine crashed while this request waited; "
                 "send it again"
             )
+        if e.refusal is not None:
+            raise e.refusal()
         raise EngineError(f"model {target.model_id}: its engine was unloaded")
 
     async def _run(
@@ -672,6 +709,10 @@ class Pool:
                     first = first or time.monotonic()
                     yield {"token": rec["token"]}
                     continue
+                if rec.get("finish") == "cancelled" and e.runner.closing:
+                    # Cut short by the runner's close (an unload, the daemon stopping): no
+                    # reply, not a short one.
+                    raise stopped_error(e)
                 # The runner went on to the next job: let the one after that be sent.
                 turn.end(time.monotonic())
                 ttft = (rec.get("timings") or {}).get("first_token")
@@ -700,15 +741,33 @@ class Pool:
             e for e in self.engines.values() if selector in (e.target.engine_id, e.target.model_id)
         ]
 
-    async def unload(self, selector: str, *, grace: float | None = None) -> list[dict[str, Any]]:
-        """Stop the engines of ``selector``; in-flight requests get ``grace`` s to finish."""
+    async def unload(
+        self,
+        selector: str,
+        *,
+        grace: float | None = None,
+        refusal: Callable[[Target], ModeldError] | None = None,
+        final: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Stop the engines of ``selector``; in-flight requests get ``grace`` s to finish.
+
+        In flight are the requests the engine admitted before the unload began: the one in
+        the runner and those queued on its lock. They are served in order; the engine stops
+        after the last one, or when ``grace`` runs out. Each one not served by then (and each
+        waiter of a load that the unload stops) gets ``refusal(target)``, by default a 503
+        ``engine_unloaded``. A request that arrives meanwhile waits and starts a fresh engine,
+        unless ``final`` (the model is being removed): then it gets the refusal at once.
+        """
         engines = self.find(selector)
         if not engines:
             raise EngineNotFound(f"no engine loaded for {selector!r}; see `modeld ps`")
         grace = self.config.unload_timeout if grace is None else grace
+        refuse = refusal or unloaded_by_admin
         views = []
         for e in engines:
             views.append(engine_view(e, time.monotonic(), None).to_dict())
+            e.refusal = functools.partial(refuse, e.target)
+            e.final = e.final or final
             was_loading = e.state is State.LOADING
             if e.state in (State.READY, State.BUSY, State.LOADING):
                 self._set_state(e, State.UNLOADING)

@@ -150,6 +150,11 @@ class Engine:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     load_task: asyncio.Task[None] | None = None
     watch_task: asyncio.Task[None] | None = None
+    # Set when an unload began (``Pool.unload``): the error of each request it admitted that
+    # is not served within the unload's grace. ``final``: the model is gone (``rm --force``),
+    # so a request that arrives meanwhile gets that error too, not a fresh engine.
+    refusal: Callable[[], ModeldError] | None = None
+    final: bool = False
 
 
 @dataclass

@@ -21,7 +21,7 @@ from modeld import logs
 from modeld.config import Settings
 from modeld.download.downloads import Downloads
 from modeld.download.journal import SqliteJournal, journal_keys
-from modeld.engine.pool import Pool
+from modeld.engine.pool import Pool, Target
 from modeld.errors import (
     BadRequest,
     DownloadError,
@@ -412,8 +412,18 @@ class Remover:
         if pool is None:
             return []
         try:
-            views = await pool.unload(model_id)
+            views = await pool.unload(model_id, refusal=_removed, final=True)
         except EngineNotFound:
             return []
         logs.event("rm_unloaded", model=model_id, engines=len(views))
         return [str(v["id"]) for v in views]
+
+
+def _removed(target: Target) -> ModelNotInstalled:
+    """The error of a request for a model that ``rm --force`` removed before serving it."""
+    model = target.model_id
+    return ModelNotInstalled(
+        f"model {model} was removed (`modeld rm {model} --force`) before this request was "
+        f"served; install it again (`modeld pull {model}`, or `modeld import` for a local "
+        "file) to use it"
+    )

@@ -16,7 +16,14 @@ import pytest
 from modeld.config import load_settings
 from modeld.errors import BadRequest, ModelInUse, ModelNotInstalled
 from modeld.services import prune
-from tests.support.daemon import daemon_env, running_daemon
+from tests.support.daemon import (
+    LONG_PROMPT,
+    daemon_env,
+    queue_chats,
+    running_daemon,
+    socket_http,
+    streamed_chat,
+)
 from tests.support.mirror import Faults, Mirror
 from tests.support.state import MODELS, install_fixture, open_store, registry_settings, write_entry
 from tests.support.wait import until, wait_until
@@ -301,6 +308,43 @@ async def test_loaded_model_is_kept_and_rm_force_unloads(clean_env: Path) -> Non
         assert doc["unloaded"] and doc["removed"][0]["kind"] == "model"
         assert (await c.request("GET", "/api/engines"))["engines"] == []
         assert not inst.path.exists()
+
+
+async def test_rm_force_serves_what_the_engine_admitted_and_refuses_the_rest(
+    clean_env: Path,
+) -> None:
+    """``rm --force`` while clients stream from the model: each request the engine had
+    admitted is served in full, or (past the unload's grace) refused with 404
+    ``model_not_installed``; one sent while the engine drains is refused at once, not given a
+    fresh engine of a model being removed. Never a 500; the removal completes."""
+    home, reg = clean_env / "home", clean_env / "reg"
+    model = "tiny-text-long"
+    inst = install_fixture(home, model, MODELS / f"{model}.litertlm", registry=reg)
+    async with (
+        running_daemon(registry_settings(home, reg)) as d,
+        d.client() as c,
+        socket_http(d) as http,
+    ):
+        await c.request("POST", "/api/engines", {"model": model})
+        tasks = await queue_chats(c, http, model, [1200] * 8)
+        rm = asyncio.create_task(c.request("DELETE", f"/api/models/{model}?force=true"))
+
+        async def draining() -> bool:
+            engines = (await c.request("GET", "/api/engines"))["engines"]
+            assert engines, "the engine stopped before a request could reach it draining"
+            return bool(engines[0]["state"] == "unloading")
+
+        await until(draining, 30.0)
+        late = await streamed_chat(http, model, LONG_PROMPT, 8)
+        assert (late["status"], late["code"]) == (404, "model_not_installed"), late
+        doc = await rm
+        assert doc["unloaded"] == [f"{model}:cpu"] and not inst.path.exists()
+        seen = await asyncio.gather(*tasks)
+        for s in seen:
+            assert s["tokens"] == 1200 or s["code"] == "model_not_installed", s
+            if s["code"] is not None:
+                assert f"was removed (`modeld rm {model} --force`)" in s["message"], s
+        assert (await c.request("GET", "/api/engines"))["engines"] == []
 
 
 async def test_ctrl_c_exits_130_and_the_daemon_finishes(clean_env: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import importlib.util
 import io
 import json
@@ -28,7 +29,15 @@ from modeld.client import AsyncClient
 from modeld.config import load_settings
 from modeld.engine.runner.child import TOKEN_WINDOW, TOKEN_WINDOW_GROWTH, TOKEN_WINDOW_MAX
 from modeld.errors import BackendConstraint, EngineCrashed
-from tests.support.daemon import DaemonProcess, daemon_env, running_daemon
+from tests.support.daemon import (
+    LONG_PROMPT,
+    DaemonProcess,
+    daemon_env,
+    queue_chats,
+    running_daemon,
+    socket_http,
+    streamed_chat,
+)
 from tests.support.state import MODELS, install_fixture
 from tests.support.wait import process_gone, until, wait_sync, wait_until
 
@@ -91,10 +100,6 @@ class _Served(logging.Handler):
         text = record.getMessage()
         if text.startswith("generate "):
             self.tokens.append(int(re.search(r" tokens=(\d+)", text).group(1)))  # type: ignore[union-attr]
-
-
-# tiny-text-long's reply to this prompt runs past 1,024 tokens.
-LONG_PROMPT = "Write a long story about the sea."
 
 
 def long_model_settings(root: Path) -> Any:
@@ -381,6 +386,62 @@ async def test_keep_alive_expiry_and_explicit_load_unload(clean_env: Path) -> No
         assert view["state"] == "ready" and view["pinned"] and view["pss"] > 0
         out = await c.request("DELETE", "/api/engines/tiny-text")
         assert [e["id"] for e in out["unloaded"]] == ["tiny-text:cpu"]
+        assert (await c.request("GET", "/api/engines"))["engines"] == []
+
+
+async def test_unload_serves_the_requests_it_found_then_stops(clean_env: Path) -> None:
+    """``unload`` while requests are queued on the engine: each one it found (running or
+    queued) is served in full within its grace, then the engine stops; a request after it
+    starts a fresh engine."""
+    model = "tiny-text-long"
+    async with (
+        running_daemon(long_model_settings(clean_env)) as d,
+        d.client() as c,
+        socket_http(d) as http,
+    ):
+        await c.request("POST", "/api/engines", {"model": model})
+        # The long ones keep the engine busy while the others arrive.
+        asked = [1200, 1200, 200, 200, 200]
+        tasks = await queue_chats(c, http, model, asked)
+        (view,) = (await c.request("DELETE", f"/api/engines/{model}"))["unloaded"]
+        assert view["queued"] >= 1, view  # the unload found requests waiting
+        seen = await asyncio.gather(*tasks)
+        assert [(s["status"], s["code"], s["tokens"]) for s in seen] == [
+            (200, None, n) for n in asked
+        ]
+        assert (await c.request("GET", "/api/engines"))["engines"] == []
+        assert (await streamed_chat(http, model, "hi", 4))["tokens"] == 4
+
+
+async def test_unload_past_its_grace_is_a_503_engine_unloaded(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests an unload found but could not serve within its grace (0 s here) get a 503
+    ``engine_unloaded`` with Retry-After that names the unload, never a 500 (which the
+    openai client would retry as a server error); one cut mid-reply gets it in the stream."""
+    from modeld.daemon import root
+    from modeld.engine.pool import PoolConfig
+
+    monkeypatch.setattr(root, "PoolConfig", functools.partial(PoolConfig, unload_timeout=0.0))
+    model = "tiny-text-long"
+    async with (
+        running_daemon(long_model_settings(clean_env)) as d,
+        d.client() as c,
+        socket_http(d) as http,
+    ):
+        await c.request("POST", "/api/engines", {"model": model})
+        tasks = await queue_chats(c, http, model, [1200] * 6)
+        (view,) = (await c.request("DELETE", f"/api/engines/{model}"))["unloaded"]
+        # One runs, one may wait in the runner; the others wait on the engine's lock.
+        assert view["queued"] >= 2, view
+        seen = await asyncio.gather(*tasks)
+        refused = [s for s in seen if s["status"] == 503]
+        assert refused, seen
+        for s in refused:
+            assert s["code"] == "engine_unloaded" and s["retry_after"] == "1", s
+            assert "an admin unloaded its engine (`modeld unload`)" in s["message"], s
+        for s in seen:
+            assert s in refused or s["tokens"] == 1200 or s["code"] == "engine_unloaded", s
         assert (await c.request("GET", "/api/engines"))["engines"] == []
 
 

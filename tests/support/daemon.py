@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from modeld.client import AsyncClient
 from modeld.config import Settings
 from tests.support.unix import unix_request
+from tests.support.wait import until
 
 if TYPE_CHECKING:
     import httpx
@@ -192,6 +194,66 @@ async def socket_http(daemon: InProcessDaemon) -> AsyncIterator[httpx.AsyncClien
         transport=transport, base_url="http://modeld", timeout=60
     ) as client:
         yield client
+
+
+async def streamed_chat(http: httpx.AsyncClient, model: str, prompt: str, tokens: int) -> Any:
+    """One streamed chat completion of ``tokens`` tokens at most, and what its client saw:
+    ``status``, the error's ``code`` and ``Retry-After`` (before or inside the stream),
+    and the reply's ``tokens`` (its usage) when it finished."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_completion_tokens": tokens,
+    }
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        seen: dict[str, Any] = {
+            "status": r.status_code,
+            "retry_after": r.headers.get("Retry-After"),
+        }
+        if r.status_code != 200:
+            error = json.loads(await r.aread())["error"]
+            return seen | {"code": error["code"], "message": error["message"], "tokens": None}
+        seen |= {"code": None, "message": None, "tokens": None}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                seen |= {"code": chunk["error"]["code"], "message": chunk["error"]["message"]}
+            elif chunk.get("usage"):
+                seen["tokens"] = chunk["usage"]["completion_tokens"]
+        return seen
+
+
+# tiny-text-long's reply to this prompt runs past 1,024 tokens.
+LONG_PROMPT = "Write a long story about the sea."
+
+
+async def queue_chats(
+    c: AsyncClient, http: httpx.AsyncClient, model: str, tokens: list[int]
+) -> list[asyncio.Task[Any]]:
+    """Streamed chat completions of ``model`` (loaded, idle), one per token count, each in
+    its engine's line (running, or queued behind) before the next is sent."""
+
+    async def arrived() -> int:
+        (e,) = (await c.request("GET", "/api/engines"))["engines"]
+        return int(e["requests"]) + int(e["queued"])
+
+    tasks: list[asyncio.Task[Any]] = []
+    for n in tokens:
+        seen = await arrived()
+        tasks.append(asyncio.create_task(streamed_chat(http, model, LONG_PROMPT, n)))
+        await until(functools.partial(_arrived_since, arrived, seen, tasks[-1]), 30.0)
+    return tasks
+
+
+async def _arrived_since(
+    arrived: Callable[[], Awaitable[int]], seen: int, task: asyncio.Task[Any]
+) -> bool:
+    assert not task.done() or task.result()["status"] == 200, task.result()
+    return await arrived() > seen
 
 
 def openai_over(http: httpx.AsyncClient) -> openai.AsyncOpenAI:
