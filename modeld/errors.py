@@ -183,6 +183,13 @@ class OverBudget(Refused):
     code = "over_budget"
 
 
+class PinnedMemory(Refused):
+    """The engine would fit in the budget, but not beside the pinned engines: waiting frees
+    nothing, unloading one of them does."""
+
+    code = "pinned_memory"
+
+
 class Unverified(Refused):
     """The installed file was never vouched for by a hash; loading needs consent."""
 

@@ -4,9 +4,11 @@ The budget is the sum of the runners' PSS, the spare runner included. A new engi
 reserves its expected size (the learned peak for that digest/plan/max_tokens, else the
 estimate from the file); to make room the pool drops the spare runner, then evicts idle
 engines, least recently used first, pinned never; if that is not enough it waits in a
-bounded queue (then ``Busy``), and if the engine could never fit it refuses at once
-(``OverBudget``). A watcher re-reads real PSS and evicts idle engines when the sum passes
-the budget; the peak it sees is handed to ``on_learned`` (SQLite) for the next admission.
+bounded queue (then ``Busy``). It refuses at once when the engine could never fit
+(``OverBudget``), and when pinned engines leave too little room (``PinnedMemory``: waiting
+never frees a pinned engine). A watcher re-reads real PSS and evicts idle engines when the
+sum passes the budget; the peak it sees is handed to ``on_learned`` (SQLite) for the next
+admission.
 
 ``Budget`` is owned by ``modeld.engine.pool.Pool``, which hands it the engines it keeps and
 the one way to stop one (``evict``); it never changes an engine's state itself.
@@ -23,7 +25,7 @@ from typing import Any
 from modeld import logs
 from modeld.config import format_size
 from modeld.engine.types import Engine, Learned, PoolConfig, RunnerFactory, RunnerLike, State
-from modeld.errors import Busy, OverBudget
+from modeld.errors import Busy, OverBudget, PinnedMemory
 from modeld.metrics import Metrics
 
 # A learned peak is written again only when it grows by more than this fraction: PSS moves
@@ -189,6 +191,7 @@ class Budget:
                     if victim is not None:
                         await self._evict(victim, f"evicted to load {e.target.model_id}")
                         continue
+                    self._refuse_if_pinned(e, need)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise Busy(
@@ -203,6 +206,29 @@ class Budget:
                             await self._cond.wait()
             finally:
                 self._capacity_waiters -= 1
+
+    def _refuse_if_pinned(self, e: Engine, need: int) -> None:
+        """Refuse ``e`` at once when pinned engines leave too little room for it: busy
+        engines end, idle ones can be evicted, but waiting never frees a pinned one."""
+        pinned = [
+            x
+            for x in self.engines.values()
+            if x is not e and x.pinned and x.state in (State.LOADING, State.READY, State.BUSY)
+        ]
+        held = sum(x.reserved for x in pinned)
+        if not pinned or held + need <= self.config.budget:
+            return
+        models = sorted({x.target.model_id for x in pinned})
+        unload = " or ".join(f"`modeld unload {m}`" for m in models)
+        raise PinnedMemory(
+            f"model {e.target.model_id}: its engine needs about {format_size(need)} but pinned "
+            f"engines ({', '.join(sorted(x.target.engine_id for x in pinned))}) hold "
+            f"{format_size(held)} of the {format_size(self.config.budget)} memory budget, and "
+            f"waiting frees none of it; unload one ({unload}) or raise MODELD_MEMORY_BUDGET",
+            needed=need,
+            pinned=held,
+            budget=self.config.budget,
+        )
 
     async def enforce(self, keep: Engine | None = None) -> None:
         while self.used() > self.config.budget:

@@ -39,6 +39,7 @@ from tests.support.daemon import (
     streamed_chat,
 )
 from tests.support.state import MODELS, install_fixture
+from tests.support.unix import unix_request
 from tests.support.wait import process_gone, until, wait_sync, wait_until
 
 FIXTURES = ("tiny-text", "tiny-text-b", "vision-cpu-ok", "gemma3n-like")
@@ -529,3 +530,39 @@ def test_cli_run_and_daemon_kill_leaves_no_runner(short_tmp: Path) -> None:
     finally:
         d.stop(signal.SIGKILL)
     wait_sync(lambda: all(process_gone(p) for p in pids), 10.0, f"runners {json.dumps(pids)} gone")
+
+
+def test_a_load_that_only_pinned_engines_block_is_refused_at_once(short_tmp: Path) -> None:
+    """MODELD_MEMORY_BUDGET fits one tiny engine and half another; with tiny-text pinned,
+    `modeld run tiny-text-b` is refused at once (422 pinned_memory, not a 503 after a 30 s
+    wait that cannot free a pinned engine), naming the engine and `modeld unload tiny-text`;
+    after that unload it runs."""
+    # The budget comes from the engine's own reservation on this host, in a first daemon.
+    probe_home, registry = setup_home(short_tmp / "probe")
+    probe = DaemonProcess(
+        home=probe_home, env=daemon_env(probe_home, MODELD_REGISTRY=str(registry))
+    )
+    probe.start()
+    try:
+        size = probe.cli_json("load", "tiny-text")["reserved"]
+    finally:
+        probe.stop()
+    home, registry = setup_home(short_tmp / "run")
+    budget = size * 3 // 2
+    env = daemon_env(home, MODELD_REGISTRY=str(registry), MODELD_MEMORY_BUDGET=str(budget))
+    d = DaemonProcess(home=home, env=env)
+    d.start()
+    try:
+        assert d.cli_json("load", "tiny-text", "--pin")["pinned"]
+        out = d.cli("run", "tiny-text-b", "hi", "--max-tokens", "4")
+        assert out.returncode == 1, out
+        assert "pinned engines (tiny-text:cpu)" in out.stderr, out.stderr
+        assert "waiting frees none of it; unload one (`modeld unload tiny-text`)" in out.stderr
+        status, body = unix_request(
+            d.socket, "POST", "/api/generate", {"model": "tiny-text-b", "prompt": "hi"}
+        )
+        assert status == 422 and body["error"]["code"] == "pinned_memory", body
+        d.cli_json("unload", "tiny-text")
+        assert d.cli_json("run", "tiny-text-b", "hi", "--max-tokens", "4")["tokens"] == 4
+    finally:
+        d.stop()

@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from modeld.engine.pool import Pool, PoolConfig, State, Target
-from modeld.errors import BadRequest, Busy, EngineCrashed, EngineError, HeldBack, OverBudget
+from modeld.errors import (
+    BadRequest,
+    Busy,
+    EngineCrashed,
+    EngineError,
+    HeldBack,
+    OverBudget,
+    PinnedMemory,
+)
 from modeld.modelfile.plan import Plan
 from modeld.modelfile.runtime import CreateSpec
 from tests.support.fake_runner import FakeFactory
@@ -118,12 +126,32 @@ async def test_low_estimate_is_corrected_by_measured_pss() -> None:
 
 
 async def test_pinned_engine_is_never_evicted() -> None:
-    """A pinned idle engine stays; the new load waits and then gets Busy."""
-    pool = await make_pool(FakeFactory(), budget=150, wait_timeout=0.1)
+    """A pinned idle engine stays; a load that cannot fit beside it is refused at once
+    (waiting frees nothing), naming the engine and the unload that would make room."""
+    pool = await make_pool(FakeFactory(), budget=150)  # a wait would take 30 s
     await pool.load(target("a"), pin=True)
-    with pytest.raises(Busy):
+    with pytest.raises(PinnedMemory) as info:
         await consume(pool, target("b"))
+    assert "a:cpu" in info.value.message and "`modeld unload a`" in info.value.message
     assert [e["model"] for e in pool.list()] == ["a"]
+    await pool.stop()
+
+
+async def test_a_load_waits_for_a_busy_engine_beside_a_pinned_one() -> None:
+    """Pinned and busy engines hold the memory, but the busy one will free enough: the load
+    waits for it, and runs once it is evicted."""
+    factory = FakeFactory(hold=True)
+    pool = await make_pool(factory, budget=250)
+    await pool.load(target("p"), pin=True)
+    running = asyncio.create_task(consume(pool, target("a")))
+    await wait_until(lambda: len(factory.gates) == 1)  # a's generation is running
+    waiting = asyncio.create_task(consume(pool, target("b")))
+    await wait_until(lambda: pool.budget._capacity_waiters == 1)
+    factory.release_all()
+    await running
+    factory.hold = False
+    assert (await waiting)[-1]["done"]
+    assert sorted(e["model"] for e in pool.list()) == ["b", "p"]
     await pool.stop()
 
 
