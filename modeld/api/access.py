@@ -13,7 +13,8 @@ anyway needs *admin*). A few *use* routes take fields that need *admin* (``pin``
 ``allow_unverified`` on a load, ``allow_unverified`` on a generation): ``Rule.admin_fields``
 names them, and ``check_body`` refuses them once the body is parsed (``requests.read_body``
 calls it), so the body is parsed once. Refusals are 403 ``forbidden`` naming the role needed
-and how to get it.
+and how to get it. A *use* request's ``keep_alive`` may lengthen an engine's keep-alive, not
+shorten it (that would unload an engine others use): the routes pass ``administers`` on.
 
 CORS exists on TCP only: a preflight from an origin in ``MODELD_CORS_ORIGINS`` is answered
 (no key needed: browsers send none on a preflight), and responses to such an origin carry
@@ -226,6 +227,12 @@ def _refusal(grant: Grant, what: str) -> Forbidden:
         f"{what} needs the admin role; {grant.described} has the {grant.role} role: "
         f"{grant.how_to_admin}"
     )
+
+
+def administers(request: web.Request) -> bool:
+    """Whether the request's peer has the *admin* role (False when none was granted)."""
+    grant: Grant | None = request.get(GRANT)
+    return grant is not None and grant.role is Role.ADMIN
 
 
 def check_body(request: web.Request, body: BaseModel) -> None:

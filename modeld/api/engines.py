@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from modeld.api import requests
+from modeld.api import access, requests
 from modeld.api.requests import GenerateBody, LoadBody
 from modeld.api.stream import ndjson
 from modeld.services.parts import Services
@@ -29,6 +29,7 @@ def add_routes(app: web.Application, services: Services) -> None:
             keep_alive=body.keep_alive,
             pin=body.pin,
             allow_unverified=body.allow_unverified,
+            may_shorten_keep_alive=access.administers(request),
             warm_up=body.warm_up,
         )
         return web.json_response(view)
@@ -41,7 +42,9 @@ def add_routes(app: web.Application, services: Services) -> None:
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await requests.read_body(request, GenerateBody)
-        _, records = await inference.generate(requests.from_native(body))
+        _, records = await inference.generate(
+            requests.from_native(body), may_shorten_keep_alive=access.administers(request)
+        )
         return await ndjson(request, records)
 
     app.router.add_get("/api/engines", list_engines)

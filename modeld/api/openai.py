@@ -764,7 +764,9 @@ def add_routes(app: web.Application, services: Services) -> None:
     async def answer(
         request: web.Request, reply: _Reply, gen: Generation, body: _Sampled
     ) -> web.StreamResponse:
-        _, records = await services.inference.generate(gen)
+        _, records = await services.inference.generate(
+            gen, may_shorten_keep_alive=access.administers(request)
+        )
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return await _sse(request, reply, records, usage)
@@ -794,6 +796,7 @@ def add_routes(app: web.Application, services: Services) -> None:
             texts,
             dimensions=body.dimensions,
             keep_alive=body.keep_alive,
+            may_shorten_keep_alive=access.administers(request),
             allow_unverified=body.allow_unverified,
             backends=body.backends.model_dump(exclude_none=True) if body.backends else None,
         )

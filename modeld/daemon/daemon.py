@@ -317,6 +317,7 @@ async def _preload(services: Services) -> None:
                 keep_alive=-1,
                 pin=False,
                 allow_unverified=False,
+                may_shorten_keep_alive=True,
                 preload=True,
             )
         except ModeldError as e:

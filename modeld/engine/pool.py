@@ -32,6 +32,7 @@ from modeld.engine.types import (
     ALLOWED,
     Engine,
     Journal,
+    KeepAlive,
     Learned,
     PoolConfig,
     RunnerFactory,
@@ -61,6 +62,7 @@ __all__ = [
     "Engine",
     "EngineView",
     "Journal",
+    "KeepAlive",
     "Learned",
     "Pool",
     "PoolConfig",
@@ -312,7 +314,7 @@ class Pool:
         )
 
     async def _engine_for(
-        self, target: Target, keep_alive: float | None, *, warm_up: bool | None = None
+        self, target: Target, keep_alive: KeepAlive | None, *, warm_up: bool | None = None
     ) -> Engine:
         """The engine for ``target``, created (once) if needed; counts the caller as a user.
 
@@ -343,7 +345,7 @@ class Pool:
         if e.users >= self.config.queue_limit:
             raise Busy(f"model {target.model_id}: {e.users} requests already queued", 1.0)
         if keep_alive is not None:
-            e.keep_alive = keep_alive
+            e.keep_alive = keep_alive.applied_to(e.keep_alive)
         e.users += 1
         self._note_queue(target.model_id)
         e.idle.clear()
@@ -567,7 +569,7 @@ class Pool:
         self,
         target: Target,
         *,
-        keep_alive: float | None = None,
+        keep_alive: KeepAlive | None = None,
         pin: bool = False,
         warm_up: bool | None = None,
     ) -> dict[str, Any]:
@@ -592,7 +594,7 @@ class Pool:
         target: Target,
         job: dict[str, Any],
         *,
-        keep_alive: float | None = None,
+        keep_alive: KeepAlive | None = None,
         image_prepare: float = 0.0,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Token records, then a final record with phase timings (see the runner child).
@@ -658,7 +660,7 @@ class Pool:
                 turn.release()
                 self._release(e)
 
-    async def _admit(self, target: Target, keep_alive: float | None) -> tuple[Engine, float]:
+    async def _admit(self, target: Target, keep_alive: KeepAlive | None) -> tuple[Engine, float]:
         """The target's engine, ready (now busy), with its lock held (FIFO) and the caller
         counted as a user: the caller releases both. Returns the engine and when it was
         ready; an engine that crashed while the request waited raises ``CrashedWhileQueued``.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -170,6 +171,31 @@ class PoolConfig:
     crash_limit: int = 3  # crashes within crash_window hold a model back for hold_seconds
     crash_window: float = 600.0
     hold_seconds: float = 300.0
+
+
+@dataclass(frozen=True)
+class KeepAlive:
+    """A request's ``keep_alive`` for its engine (seconds; 0: stop after the request; -1:
+    never), and whether the request may shorten the engine's.
+
+    A caller that may not (the *use* role) only lengthens it: a shorter one, 0 included,
+    would let it unload an engine others use, which ``unload`` keeps for admins. Its shorter
+    value is then left out for the engine; the request itself is served as usual.
+    """
+
+    seconds: float
+    may_shorten: bool = True
+
+    def applied_to(self, current: float) -> float:
+        """The engine's keep_alive once this request has reached it (``current`` before)."""
+        if self.may_shorten or _span(self.seconds) > _span(current):
+            return self.seconds
+        return current
+
+
+def _span(keep_alive: float) -> float:
+    """How long a keep_alive keeps an idle engine: -1 (never stops) is the longest."""
+    return math.inf if keep_alive < 0 else keep_alive
 
 
 def validate_keep_alive(value: Any) -> float | None:

@@ -29,7 +29,7 @@ from typing import Any
 from modeld import logs
 from modeld.config import Settings
 from modeld.engine.engines import Engines
-from modeld.engine.pool import Pool, Target, validate_keep_alive
+from modeld.engine.pool import KeepAlive, Pool, Target, validate_keep_alive
 from modeld.errors import BadRequest, Refused, TooLarge
 
 IMAGE_LONG_SIDE = 640
@@ -209,6 +209,12 @@ def check_prompt(gen: Generation, model_id: str, max_tokens: int) -> None:
             )
 
 
+def keep_alive_of(value: Any, may_shorten: bool) -> KeepAlive | None:
+    """A request's ``keep_alive`` for the pool; None (not given) keeps the engine's."""
+    seconds = validate_keep_alive(value)
+    return None if seconds is None else KeepAlive(seconds, may_shorten)
+
+
 @dataclass
 class Prepared:
     """A request turned into the runner's job, images re-encoded."""
@@ -241,6 +247,7 @@ class Inference:
         keep_alive: Any,
         pin: bool,
         allow_unverified: bool,
+        may_shorten_keep_alive: bool,
         warm_up: bool | None = None,
         preload: bool = False,
     ) -> dict[str, Any]:
@@ -248,10 +255,12 @@ class Inference:
 
         A preload, like a pinned load, is made for a quick first reply: it warms up unless
         the entry or ``MODELD_WARM_UP=0`` says no (``Target.warm_up`` False).
+        ``may_shorten_keep_alive`` False: ``keep_alive`` only lengthens the engine's
+        (``KeepAlive``).
         """
         vision = bool(backends and backends.get("vision"))
         modalities = ["text"] + (["image"] if vision else [])
-        alive = validate_keep_alive(keep_alive)
+        alive = keep_alive_of(keep_alive, may_shorten_keep_alive)
         try:
             target = await self.engines.target(
                 model,
@@ -328,6 +337,7 @@ class Inference:
         *,
         dimensions: int | None = None,
         keep_alive: Any = None,
+        may_shorten_keep_alive: bool,
         allow_unverified: bool = False,
         backends: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
@@ -340,7 +350,7 @@ class Inference:
         """
         if not inputs:
             raise BadRequest("no input to embed; send a string or a list of strings")
-        alive = validate_keep_alive(keep_alive)
+        alive = keep_alive_of(keep_alive, may_shorten_keep_alive)
         target = await self.engines.target(
             model, kind="embedding", backends=backends, allow_unverified=allow_unverified
         )
@@ -351,14 +361,18 @@ class Inference:
                 final = rec
         return final
 
-    async def generate(self, gen: Generation) -> tuple[str, AsyncGenerator[dict[str, Any], None]]:
+    async def generate(
+        self, gen: Generation, *, may_shorten_keep_alive: bool
+    ) -> tuple[str, AsyncGenerator[dict[str, Any], None]]:
         """``(engine id, token records then a final record)`` for an admitted request.
 
         Everything that can refuse the request (unknown or uninstalled model, too many
         images, a backend constraint, a prompt over the window, a bad keep_alive or image)
-        is raised here, before a response starts.
+        is raised here, before a response starts. ``may_shorten_keep_alive`` False: the
+        request's keep_alive only lengthens the engine's (``KeepAlive``).
         """
-        keep_alive = self.check(gen)
+        seconds = self.check(gen)
+        keep_alive = None if seconds is None else KeepAlive(seconds, may_shorten_keep_alive)
         target = await self.admit(gen)
         prepared = await self.prepare(gen)
         records = self.pool.generate(

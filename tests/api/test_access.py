@@ -6,6 +6,7 @@ stdlib HTTP from a forked child that dropped to that uid).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -61,6 +62,7 @@ def shared_daemon(short_tmp: Path) -> Iterator[tuple[DaemonProcess, Path]]:
     home, registry, run = short_tmp / "home", short_tmp / "registry", short_tmp / "run"
     run.mkdir(mode=0o755)
     install_fixture(home, "tiny-text", MODELS / "tiny-text.litertlm", registry=registry)
+    install_fixture(home, "tiny-embed", MODELS / "tiny-embed.litertlm", registry=registry)
     config = short_tmp / "modeld.toml"
     config.write_text("")
     env = daemon_env(
@@ -139,6 +141,57 @@ def test_socket_group_grants_use_not_admin(shared_daemon: tuple[DaemonProcess, P
     status, body = unix_request(d.socket, "GET", "/api/models/tiny-text")
     assert status == 200 and body["installed"] is not None
     assert f"peer={PEER_UID}:{PEER_GID}:" in d.wait_log("status=403")
+
+
+def _keep_alive(d: DaemonProcess) -> dict[str, float]:
+    """Each loaded model's keep_alive, as root's ``ps`` shows it."""
+    return {e["model"]: e["keep_alive"] for e in d.cli_json("ps")["engines"]}
+
+
+@needs_root
+def test_a_use_peer_keep_alive_lengthens_an_engine_never_shortens_it(
+    shared_daemon: tuple[DaemonProcess, Path],
+) -> None:
+    """Engines root loaded for ever and for 1 h are not cut short by a use peer's
+    keep_alive 0 (the CLI's run and load, the native, chat and embeddings routes): the
+    requests are served and the engines keep root's keep-alive; a longer one applies, and
+    root's keep_alive 0 still stops an engine."""
+    d, _ = shared_daemon
+    assert d.cli("load", "tiny-text", "--keep-alive", "-1").returncode == 0
+    assert d.cli("load", "tiny-embed", "--keep-alive", "1h").returncode == 0
+    assert _keep_alive(d) == {"tiny-text": -1, "tiny-embed": 3600}
+
+    ran = peer_cli(d, "run", "tiny-text", "hi", "--keep-alive", "0", "--max-tokens", "3")
+    assert ran.returncode == 0, ran.stderr
+    loaded = peer_cli(d, "load", "tiny-text", "--keep-alive", "0", "--json")
+    assert loaded.returncode == 0, loaded.stderr
+    # The load's answer is the engine as it is: root's keep-alive, not the peer's 0.
+    assert json.loads(loaded.stdout)["keep_alive"] == -1
+    chat = {"model": "tiny-text", "messages": [{"role": "user", "content": "hi"}]}
+    answers = requests_as_peer(
+        d.socket,
+        [
+            (
+                "POST",
+                "/api/generate",
+                {"model": "tiny-text", "prompt": "hi", "max_tokens": 3, "keep_alive": 0},
+            ),
+            ("POST", "/v1/chat/completions", {**chat, "max_tokens": 3, "keep_alive": "0"}),
+            ("POST", "/v1/embeddings", {"model": "tiny-embed", "input": "hi", "keep_alive": "0"}),
+            ("POST", "/v1/embeddings", {"model": "tiny-embed", "input": "hi", "keep_alive": "1m"}),
+        ],
+    )
+    assert [status for status, _ in answers] == [200] * 4, answers
+    assert _keep_alive(d) == {"tiny-text": -1, "tiny-embed": 3600}
+
+    # Longer is the peer's to ask for.
+    longer = peer_cli(d, "load", "tiny-embed", "--keep-alive", "2h", "--json")
+    assert longer.returncode == 0, longer.stderr
+    assert json.loads(longer.stdout)["keep_alive"] == 7200
+    # An admin may shorten: root's keep_alive 0 stops the engine after its request.
+    assert d.cli("run", "tiny-text", "hi", "--keep-alive", "0", "--max-tokens", "3").returncode == 0
+    d.wait_log('reason="keep_alive 0"')
+    assert _keep_alive(d) == {"tiny-embed": 7200}
 
 
 @needs_root

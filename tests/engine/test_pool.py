@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from modeld.engine.pool import Pool, PoolConfig, State, Target
+from modeld.engine.pool import KeepAlive, Pool, PoolConfig, State, Target
 from modeld.errors import (
     BadRequest,
     Busy,
@@ -155,12 +155,31 @@ async def test_a_load_waits_for_a_busy_engine_beside_a_pinned_one() -> None:
     await pool.stop()
 
 
+async def test_a_keep_alive_that_may_not_shorten_only_lengthens() -> None:
+    """A request whose keep_alive may not shorten the engine's (a use-role caller) leaves a
+    longer one in place, never (-1) included, and lengthens a shorter one."""
+    pool = await make_pool(FakeFactory())
+    a = target("a")
+    await pool.load(a, keep_alive=KeepAlive(-1))
+    for asked in (0, 30, 3600):
+        await consume(pool, a, keep_alive=KeepAlive(asked, may_shorten=False))
+        assert pool.list()[0]["keep_alive"] == -1
+    await pool.load(a, keep_alive=KeepAlive(60))  # may shorten (an admin's)
+    await consume(pool, a, keep_alive=KeepAlive(30, may_shorten=False))
+    assert pool.list()[0]["keep_alive"] == 60
+    await consume(pool, a, keep_alive=KeepAlive(-1, may_shorten=False))
+    assert pool.list()[0]["keep_alive"] == -1
+    await consume(pool, a, keep_alive=KeepAlive(0))
+    await wait_until(lambda: pool.list() == [])
+    await pool.stop()
+
+
 async def test_keep_alive_zero_and_expiry() -> None:
     """keep_alive 0 stops the engine after the request; a short keep-alive expires it."""
     pool = await make_pool(FakeFactory())
-    await consume(pool, target("a"), keep_alive=0)
+    await consume(pool, target("a"), keep_alive=KeepAlive(0))
     await wait_until(lambda: pool.list() == [])
-    await consume(pool, target("b"), keep_alive=0.2)
+    await consume(pool, target("b"), keep_alive=KeepAlive(0.2))
     assert pool.list()[0]["expires_in"] is not None
     await wait_until(lambda: pool.list() == [])
     assert "expired" in pool.last_eviction[target("b").key]
@@ -370,10 +389,15 @@ class PoolMachine(RuleBasedStateMachine):
 
         self.loop.run_until_complete(turns())
 
-    @rule(i=st.integers(0, 3), keep=st.sampled_from([None, 0, -1, 30]))
-    def request(self, i: int, keep: float | None) -> None:
+    @rule(
+        i=st.integers(0, 3),
+        keep=st.sampled_from([None, 0, -1, 30]),
+        may_shorten=st.booleans(),
+    )
+    def request(self, i: int, keep: float | None, may_shorten: bool) -> None:
+        alive = None if keep is None else KeepAlive(keep, may_shorten)
         self.tasks.append(
-            self.loop.create_task(consume(self.pool, self.targets[i], keep_alive=keep))
+            self.loop.create_task(consume(self.pool, self.targets[i], keep_alive=alive))
         )
         self.settle()
 

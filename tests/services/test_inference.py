@@ -89,7 +89,7 @@ async def test_admit_refuses_before_any_runner_starts(started: Services) -> None
 async def test_generate_streams_tokens_then_the_final_record(started: Services) -> None:
     """A text request on the real runtime: token records, then one final record with timings."""
     gen = Generation("tiny-text", [Turn("user", "hello")], max_tokens=3)
-    engine_id, records = await started.inference.generate(gen)
+    engine_id, records = await started.inference.generate(gen, may_shorten_keep_alive=True)
     out = [r async for r in records]
     final = out[-1]
     assert final["done"] is True and final["engine"] == engine_id
