@@ -135,6 +135,18 @@ class RequestTimeout(ModeldError):
     status = 408
 
 
+# --- client gone (499) ----------------------------------------------------------------
+
+
+class ClientLeft(ModeldError, ConnectionResetError):
+    """The client closed its connection before its answer was complete; its work is
+    cancelled. Nobody reads the answer: the status (nginx's 499, "client closed request")
+    is for the log and ``modeld_http_requests_total``."""
+
+    code = "client_left"
+    status = 499
+
+
 # --- too large (413) -------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ from modeld.api.access import KeyVerifier, describe_peer
 from modeld.api.bodies import BODY_LIMITS, BodyLimits
 from modeld.api.connections import track_requests
 from modeld.config import format_size
-from modeld.errors import Busy, ModeldError, Unauthorized, disk_full
+from modeld.errors import Busy, ClientLeft, ModeldError, Unauthorized, disk_full
 from modeld.services.parts import Services
 
 SERVICES: web.AppKey[Services] = web.AppKey("services", Services)
@@ -83,7 +83,8 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
     metrics.child(metrics.http_requests, route_name, str(response.status)).inc()
     metrics.child(metrics.http_latency, route_name).observe(elapsed)
     logs.event(
-        "request",
+        # A client that left (499) is no error: its work was cancelled, nobody was answered.
+        "client_left" if response.status == ClientLeft.status else "request",
         logging.DEBUG if route_name in ("/api/health", "/metrics") else logging.INFO,
         method=request.method,
         path=request.path,

@@ -20,16 +20,22 @@ flood) costs an accept, a guard entry and its idle timer here, not a request han
 its task. That keeps the daemon answering others while thousands arrive.
 
 ``track_requests`` (a middleware) tells the wrapper when a request starts and ends.
+
+aiohttp does not cancel a handler whose client left, and the daemon does not turn that on
+for every route (a pull or an import goes on without its client). A generation, which
+holds its engine's queue, runs under ``cancelled_when_client_leaves``: the wrapper's
+``connection_lost`` cancels it there, and the handler ends with ``ClientLeft`` (499).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -37,6 +43,7 @@ from aiohttp import web
 from modeld import logs
 from modeld.api.peers import Peer, peer_credentials
 from modeld.config import Settings
+from modeld.errors import ClientLeft
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # A refused connection is closed once the client has read the 503, or after this long.
@@ -178,6 +185,8 @@ class GuardedConnection(asyncio.Protocol):
         self._header_timer: asyncio.TimerHandle | None = None
         # Until the first bytes: the idle timeout that aiohttp keeps afterwards.
         self._silent_timer: asyncio.TimerHandle | None = None
+        # Called once at connection_lost (``cancelled_when_client_leaves``).
+        self.on_lost: list[Callable[[], None]] = []
 
     def quiet(self) -> bool:
         """Made, and nothing queued to send."""
@@ -261,6 +270,9 @@ class GuardedConnection(asyncio.Protocol):
             self.refused.connection_lost(exc)
         elif self.started:
             self.inner.connection_lost(exc)
+        callbacks, self.on_lost = self.on_lost, []
+        for callback in callbacks:
+            callback()
 
     def pause_writing(self) -> None:
         if self.refused is None and self.started:
@@ -353,6 +365,62 @@ def peer_of(request: web.Request) -> Peer | None:
         return conn.credentials
     transport = request.transport
     return peer_credentials(transport.get_extra_info("socket") if transport else None)
+
+
+class _ClientWatch:
+    """One request's watch on its client (``cancelled_when_client_leaves``)."""
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        # The handler already knows (a write failed): it is cleaning up, not to be cancelled.
+        self.noticed = False
+        self.cancelled = False
+
+    def lost(self) -> None:
+        if not self.noticed:
+            self.noticed = self.cancelled = True
+            self.task.cancel()
+
+
+_WATCH: web.RequestKey[_ClientWatch] = web.RequestKey("client_watch", _ClientWatch)
+
+
+def client_left(request: web.Request) -> ClientLeft:
+    """The error for a write that found ``request``'s client gone (a handler raises it)."""
+    watch = request.get(_WATCH)
+    if watch is not None:
+        watch.noticed = True
+    return ClientLeft("the client closed the connection before its answer was complete")
+
+
+@contextlib.asynccontextmanager
+async def cancelled_when_client_leaves(request: web.Request) -> AsyncIterator[None]:
+    """Run the block, cancelled if ``request``'s client leaves meanwhile; then ``ClientLeft``.
+
+    The cancellation reaches whatever the block waits on (a queue, a load, a reply not
+    streamed), whose clean-up runs as for any cancellation (the pool cancels the job in its
+    runner). A cancellation from elsewhere (the daemon stopping) passes through as it is.
+    """
+    conn = connection_of(request)
+    task = asyncio.current_task()
+    if conn is None or task is None:
+        yield
+        return
+    if conn.transport is None:
+        raise client_left(request)
+    watch = _ClientWatch(task)
+    request[_WATCH] = watch
+    conn.on_lost.append(watch.lost)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if watch.cancelled and task.uncancel() == 0:
+            raise client_left(request) from None
+        raise
+    finally:
+        watch.noticed = True
+        with contextlib.suppress(ValueError):
+            conn.on_lost.remove(watch.lost)
 
 
 @web.middleware

@@ -10,6 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from modeld.api import access, requests
+from modeld.api.connections import cancelled_when_client_leaves
 from modeld.api.requests import GenerateBody, LoadBody
 from modeld.api.stream import ndjson
 from modeld.services.parts import Services
@@ -42,10 +43,11 @@ def add_routes(app: web.Application, services: Services) -> None:
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await requests.read_body(request, GenerateBody)
-        _, records = await inference.generate(
-            requests.from_native(body), may_shorten_keep_alive=access.administers(request)
-        )
-        return await ndjson(request, records)
+        async with cancelled_when_client_leaves(request):
+            _, records = await inference.generate(
+                requests.from_native(body), may_shorten_keep_alive=access.administers(request)
+            )
+            return await ndjson(request, records)
 
     app.router.add_get("/api/engines", list_engines)
     app.router.add_post("/api/engines", load)

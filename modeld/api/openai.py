@@ -52,6 +52,7 @@ from pydantic import (
 
 from modeld.api import access, requests
 from modeld.api.bodies import read_json
+from modeld.api.connections import cancelled_when_client_leaves, client_left
 from modeld.api.guards import check_model_id
 from modeld.api.requests import INT32, Backends, Duration, ModelId, Number
 from modeld.errors import (
@@ -652,16 +653,29 @@ async def _sse(
     """Stream chunks as server-sent events; refusals before the first token keep their status.
 
     A forced tool call's text is held back: it is the call, sent as ``tool_calls`` deltas.
+    A client that leaves closes ``records`` (the generation is cancelled) and the request
+    ends with ``ClientLeft`` (499).
     """
-    try:
-        first: dict[str, Any] | None = await anext(records)
-    except StopAsyncIteration:
-        first = None
-    except BaseException:
-        await records.aclose()
-        raise
-    response = web.StreamResponse(headers={"Content-Type": SSE, "Cache-Control": "no-cache"})
-    await response.prepare(request)
+    async with contextlib.aclosing(records):
+        first = await anext(records, None)
+        response = web.StreamResponse(headers={"Content-Type": SSE, "Cache-Control": "no-cache"})
+        try:
+            await response.prepare(request)
+            last = await _write_events(response, reply, first, records, include_usage)
+            await response.write_eof(last)
+        except ConnectionError as e:
+            raise client_left(request) from e
+    return response
+
+
+async def _write_events(
+    response: web.StreamResponse,
+    reply: _Reply,
+    first: dict[str, Any] | None,
+    records: AsyncGenerator[dict[str, Any], None],
+    include_usage: bool,
+) -> bytes:
+    """Write the chunks as they come; return what ends the stream (sent with its end)."""
     held: list[str] = []
     # What is ready goes out in one write: the opening with the first tokens, and the
     # ending, [DONE] and the end of the body together (one send each, not one per chunk).
@@ -681,21 +695,16 @@ async def _sse(
                 await response.write(b"".join(pending))
                 pending = []
             rec = await anext(records, None)
-        last += _DONE
+        return last + _DONE
     except ModeldError as e:
         body = error_body(e.status, e.code, e.message)
-        last = b"data: " + json.dumps(body).encode() + b"\n\n"
-    except (ConnectionResetError, ConnectionError):
-        last = b""  # the client left; closing the generator below cancels the generation
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+    except ConnectionError:
+        raise  # the client left: nothing can reach it
     except Exception:
         logging.getLogger("modeld").exception("chat stream failed")
         body = error_body(500, "internal", "internal error; see the daemon's log")
-        last = b"data: " + json.dumps(body).encode() + b"\n\n"
-    finally:
-        await records.aclose()
-    with contextlib.suppress(ConnectionError):
-        await response.write_eof(last)
-    return response
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 def embedding_texts(body: EmbeddingBody) -> list[str]:
@@ -764,13 +773,14 @@ def add_routes(app: web.Application, services: Services) -> None:
     async def answer(
         request: web.Request, reply: _Reply, gen: Generation, body: _Sampled
     ) -> web.StreamResponse:
-        _, records = await services.inference.generate(
-            gen, may_shorten_keep_alive=access.administers(request)
-        )
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await _sse(request, reply, records, usage)
-        doc = await _collect(reply, records)
+        async with cancelled_when_client_leaves(request):
+            _, records = await services.inference.generate(
+                gen, may_shorten_keep_alive=access.administers(request)
+            )
+            if body.stream:
+                usage = bool(body.stream_options and body.stream_options.include_usage)
+                return await _sse(request, reply, records, usage)
+            doc = await _collect(reply, records)
         return web.Response(body=_compact(doc), content_type="application/json")
 
     @openai_errors
@@ -791,15 +801,16 @@ def add_routes(app: web.Application, services: Services) -> None:
     async def embeddings(request: web.Request) -> web.StreamResponse:
         body = await read_openai_body(request, EmbeddingBody)
         texts = embedding_texts(body)
-        rec = await services.inference.embed(
-            body.model,
-            texts,
-            dimensions=body.dimensions,
-            keep_alive=body.keep_alive,
-            may_shorten_keep_alive=access.administers(request),
-            allow_unverified=body.allow_unverified,
-            backends=body.backends.model_dump(exclude_none=True) if body.backends else None,
-        )
+        async with cancelled_when_client_leaves(request):
+            rec = await services.inference.embed(
+                body.model,
+                texts,
+                dimensions=body.dimensions,
+                keep_alive=body.keep_alive,
+                may_shorten_keep_alive=access.administers(request),
+                allow_unverified=body.allow_unverified,
+                backends=body.backends.model_dump(exclude_none=True) if body.backends else None,
+            )
         return web.Response(
             body=_compact(embeddings_doc(body, rec)), content_type="application/json"
         )

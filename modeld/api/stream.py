@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import AsyncGenerator
@@ -9,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from modeld.api.connections import client_left
 from modeld.errors import ModeldError
 
 NDJSON = "application/x-ndjson"
@@ -26,14 +28,30 @@ async def ndjson(
     An error before the first record becomes a plain error response with its status (the
     middleware maps it); an error after the stream started ends it with one
     ``{"error": {...}}`` record (the API's contract). A client that leaves closes the
-    iterator, so the producer sees ``GeneratorExit`` / cancellation and can clean up.
+    iterator, so the producer sees ``GeneratorExit`` / cancellation and can clean up, and
+    the request ends with ``ClientLeft`` (499, logged as ``client_left``).
     """
-    try:
-        first = await anext(records)
-    except StopAsyncIteration:
-        first = None
-    response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
-    await response.prepare(request)
+    async with contextlib.aclosing(records):
+        try:
+            first = await anext(records)
+        except StopAsyncIteration:
+            first = None
+        response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
+        try:
+            await response.prepare(request)
+            await _write_records(request, response, first, records)
+            await response.write_eof()
+        except ConnectionError as e:
+            raise client_left(request) from e
+    return response
+
+
+async def _write_records(
+    request: web.Request,
+    response: web.StreamResponse,
+    first: dict[str, Any] | None,
+    records: AsyncGenerator[dict[str, Any], None],
+) -> None:
     try:
         if first is not None:
             await response.write(_line(first))
@@ -41,9 +59,8 @@ async def ndjson(
                 await response.write(_line(record))
     except ModeldError as e:
         await response.write(_line(e.to_dict()))
-    except (ConnectionResetError, ConnectionError):
-        # The client left; closing the iterator below cancels the work it was waiting on.
-        pass
+    except ConnectionError:
+        raise  # the client left: no record can reach it
     except Exception:
         logging.getLogger("modeld").exception("stream failed on %s", request.path)
         await response.write(
@@ -51,7 +68,3 @@ async def ndjson(
                 {"error": {"code": "internal", "message": "internal error; see the daemon's log"}}
             )
         )
-    finally:
-        await records.aclose()
-    await response.write_eof()
-    return response

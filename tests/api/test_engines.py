@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -566,3 +567,100 @@ def test_a_load_that_only_pinned_engines_block_is_refused_at_once(short_tmp: Pat
         assert d.cli_json("run", "tiny-text-b", "hi", "--max-tokens", "4")["tokens"] == 4
     finally:
         d.stop()
+
+
+def _sent(sock_path: Path, target: str, body: dict[str, Any]) -> socket.socket:
+    """A connection that sent one POST and reads nothing (a client about to leave)."""
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(sock_path))
+    payload = json.dumps(body).encode()
+    s.sendall(
+        f"POST {target} HTTP/1.0\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    return s
+
+
+def _engine(d: DaemonProcess) -> dict[str, Any]:
+    status, doc = unix_request(d.socket, "GET", "/api/engines")
+    assert status == 200
+    (engine,) = doc["engines"]
+    return dict(engine)
+
+
+def _metrics(d: DaemonProcess) -> str:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(d.socket))
+        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data.partition(b"\r\n\r\n")[2].decode()
+
+
+def test_clients_that_leave_are_client_left_and_their_generation_is_cancelled(
+    short_tmp: Path,
+) -> None:
+    """Clients that leave a 1,200-token reply, running or queued, streamed (NDJSON, SSE) or
+    not, end as a quiet `client_left` (499), never an unhandled error or a 500, and their
+    generation is cancelled: the next request waits for none of it."""
+    home, registry = short_tmp / "home", short_tmp / "registry"
+    install_fixture(home, "tiny-text-long", MODELS / "tiny-text-long.litertlm", registry=registry)
+    d = DaemonProcess(home=home, env=daemon_env(home, MODELD_REGISTRY=str(registry)))
+    d.start_quick()
+    try:
+        long = {"model": "tiny-text-long", "max_tokens": 1200}
+        native = {**long, "prompt": LONG_PROMPT}
+        chat = {**long, "messages": [{"role": "user", "content": LONG_PROMPT}]}
+        # Loads the engine, and says what a whole 1,200-token reply takes here.
+        status, whole = unix_request(d.socket, "POST", "/v1/chat/completions", chat)
+        assert status == 200 and whole["usage"]["completion_tokens"] == 1200
+        reply_seconds = whole["modeld"]["timings"]["total"]
+
+        # A reply not streamed whose client leaves while it runs.
+        served = _engine(d)["requests"]
+        running = _sent(d.socket, "/v1/chat/completions", chat)
+        wait_sync(lambda: _engine(d)["requests"] > served, 30, "the reply running")
+        running.close()
+        d.wait_log("client_left", 1)
+
+        # Clients that leave while they wait behind one that stays.
+        keeper = _sent(d.socket, "/api/generate", native)
+        wait_sync(lambda: _engine(d)["requests"] > served + 1, 30, "the keeper running")
+        arrived = _engine(d)["requests"] + _engine(d)["queued"]
+        leavers = [
+            _sent(d.socket, target, body)
+            for target, body in [
+                ("/api/generate", native),
+                ("/v1/chat/completions", chat),
+                ("/v1/chat/completions", {**chat, "stream": True}),
+            ]
+            * 2
+        ]
+        wait_sync(
+            # The first leaver's job waits in the runner: it counts in both.
+            lambda: _engine(d)["requests"] + _engine(d)["queued"] >= arrived + 6,
+            30,
+            "the leavers queued",
+        )
+        for s in leavers:
+            s.close()
+        with keeper:
+            while keeper.recv(65536):
+                pass
+        log = d.wait_log("client_left", 7)
+
+        # The next one is served at once: the abandoned replies were never generated.
+        status, follow = unix_request(
+            d.socket, "POST", "/v1/chat/completions", {**chat, "max_tokens": 4}
+        )
+        assert status == 200
+        assert follow["modeld"]["timings"]["queue"] < reply_seconds
+        metrics = _metrics(d)
+    finally:
+        d.stop()
+    assert "unhandled error" not in log and "Traceback" not in log, log[-4000:]
+    assert 'status="500"' not in metrics
+    assert 'modeld_http_requests_total{route="/api/generate",status="499"} 2.0' in metrics
+    assert 'modeld_http_requests_total{route="/v1/chat/completions",status="499"} 5.0' in metrics
