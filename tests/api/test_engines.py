@@ -621,7 +621,11 @@ def test_clients_that_leave_are_client_left_and_their_generation_is_cancelled(
         # A reply not streamed whose client leaves while it runs.
         served = _engine(d)["requests"]
         running = _sent(d.socket, "/v1/chat/completions", chat)
-        wait_sync(lambda: _engine(d)["requests"] > served, 30, "the reply running")
+        # Polled without a pause (each look is a few ms): the client leaves well within the
+        # reply's time (reply_seconds), which a 50 ms pause could eat into on a fast host.
+        deadline = time.monotonic() + 30
+        while _engine(d)["requests"] <= served:
+            assert time.monotonic() < deadline, "the reply not running in 30 s"
         running.close()
         d.wait_log("client_left", 1)
 
