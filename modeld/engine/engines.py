@@ -394,6 +394,10 @@ class Engines:
         if self._touch_task is None or self._touch_task.done():
             self._touch_task = asyncio.ensure_future(self._flush_touches())
 
+    def used_at(self, model_id: str) -> float | None:
+        """The last use of ``model_id`` not yet written (``touch``), else None."""
+        return self._touch_pending.get(model_id)
+
     async def _flush_touches(self) -> None:
         wait = self._touch_flushed + TOUCH_INTERVAL - time.monotonic()
         if wait > 0:

@@ -157,6 +157,10 @@ class Models:
         installed = None
         if inst is not None:
             installed = inst.to_dict() | {"outdated": is_outdated}
+            # A use not yet written to SQLite (``Engines.touch`` batches them) counts too.
+            used = self.engines.used_at(model_id)
+            if used is not None and used > (installed["last_used"] or 0):
+                installed["last_used"] = used
         source = self.catalog.source_of(model_id)
         return {
             "id": model_id,

@@ -179,3 +179,20 @@ async def test_stopping_mid_probe_reaps_the_probe_and_records_nothing(clean_env:
         assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
     async with Root(registry_settings(home, registry), spare=False) as parts:
         assert await parts.store.probes(digest) == {}
+
+
+async def test_list_and_show_give_a_use_not_yet_written_as_last_used(started: Services) -> None:
+    """Uses after the first are written to SQLite at most every 30 s; `list` and `show` give
+    the latest one at once (they said the first, or "never", until the write)."""
+    await started.engines.target("tiny-text")
+    await asyncio.sleep(0)
+    await started.store.write(lambda conn: conn.execute("SELECT 1"))  # the first write landed
+    written = await started.store.installed("tiny-text")
+    assert written is not None and written.last_used is not None
+    await asyncio.sleep(0.01)
+    await started.engines.target("tiny-text")  # a second use: its write waits
+    assert (await started.store.installed("tiny-text")).last_used == written.last_used  # type: ignore[union-attr]
+    listed = {m["id"]: m for m in (await started.models.listing())["models"]}
+    shown = await started.models.show("tiny-text")
+    for doc in (listed["tiny-text"], shown):
+        assert doc["installed"]["last_used"] > written.last_used, doc["installed"]
