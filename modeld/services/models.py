@@ -143,6 +143,8 @@ class Models:
         self.pool = pool
         self.downloads = downloads
         self.fits = fits
+        # The choice each running download was started with: a pull that joins one says it too.
+        self._choices: dict[str, dict[str, Any] | None] = {}
 
     # --- install state ---------------------------------------------------------------
 
@@ -259,7 +261,13 @@ class Models:
         if adopted is not None:
             doc, source = adopted
             return Pull(model_id, installed=doc, choice=choice, adopted=source)
+        joins = model_id in self.downloads.jobs
         job = self.downloads.pull(model_id, limit_rate=limit_rate, on_refused=on_refused)
+        if joins:
+            choice = choice or self._choices.get(model_id)
+        else:
+            self._choices = {m: c for m, c in self._choices.items() if m in self.downloads.jobs}
+            self._choices[model_id] = choice
         return Pull(model_id, job=job, choice=choice)
 
     async def _adopt(self, model_id: str) -> tuple[dict[str, Any], str] | None:

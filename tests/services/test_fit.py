@@ -25,6 +25,7 @@ from modeld.errors import OverBudget
 from tests.support.daemon import InProcessDaemon, running_daemon
 from tests.support.mirror import Faults, Mirror
 from tests.support.state import MODELS, install_fixture, model_bytes, write_entry
+from tests.support.wait import until
 
 SMALL = model_bytes(256 * 1024, 3)
 BIG = model_bytes(2 * 1024 * 1024, 4)
@@ -136,6 +137,23 @@ async def test_pull_with_variants_takes_the_largest_that_fits(env: Env) -> None:
     assert installed["state"] == "installed"
     assert env.big.requests == []
     assert env.small.requests
+
+
+async def test_a_pull_that_joins_the_download_says_its_choice_too(env: Env) -> None:
+    """A pull of a model whose download runs joins it, and says what was chosen as the pull
+    that started it does."""
+    env.small.faults.throttle = 200_000  # 1.3 s for the file: the second pull joins it
+    async with env.client() as a, env.client() as b:
+        first = asyncio.create_task(_pull(a, "small"))
+
+        async def running() -> bool:
+            return bool((await b.request("GET", "/api/downloads"))["downloads"])
+
+        await until(running)
+        second = await _pull(b, "small")
+        for records in (await first, second):
+            assert records[-1]["state"] == "installed"
+            assert records[-1]["choice"]["chosen"] == "small", records[-1]
 
 
 async def test_force_downloads_anyway(env: Env) -> None:
