@@ -8,6 +8,7 @@ from modeld.cli.common import (
     Ctx,
     Verbs,
     call,
+    complete_installed,
     complete_model,
     completes,
     console,
@@ -245,5 +246,5 @@ def verify(ctx: Ctx, model_id: str, as_json: bool) -> None:
 
 def verify_parser(verbs: Verbs) -> None:
     p = verbs.add("verify", verify)
-    completes(p.add_argument("model_id", metavar="ID"), complete_model)
+    completes(p.add_argument("model_id", metavar="ID"), complete_installed)
     json_flag(p)

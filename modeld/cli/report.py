@@ -7,7 +7,16 @@ import re
 import time
 from pathlib import Path
 
-from modeld.cli.common import Ctx, Verbs, call, console, emit, json_flag
+from modeld.cli.common import (
+    Ctx,
+    Verbs,
+    call,
+    complete_model,
+    completes,
+    console,
+    emit,
+    json_flag,
+)
 from modeld.config import format_size
 
 TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
@@ -181,7 +190,7 @@ def bug_report(ctx: Ctx, model_id: str, output: Path | None, as_json: bool) -> N
 
 def bug_report_parser(verbs: Verbs) -> None:
     p = verbs.add("bug-report", bug_report)
-    p.add_argument("model_id", metavar="ID")
+    completes(p.add_argument("model_id", metavar="ID"), complete_model)
     p.add_argument(
         "-o",
         "--output",

@@ -210,6 +210,16 @@ def test_shell_completion_offers_the_daemons_model_ids(tiny: Tiny) -> None:
     )
     assert "plain,pull" in verbs.stdout.splitlines()
 
+    # `verify` takes an installed model only; `bug-report` any model id.
+    def offered(words: str) -> list[str]:
+        done = _tiny_cli(tiny, _MODELD_COMPLETE="bash_complete", COMP_WORDS=words, COMP_CWORD="2")
+        return done.stdout.splitlines()
+
+    assert "plain,tiny-text" in offered("modeld verify t")
+    assert offered("modeld verify g") == [], "a catalog model not installed is offered"
+    assert any("gemma" in v for v in offered("modeld show g"))  # it is in the catalog
+    assert "plain,tiny-text" in offered("modeld bug-report tin")
+
 
 def _in_shell(tiny: Tiny, short_tmp: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
     """Run a shell with the daemon's environment and a ``modeld`` on PATH, as an installed
