@@ -332,6 +332,8 @@ class Downloads:
                     await self._write_local_entry(target.model_id, tmp, name, target.size, digest)
                 else:
                     by = await self._import_vouched_by(target, shown, digest)
+                    if not target.urls:  # the local entry an earlier import made
+                        by = LOCAL_VOUCH
                 result = await self.installer(target.model_id, tmp, digest, target.size, by)
         finally:
             tmp.unlink(missing_ok=True)

@@ -602,6 +602,9 @@ def test_cli_cancel_detach_and_import(
     assert local.returncode == 0, local.stderr
     assert "imported tiny-text" in local.stdout and "local entry" in local.stdout
     assert "local = true" in (d.home / "registry" / "tiny-text.toml").read_text()
+    # Again: checked against that local entry, and said so (not "registry sha256").
+    again = d.cli_json("import", str(TINY))
+    assert again["installed"]["verified_by"].startswith("local entry"), again
 
 
 def test_cli_names_a_mirror_that_ignores_range(
