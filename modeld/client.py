@@ -111,6 +111,11 @@ def _path(model_id: str) -> str:
     return quote(model_id, safe="")
 
 
+def _unload_path(engine_or_model: str, grace: str | None) -> str:
+    path = f"/api/engines/{_path(engine_or_model)}"
+    return path if grace is None else f"{path}?grace={quote(grace, safe='')}"
+
+
 # --- request bodies, shared by both clients ------------------------------------------------
 
 
@@ -600,9 +605,10 @@ class Client:
         result: dict[str, Any] = self.request("POST", "/api/engines", load_body(model, **options))
         return result
 
-    def unload(self, engine_or_model: str) -> dict[str, Any]:
-        """Stop an engine (or every engine of a model) after its in-flight requests."""
-        result: dict[str, Any] = self.request("DELETE", f"/api/engines/{_path(engine_or_model)}")
+    def unload(self, engine_or_model: str, grace: str | None = None) -> dict[str, Any]:
+        """Stop an engine (or every engine of a model) after its in-flight requests, which
+        get ``grace`` (a duration; the daemon's default when None)."""
+        result: dict[str, Any] = self.request("DELETE", _unload_path(engine_or_model, grace))
         return result
 
     def forget_memory(self, model_id: str) -> dict[str, Any]:
@@ -826,10 +832,8 @@ class AsyncClient:
         )
         return result
 
-    async def unload(self, engine_or_model: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self.request(
-            "DELETE", f"/api/engines/{_path(engine_or_model)}"
-        )
+    async def unload(self, engine_or_model: str, grace: str | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request("DELETE", _unload_path(engine_or_model, grace))
         return result
 
     def generate(self, model: str, prompt: str, **options: Any) -> AsyncIterator[dict[str, Any]]:

@@ -13,7 +13,26 @@ from modeld.api import access, requests
 from modeld.api.connections import cancelled_when_client_leaves
 from modeld.api.requests import GenerateBody, LoadBody
 from modeld.api.stream import ndjson
+from modeld.config import parse_duration
+from modeld.errors import BadRequest
 from modeld.services.parts import Services
+
+
+def unload_grace(text: str | None) -> float | None:
+    """``?grace=D`` of an unload: how long its in-flight requests may take (None: the
+    default); a 400 names the parameter for anything but a duration of 0 or more."""
+    if text is None:
+        return None
+    try:
+        grace = parse_duration(text)
+    except ValueError:
+        grace = -1.0
+    if grace < 0:
+        raise BadRequest(
+            f"grace={text!r} is not a duration of 0 or more; send e.g. grace=30s, or grace=0 "
+            "to refuse at once what has not ended"
+        )
+    return grace
 
 
 def add_routes(app: web.Application, services: Services) -> None:
@@ -36,7 +55,9 @@ def add_routes(app: web.Application, services: Services) -> None:
         return web.json_response(view)
 
     async def unload(request: web.Request) -> web.Response:
-        return web.json_response({"unloaded": await inference.unload(request.match_info["id"])})
+        grace = unload_grace(request.query.get("grace"))
+        unloaded = await inference.unload(request.match_info["id"], grace=grace)
+        return web.json_response({"unloaded": unloaded})
 
     async def forget_memory(request: web.Request) -> web.Response:
         return web.json_response(await inference.forget_memory(request.match_info["id"]))

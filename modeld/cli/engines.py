@@ -165,15 +165,17 @@ def _print_loaded(v: dict[str, Any]) -> None:
         )
 
 
-def unload(ctx: Ctx, engine_or_model: str, forget_memory: bool, as_json: bool) -> None:
+def unload(
+    ctx: Ctx, engine_or_model: str, grace: str | None, forget_memory: bool, as_json: bool
+) -> None:
     """Stop an engine (or every engine of a model) after its in-flight requests."""
 
     def go(c: Client) -> dict[str, Any]:
         if not forget_memory:
-            return c.unload(engine_or_model)
+            return c.unload(engine_or_model, grace)
         forgot = c.forget_memory(engine_or_model.split(":", 1)[0])
         try:
-            unloaded = c.unload(engine_or_model)["unloaded"]
+            unloaded = c.unload(engine_or_model, grace)["unloaded"]
         except EngineNotFound:
             unloaded = []
         return {"unloaded": unloaded, "memory": forgot}
@@ -193,6 +195,12 @@ def unload(ctx: Ctx, engine_or_model: str, forget_memory: bool, as_json: bool) -
 def unload_parser(verbs: Verbs) -> None:
     p = verbs.add("unload", unload)
     completes(p.add_argument("engine_or_model", metavar="ENGINE_OR_MODEL"), complete_loaded)
+    p.add_argument(
+        "--grace",
+        metavar="D",
+        help="How long the requests the engine has admitted may take to end (default 10s); "
+        "what has not ended then is refused (503). 0 refuses it at once.",
+    )
     p.add_argument(
         "--forget-memory",
         action="store_true",

@@ -282,8 +282,10 @@ class Inference:
             warm_up = True if target.warm_up is None else target.warm_up
         return await self.pool.load(target, keep_alive=alive, pin=pin, warm_up=warm_up)
 
-    async def unload(self, selector: str) -> list[dict[str, Any]]:
-        return await self.pool.unload(selector)
+    async def unload(self, selector: str, *, grace: float | None = None) -> list[dict[str, Any]]:
+        """Stop ``selector``'s engines once what they admitted has ended, or ``grace``
+        seconds have passed (None: the pool's default)."""
+        return await self.pool.unload(selector, grace=grace)
 
     async def forget_memory(self, model_id: str) -> dict[str, Any]:
         """Forget the peaks learned for ``model_id``'s file (an admin's reset)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import functools
 import importlib.util
 import io
 import json
@@ -29,7 +28,7 @@ from PIL import Image
 from modeld.client import AsyncClient
 from modeld.config import load_settings
 from modeld.engine.runner.child import TOKEN_WINDOW, TOKEN_WINDOW_GROWTH, TOKEN_WINDOW_MAX
-from modeld.errors import BackendConstraint, EngineCrashed
+from modeld.errors import BackendConstraint, BadRequest, EngineCrashed
 from tests.support.daemon import (
     LONG_PROMPT,
     DaemonProcess,
@@ -415,16 +414,10 @@ async def test_unload_serves_the_requests_it_found_then_stops(clean_env: Path) -
         assert (await streamed_chat(http, model, "hi", 4))["tokens"] == 4
 
 
-async def test_unload_past_its_grace_is_a_503_engine_unloaded(
-    clean_env: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_unload_past_its_grace_is_a_503_engine_unloaded(clean_env: Path) -> None:
     """Requests an unload found but could not serve within its grace (0 s here) get a 503
     ``engine_unloaded`` with Retry-After that names the unload, never a 500 (which the
     openai client would retry as a server error); one cut mid-reply gets it in the stream."""
-    from modeld.daemon import root
-    from modeld.engine.pool import PoolConfig
-
-    monkeypatch.setattr(root, "PoolConfig", functools.partial(PoolConfig, unload_timeout=0.0))
     model = "tiny-text-long"
     async with (
         running_daemon(long_model_settings(clean_env)) as d,
@@ -433,7 +426,10 @@ async def test_unload_past_its_grace_is_a_503_engine_unloaded(
     ):
         await c.request("POST", "/api/engines", {"model": model})
         tasks = await queue_chats(c, http, model, [1200] * 6)
-        (view,) = (await c.request("DELETE", f"/api/engines/{model}"))["unloaded"]
+        with pytest.raises(BadRequest) as bad:
+            await c.unload(model, grace="soon")
+        assert "grace='soon' is not a duration" in bad.value.message
+        (view,) = (await c.unload(model, grace="0"))["unloaded"]
         # One runs, one may wait in the runner; the others wait on the engine's lock.
         assert view["queued"] >= 2, view
         seen = await asyncio.gather(*tasks)

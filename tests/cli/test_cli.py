@@ -195,7 +195,9 @@ def test_output_to_a_pipe_is_never_cut_nor_styled(tiny: Tiny) -> None:
     assert listing[0].split() == ["ID", "SIZE", "STATE", "FITS", "VERIFIED", "LAST", "USED"]
     row = next(line for line in listing if line.startswith("tiny-text "))
     assert "installed" in row and "registry sha256" in row
-    _tiny_cli(tiny, "unload", "tiny-text")
+    bad = _tiny_cli(tiny, "unload", "tiny-text", "--grace", "soon")
+    assert bad.returncode == 1 and "grace='soon' is not a duration" in bad.stderr, bad.stderr
+    _tiny_cli(tiny, "unload", "tiny-text", "--grace", "5s")
 
 
 def test_shell_completion_offers_the_daemons_model_ids(tiny: Tiny) -> None:
