@@ -84,7 +84,9 @@ class Root:
                 explain_unverified=functools.partial(verification_hint, catalog, store),
             )
         )
-        remover = self._part(Remover(settings, metrics, store, pool, downloads))
+        remover = self._part(
+            Remover(settings, metrics, store, pool, downloads, flush_uses=engines.flush_uses)
+        )
         models = Models(
             settings,
             catalog,

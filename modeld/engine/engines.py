@@ -394,6 +394,11 @@ class Engines:
         if self._touch_task is None or self._touch_task.done():
             self._touch_task = asyncio.ensure_future(self._flush_touches())
 
+    async def flush_uses(self) -> None:
+        """Write the uses not yet written (``touch``) now: for a reader of ``last_used``."""
+        if self._touch_pending:
+            await self._write_touches()
+
     def used_at(self, model_id: str) -> float | None:
         """The last use of ``model_id`` not yet written (``touch``), else None."""
         return self._touch_pending.get(model_id)

@@ -116,12 +116,17 @@ class Remover:
         store: Store,
         pool: Pool | None = None,
         downloads: Downloads | None = None,
+        *,
+        flush_uses: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.store = store
         self.pool = pool
         self.downloads = downloads
+        # Writes the uses not yet in SQLite (``Engines.flush_uses``): a plan reads
+        # ``last_used`` from there, and a use minutes old must not look unused.
+        self.flush_uses = flush_uses
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -169,6 +174,8 @@ class Remover:
         return inv
 
     async def plan(self, sel: Selection) -> PrunePlan:
+        if self.flush_uses is not None:
+            await self.flush_uses()
         if sel.to_budget and self.settings.disk_budget is None:
             raise Refused(
                 "prune --to-budget needs a disk budget: set MODELD_DISK_BUDGET (e.g. 20GB) "

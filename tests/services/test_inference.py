@@ -196,3 +196,17 @@ async def test_list_and_show_give_a_use_not_yet_written_as_last_used(started: Se
     shown = await started.models.show("tiny-text")
     for doc in (listed["tiny-text"], shown):
         assert doc["installed"]["last_used"] > written.last_used, doc["installed"]
+
+
+async def test_prune_counts_a_use_not_yet_written(started: Services) -> None:
+    """A use written only 30 s later (after the first) still counts for `prune --unused-for`:
+    the model used a moment ago is kept, not removed as unused since the first use."""
+    from modeld.services.prune import Selection
+
+    await started.engines.target("tiny-text")
+    await asyncio.sleep(0)
+    await started.store.write(lambda conn: conn.execute("SELECT 1"))  # the first write landed
+    await asyncio.sleep(1.2)
+    await started.engines.target("tiny-text")  # a second use: its write waits 30 s
+    doc = await started.remover.prune(Selection(unused_for=1.0), dry_run=True)
+    assert "tiny-text" not in [i["id"] for i in doc["items"]], doc["items"]
