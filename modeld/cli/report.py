@@ -24,6 +24,24 @@ if TYPE_CHECKING:
     from typing import Any
 
 
+def redact_url(url: str) -> str:
+    """``url`` without what may be a secret: a user and password, a query (signed URLs carry
+    their token there) and a fragment. A report is meant to be posted."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "(a URL that does not parse)"
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    if parts.username is not None or parts.password is not None:
+        host = f"(credentials)@{host}"
+    query = "(query)" if parts.query else ""
+    return urlunsplit((parts.scheme, host, parts.path, query, ""))
+
+
 def _fence(text: str, lang: str = "") -> str:
     """``text`` in a code fence longer than any backtick run inside it."""
     longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
@@ -103,7 +121,10 @@ def render(doc: dict[str, Any]) -> str:
         "",
     ]
     if model["entry"]:
-        out += ["Registry entry:", "", _fence(json.dumps(model["entry"], indent=2), "json"), ""]
+        entry = dict(model["entry"])
+        if isinstance(entry.get("urls"), list):
+            entry["urls"] = [redact_url(str(u)) for u in entry["urls"]]
+        out += ["Registry entry:", "", _fence(json.dumps(entry, indent=2), "json"), ""]
     out += ["## Plans", ""]
     out += [_plan_line(name, p) for name, p in (doc["plans"] or {}).items()]
     header = doc.get("header")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from modeld.cli.report import redact_url
 from modeld.hostinfo import runtime_version
 from modeld.services.models import revision_of
 from modeld.store.store import sha256_file
@@ -129,3 +130,13 @@ def test_revision_comes_from_the_pinned_url() -> None:
     assert revision_of(["https://mirror.example/m.litertlm", hub, mirror]) == REVISION
     assert revision_of(["https://example.org/files/m.litertlm"]) is None
     assert revision_of([]) is None
+
+
+def test_urls_in_a_report_lose_credentials_and_queries() -> None:
+    """A report is posted: a mirror's user:password and a signed URL's query stay out."""
+    assert (
+        redact_url("http://bob:S3cretPw@127.0.0.1:8765/m.litertlm?token=QSECRET42#x")
+        == "http://(credentials)@127.0.0.1:8765/m.litertlm?(query)"
+    )
+    plain = f"https://huggingface.co/org/repo/resolve/{REVISION}/m.litertlm"
+    assert redact_url(plain) == plain
