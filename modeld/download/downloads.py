@@ -178,18 +178,15 @@ class Downloads:
             return
         why = "was removed from the catalog" if now is None else "changed (size, sha256 or urls)"
         logs.event("download_stale", model=model_id, why=why)
-        job.cancel(
+        told = "nothing more is fetched for it"
+        if now is not None:
+            told = f"`modeld pull {model_id}` fetches the file the entry names now"
+        await self.cancel(
+            model_id,
             DownloadError(
-                f"download of {model_id} stopped: its catalog entry {why} during the pull; "
-                + (
-                    "nothing more is fetched for it"
-                    if now is None
-                    else f"`modeld pull {model_id}` fetches the file the entry names now"
-                )
-            )
+                f"download of {model_id} stopped: its catalog entry {why} during the pull; {told}"
+            ),
         )
-        if job.task is not None:
-            await asyncio.wait([job.task])
         if self.jobs.get(model_id) is job:
             del self.jobs[model_id]  # now, not at its done callback: the pull goes on at once
 
