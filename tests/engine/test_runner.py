@@ -176,10 +176,45 @@ async def test_non_streamed_reply_comes_whole_in_the_final_record(short_tmp: Pat
         await runner.close()
 
 
+@pytest.mark.parametrize(
+    "model", ["tiny-text", "tiny-text-b", "tiny-text-f32", "tiny-text-long", "gemma3n-like"]
+)
+async def test_a_whole_plain_reply_on_a_bare_session_is_the_conversations(
+    short_tmp: Path, model: str
+) -> None:
+    """A whole reply to one plain user turn is made on a bare session: same prompt tokens,
+    reply, token count and finish as a conversation gives (a streamed job, which always gets
+    one), with the runtime's default sampler, with a seeded one, and for text parts."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp, MODELS / f"{model}.litertlm", max_tokens=256))
+        parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]
+        jobs = [
+            ask("hello there", max_tokens=8),
+            ask("Tell me about the sea.", max_tokens=40, seed=5, top_k=8, temperature=0.9),
+            {"messages": [{"role": "user", "content": parts}], "max_tokens": 3},
+        ]
+        for job in jobs:
+            streamed_text, streamed = await collect(runner, {**job, "stream": True})
+            tokens, whole = await collect(runner, {**job, "stream": False})
+            assert whole["conversation"] == "none" and tokens == ""
+            assert whole["text"] == streamed_text
+            for k in ("prompt_tokens", "tokens", "finish"):
+                assert whole[k] == streamed[k], k
+        # A system message (or any other history) still gets a conversation.
+        system = {"role": "system", "content": "be brief"}
+        job = {**jobs[0], "stream": False}
+        _, told = await collect(runner, {**job, "messages": [system, *job["messages"]]})
+        assert told.get("conversation") != "none" and told["tokens"] == 8
+    finally:
+        await runner.close()
+
+
 async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: Path) -> None:
     """After a reply the idle runner makes the next conversation with the same settings; a
     job like the last one gets it (and the same reply for the same seed), another job a
-    fresh one, and a job with history or a system message never one made ahead."""
+    fresh one, and a job with history or a system message never one made ahead. A whole
+    reply to one plain turn goes on a bare session: nothing is made ahead for it."""
     runner = await Runner.start()
 
     async def prepared() -> bool:
@@ -188,12 +223,12 @@ async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: P
 
     try:
         await runner.create(spec(short_tmp, max_tokens=256))
-        job = ask("hello there", max_tokens=8, seed=3, stream=False)
-        _, first = await collect(runner, job)
+        job = ask("hello there", max_tokens=8, seed=3, stream=True)
+        first_text, first = await collect(runner, job)
         await until(prepared)
-        _, again = await collect(runner, job)
+        again_text, again = await collect(runner, job)
         assert "conversation" not in first and again["conversation"] == "ready"
-        assert again["text"] == first["text"] and again["tokens"] == 8
+        assert again_text == first_text and again["tokens"] == 8
         # Other settings: the one made ahead does not fit, a fresh one is made.
         await until(prepared)
         _, other = await collect(runner, {**job, "max_tokens": 6})
@@ -205,9 +240,16 @@ async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: P
         _, told = await collect(runner, with_system)
         assert "conversation" not in told
         assert not await prepared()
-        _, plain = await collect(runner, job)
-        assert "conversation" not in plain and plain["text"] == first["text"]
+        plain_text, plain = await collect(runner, job)
+        assert "conversation" not in plain and plain_text == first_text
         await until(prepared)
+        plain_text, plain = await collect(runner, job)
+        assert plain["conversation"] == "ready"
+        # A whole reply to the same turn: a bare session and the same reply; the conversation
+        # made ahead waits on for the next streamed job.
+        await until(prepared)
+        _, whole = await collect(runner, {**job, "stream": False})
+        assert whole["conversation"] == "none" and whole["text"] == first_text
         _, plain = await collect(runner, job)
         assert plain["conversation"] == "ready"
     finally:
@@ -224,8 +266,9 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
     runner = await Runner.start()
     try:
         await runner.create(spec(short_tmp, LONG, max_tokens=1280, threads=1))
-        alone_job = ask("hello there", max_tokens=5, seed=7, stream=False)
-        _, alone = await collect(runner, alone_job)
+        # Streamed: a whole reply to one plain turn goes on a bare session, made in line.
+        alone_job = ask("hello there", max_tokens=5, seed=7, stream=True)
+        alone_text, _ = await collect(runner, alone_job)
         # Long enough (~1,000 tokens, 100 ms or more) that the second job arrives while the
         # first one decodes.
         long_job = ask("Write a long story about the sea.", max_tokens=1000, stream=False)
@@ -236,7 +279,7 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
             assert first[1]["finish"] in ("stop", "length")
             assert second[1]["conversation"] == "ready"
             assert second[1]["tokens"] == waiting_job["max_tokens"]
-            assert second[1]["text"].startswith(alone["text"])
+            assert second[0].startswith(alone_text)
         # A waiting job cancelled (its caller left) after its conversation was made.
         running = asyncio.ensure_future(collect(runner, long_job))
         left = asyncio.ensure_future(collect(runner, {**alone_job, "max_tokens": 7}))
@@ -244,9 +287,9 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
         left.cancel()
         with pytest.raises(asyncio.CancelledError):
             await left
-        _, after = await collect(runner, alone_job)
+        after_text, after = await collect(runner, alone_job)
         assert (await running)[1]["finish"] in ("stop", "length")
-        assert after["text"] == alone["text"] and after["tokens"] == 5
+        assert after_text == alone_text and after["tokens"] == 5
         # A waiting job the runtime cannot take fails alone; the one running is unharmed.
         bad_jobs: list[tuple[dict[str, Any], str]] = [
             ({"messages": [{"role": "assistant", "content": "hi"}]}, "from the user"),
@@ -258,13 +301,14 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
             with pytest.raises(RunnerError, match=reason):
                 await collect(runner, {**bad_job, "stream": False})
             assert (await running)[1]["finish"] in ("stop", "length")
-        assert (await collect(runner, alone_job))[1]["text"] == alone["text"]
+        assert (await collect(runner, alone_job))[0] == alone_text
     finally:
         await runner.close()
     runner = await Runner.start()
     try:
         await runner.create(spec(short_tmp, LONG, max_tokens=1280, threads=default_cpu_threads()))
-        waiting_job = {**alone_job, "max_tokens": 6}
+        # A whole reply that needs a conversation (a stop string: it is cut while streamed).
+        waiting_job = {**alone_job, "max_tokens": 6, "stream": False, "stop": ["never said"]}
         both = await asyncio.gather(collect(runner, long_job), collect(runner, waiting_job))
         whole = both[1][1]
         assert "conversation" not in whole and whole["tokens"] == 6

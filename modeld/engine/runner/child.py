@@ -19,8 +19,9 @@ JSON object. Parent -> child ops, each with an ``id``:
   schema_of: the request's field it came from, named when the runtime cannot use it),
   tools (OpenAI descriptions; calls come back, never run), raw (no chat template)
   -> token frames... then ``{"id", "done": true, "finish", "timings"...}`` (with
-  ``tool_calls`` when the model made some); with ``"stream": false`` no token frames, and
-  the final record carries ``text``
+  ``tool_calls`` when the model made some, ``conversation``: ``"ready"`` when a
+  conversation made ahead served it, ``"none"`` when a bare session did); with
+  ``"stream": false`` no token frames, and the final record carries ``text``
 - ``embed`` (an engine created with ``kind: "embedding"``): ``inputs`` (texts),
   ``dimensions`` (None: the model's own) -> ``{"id", "done": true, "finish": "stop",
   "embeddings": [[float, ...], ...], "dimensions", "timings"}``, one vector per input in
@@ -323,6 +324,9 @@ class _Child:
         # set by ``create`` (``_ahead_during_decode``).
         self.ahead_during_decode: Ahead = "none"
         self.current_lock = threading.Lock()
+        # A CPU engine's template conversation: it renders the prompts of the jobs answered
+        # on a bare session (``PlainSession``); None: every job gets a conversation.
+        self.template: Any = None
         self._last_error: Any = None
         self._clear_error: Any = None
         self.worker = threading.Thread(target=self._work, name="generate", daemon=True)
@@ -419,6 +423,7 @@ class _Child:
             return
         self.max_tokens = msg.get("max_tokens")
         seconds = time.perf_counter() - started
+        self.template = self._template(spec)
         warm_up = None
         if msg.get("warm_up"):
             try:
@@ -439,6 +444,26 @@ class _Child:
                 "options": self._options(),
             }
         )
+
+    def _template(self, spec: Any) -> Any:
+        """The conversation that renders plain jobs' prompts (``PlainSession``), or None.
+
+        CPU text engines only: a GPU engine's sessions are not made while another lives,
+        and a model that thinks gets its channels parsed by a conversation. A file whose
+        template conversation cannot be made answers every job on a conversation of its own.
+        """
+        import litert_lm
+
+        if spec.kind != "text" or spec.backend != "cpu":
+            return None
+        try:
+            with litert_lm.ModelInfo(spec.path) as info:
+                if info.llm is None or info.llm.supports_thinking():
+                    return None
+            return self.engine.create_conversation()
+        except Exception:
+            self.clear_error()
+            return None
 
     def _warm_up(self) -> dict[str, Any]:
         """One short generation, so that the first request does not pay the one-time costs.
@@ -515,7 +540,12 @@ class _Child:
                 self.error(rid, generate_error_code(e, reason), message)
             finally:
                 with self.current_lock:
-                    self.current = None
+                    left, self.current = self.current, None
+                if left is not None:
+                    # A job that failed half-way leaves its conversation open: close it here,
+                    # on this thread, not whenever the collector gets to it.
+                    with contextlib.suppress(Exception):
+                        left[1].close()
                 self.cancelled.discard(rid)
 
     # --- one generation, on the generate thread ---------------------------------------
@@ -550,6 +580,17 @@ class _Child:
         if rid in self.cancelled:
             conversation.cancel_process()
         return conversation, constrained, reused
+
+    def _open_session(self, rid: int, kwargs: dict[str, Any]) -> Any:
+        """A ``PlainSession`` for ``rid``, registered so that ``cancel`` can reach it."""
+        from modeld.engine.runner.generate import PlainSession
+
+        session = PlainSession(self.engine, self.template, kwargs)
+        with self.current_lock:
+            self.current = (rid, session)
+        if rid in self.cancelled:
+            session.cancel_process()
+        return session
 
     def _whole_reply(self, rid: int, conversation: Any, last: Any, **kw: Any) -> Any:
         """The reply message in one blocking call, or None when the runtime refused it.
@@ -614,6 +655,7 @@ class _Child:
             classify_json,
             conversation_args,
             conversation_key,
+            session_plain,
             stream_reply,
             text_of,
         )
@@ -623,8 +665,13 @@ class _Child:
         started = time.perf_counter()
         self.clear_error()
         kwargs, last, constrained, send_kwargs = conversation_args(job)
-        key = conversation_key(job)
-        conversation, constrained, reused = self._open(rid, kwargs, constrained, key)
+        plain = self.template is not None and session_plain(job)
+        key = None if plain else conversation_key(job)
+        conversation: Any
+        if plain:
+            conversation, reused = self._open_session(rid, kwargs), False
+        else:
+            conversation, constrained, reused = self._open(rid, kwargs, constrained, key)
         self.prepare_queued()
         if constrained:
             schema = job.get("schema") or {"type": "object"}
@@ -734,6 +781,8 @@ class _Child:
             final["json"] = classify_json("".join(text_parts), finish, strict)
         if reused:
             final["conversation"] = "ready"
+        elif plain and whole is not None:
+            final["conversation"] = "none"  # a bare session answered (``PlainSession``)
         self.send(final)
         # After the final record, not before: closing is the runner's business, not the
         # client's wait (the next job runs on this same thread, so it starts on a closed one).
@@ -756,12 +805,15 @@ class _Child:
         reader thread when a job comes, and on the generate thread when one starts:
         whichever sees it first. The look at the queue and the claim of the slot are one
         step under ``ready_lock``, which ``_open`` takes too: a job taken off the queue
-        meanwhile finds the conversation made for it, never one for a job gone."""
-        from modeld.engine.runner.generate import conversation_args, conversation_key
+        meanwhile finds the conversation made for it, never one for a job gone. One made
+        ahead for other settings (a job answered on a bare session left it) is closed."""
+        from modeld.engine.runner.generate import (
+            conversation_args,
+            conversation_key,
+            session_plain,
+        )
 
         with self.ready_lock:
-            if self.ready is not None:
-                return
             with self.jobs.mutex:
                 waiting = self.jobs.queue[0] if self.jobs.queue else None
             if waiting is None or waiting.get("op") != "generate":
@@ -771,12 +823,19 @@ class _Child:
             if policy == "none" or (policy == "streamed" and not streamed):
                 return
             try:
+                if self.template is not None and session_plain(waiting):
+                    return  # answered on a bare session: nothing to make ahead
                 key = conversation_key(waiting)
                 if key is None or waiting.get("id") in self.cancelled:
                     return
                 kwargs = conversation_args(waiting)[0]
             except Exception:
                 return  # the job fails with the reason when its turn comes, alone
+            if self.ready is not None:
+                if self.ready[0] == key:
+                    return
+                # The one worker runs this after the stale one is made.
+                self.ahead.submit(_close_made, self.ready[1])
             self.ready = (key, self.ahead.submit(self._make, kwargs))
 
     def _prepare(self, key: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -792,6 +851,13 @@ class _Child:
         except Exception:
             self.clear_error()
             return None
+
+
+def _close_made(made: Future[Any]) -> None:
+    """On the ``ahead`` thread: close a conversation made ahead that no job will take."""
+    conversation = made.result()
+    if conversation is not None:
+        conversation.close()
 
 
 def child_main(fd: int, parent_pid: int) -> int:  # noqa: PLR0912 (one branch per op)
