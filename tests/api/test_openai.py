@@ -721,6 +721,24 @@ async def test_penalties_reach_the_sampler(oa: openai.AsyncOpenAI) -> None:
     assert one.choices[0].message.content != plain.choices[0].message.content
 
 
+async def test_a_temperature_samples_without_a_top_k_or_a_seed(oa: openai.AsyncOpenAI) -> None:
+    """``temperature`` alone samples (the runtime's own fallback was top_k 1, greedy, and
+    seed 0): replies differ from one another and from the file's greedy one; a seed makes
+    one repeat, and another seed another reply; ``temperature: 0`` is greedy."""
+    kw: dict[str, Any] = {"model": "tiny-text", "messages": ASK, "max_tokens": 8}
+
+    async def text(**more: Any) -> str | None:
+        r = await oa.chat.completions.create(**kw, **more)
+        return r.choices[0].message.content
+
+    greedy = await text()
+    sampled = [await text(temperature=1.0) for _ in range(4)]
+    assert len(set(sampled)) > 1 and set(sampled) != {greedy}
+    seeded = [await text(temperature=1.0, seed=s) for s in (11, 11, 12)]
+    assert seeded[0] == seeded[1] != seeded[2]
+    assert await text(temperature=0.0, seed=11) == greedy
+
+
 async def test_completions_send_the_prompt_without_the_chat_template(
     oa: openai.AsyncOpenAI,
 ) -> None:

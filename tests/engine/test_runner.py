@@ -21,10 +21,13 @@ import pytest
 from modeld.config import default_cpu_threads
 from modeld.engine.runner.client import Runner, RunnerDied, RunnerError, StderrLog, crash_reason
 from modeld.engine.runner.generate import (
+    DEFAULT_TOP_K,
     KEPT_THREADS,
     _stream_async,
     classify_json,
     parse_chunk,
+    sampler_defaults,
+    sampler_fields,
     stream_reply,
     text_of,
 )
@@ -767,3 +770,22 @@ def test_token_batcher_window_grows_over_a_reply_and_starts_short_again() -> Non
     batcher.add(2, "x")  # a new reply: at once, whatever the last window was
     assert [(m["id"], m["token"]) for m in split_frames(frames)] == [(2, "x")]
     assert batcher.window == 1000.0
+
+
+def test_a_requests_sampler_fields_go_over_the_files() -> None:
+    """What a request names goes over the file's sampler; a request that samples gets a
+    top-k and a seed where neither names one; none named: the engine's own sampler."""
+    gemma = {"top_k": 64, "top_p": 0.95, "temperature": 1.0}
+    assert sampler_fields({}, gemma) == {}
+    got = sampler_fields({"seed": 3}, gemma)
+    assert got == {"top_k": 64, "top_p": 0.95, "temperature": 1.0, "seed": 3}
+    got = sampler_fields({"temperature": 0.7}, {})
+    assert got["top_k"] == DEFAULT_TOP_K and got["temperature"] == 0.7 and "seed" in got
+    assert sampler_fields({"seed": 1}, {"temperature": 0.0}) == {
+        "temperature": 0.0,
+        "seed": 1,
+        "top_k": 1,
+    }
+    seeds = {sampler_fields({"temperature": 1.0}, None)["seed"] for _ in range(8)}
+    assert len(seeds) > 1
+    assert sampler_defaults(str(TINY)) == {"top_k": None, "top_p": None, "temperature": 0.0}

@@ -327,6 +327,8 @@ class _Child:
         # A CPU engine's template conversation: it renders the prompts of the jobs answered
         # on a bare session (``PlainSession``); None: every job gets a conversation.
         self.template: Any = None
+        # The file's sampler (``sampler_defaults``): what a request's sampler fields go over.
+        self.sampler_defaults: dict[str, Any] = {}
         self._last_error: Any = None
         self._clear_error: Any = None
         self.worker = threading.Thread(target=self._work, name="generate", daemon=True)
@@ -424,6 +426,13 @@ class _Child:
         self.max_tokens = msg.get("max_tokens")
         seconds = time.perf_counter() - started
         self.template = self._template(spec)
+        if spec.kind == "text":
+            from modeld.engine.runner.generate import sampler_defaults
+
+            try:
+                self.sampler_defaults = sampler_defaults(spec.path)
+            except Exception:
+                self.clear_error()
         warm_up = None
         if msg.get("warm_up"):
             try:
@@ -664,7 +673,7 @@ class _Child:
         streamed = job.get("stream", True) is not False
         started = time.perf_counter()
         self.clear_error()
-        kwargs, last, constrained, send_kwargs = conversation_args(job)
+        kwargs, last, constrained, send_kwargs = conversation_args(job, self.sampler_defaults)
         plain = self.template is not None and session_plain(job)
         key = None if plain else conversation_key(job)
         conversation: Any
@@ -788,15 +797,18 @@ class _Child:
         # client's wait (the next job runs on this same thread, so it starts on a closed one).
         conversation.close()
         if key is not None and not cancelled:
-            self._prepare_next(key, kwargs)
+            self._prepare_next(key, job)
 
-    def _prepare_next(self, key: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _prepare_next(self, key: tuple[Any, ...], job: dict[str, Any]) -> None:
         """Make the next job's conversation now, while the engine is idle: a client sends
         its requests alike, and making one takes ~0.6 ms of the runtime's time on a small
         machine (the tiny models' whole 8-token reply is ~3 ms). Not when a job already
-        waits (``prepare_queued`` made its own)."""
+        waits (``prepare_queued`` made its own). Its arguments are made afresh: a job that
+        names no seed drew a random one, which the next job must not get again."""
+        from modeld.engine.runner.generate import conversation_args
+
         if self.jobs.empty():
-            self._prepare(key, kwargs)
+            self._prepare(key, conversation_args(job, self.sampler_defaults)[0])
 
     def prepare_queued(self) -> None:
         """While a job runs, make the conversation of the job waiting next, so that it
@@ -828,7 +840,7 @@ class _Child:
                 key = conversation_key(waiting)
                 if key is None or waiting.get("id") in self.cancelled:
                     return
-                kwargs = conversation_args(waiting)[0]
+                kwargs = conversation_args(waiting, self.sampler_defaults)[0]
             except Exception:
                 return  # the job fails with the reason when its turn comes, alone
             if self.ready is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import secrets
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -131,8 +132,54 @@ class StopFilter:
         return out
 
 
-def conversation_args(job: dict[str, Any]) -> tuple[dict[str, Any], Any, bool, dict[str, Any]]:
-    """``create_conversation`` kwargs, the message to send, constrained, ``send`` kwargs."""
+# The top-k of a request that samples (a temperature above 0) and names none, where the
+# file names none either: Ollama's and llama.cpp's default.
+DEFAULT_TOP_K = 40
+SAMPLER_FIELDS = ("top_k", "top_p", "temperature", "seed")
+
+
+def sampler_fields(job: dict[str, Any], defaults: dict[str, Any] | None) -> dict[str, Any]:
+    """The runtime's ``SamplerConfig`` fields for ``job``: {} for the engine's own sampler.
+
+    A ``SamplerConfig`` replaces the file's sampler whole, and what it leaves out takes the
+    runtime's fallback: top_k 1, top_p 0.95, temperature 1, seed 0. So ``temperature: 0.8``
+    alone was greedy (top_k 1), and the same reply every time (seed 0). Here the request's
+    fields go over the file's defaults (``defaults``: ``sampler_defaults``); a request that
+    samples gets ``DEFAULT_TOP_K`` where neither names a top-k, and a random seed where it
+    names none, as an OpenAI client expects."""
+    given = {k: job[k] for k in SAMPLER_FIELDS if job.get(k) is not None}
+    if not given:
+        return {}
+    out = {k: v for k, v in (defaults or {}).items() if v is not None} | given
+    greedy = out.get("temperature") == 0
+    out.setdefault("top_k", 1 if greedy else DEFAULT_TOP_K)
+    if "seed" not in out:
+        out["seed"] = secrets.randbelow(1 << 31)
+    return out
+
+
+def sampler_defaults(path: str) -> dict[str, Any]:
+    """The sampler the file names (its ``LlmMetadata``): ``top_k``, ``top_p``,
+    ``temperature``, each None where it names none (0 for top_k and top_p is none)."""
+    import litert_lm
+
+    with litert_lm.ModelInfo(path) as info:
+        params = info.llm.default_sampler_params if info.llm is not None else None
+    if params is None:
+        return {}
+    top_k, top_p = params.top_k, params.top_p
+    return {
+        "top_k": int(top_k) if top_k else None,
+        "top_p": float(top_p) if top_p else None,
+        "temperature": None if params.temperature is None else float(params.temperature),
+    }
+
+
+def conversation_args(
+    job: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], Any, bool, dict[str, Any]]:
+    """``create_conversation`` kwargs, the message to send, constrained, ``send`` kwargs;
+    ``defaults``: the file's sampler (``sampler_defaults``)."""
     import litert_lm
 
     messages = list(job.get("messages") or [])
@@ -160,8 +207,7 @@ def conversation_args(job: dict[str, Any]) -> tuple[dict[str, Any], Any, bool, d
         kwargs["automatic_tool_calling"] = False
     if job.get("raw"):
         kwargs["chat_template"] = RAW_TEMPLATE
-    names = ("top_k", "top_p", "temperature", "seed")
-    sampler = {k: job[k] for k in names if job.get(k) is not None}
+    sampler = sampler_fields(job, defaults)
     if sampler:
         kwargs["sampler_config"] = litert_lm.SamplerConfig(**sampler)
     if job.get("max_tokens"):
