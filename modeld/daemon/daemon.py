@@ -202,10 +202,32 @@ def lock_state_dir(home: Path) -> IO[str]:
     return lock
 
 
+def make_state_dir(d: Path) -> None:
+    """Create one state dir; refuse a path that is not a directory, or one that every user
+    may write to (any local user could then swap a model file or the database)."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        mode = d.stat().st_mode
+    except FileExistsError:
+        raise SettingsError(
+            f"the state path {d} is a file, not a directory; set MODELD_HOME to a directory"
+        ) from None
+    except OSError as e:
+        raise SettingsError(
+            f"cannot make the state dir {d}: {e.strerror}; set MODELD_HOME to a directory "
+            "this user may write"
+        ) from e
+    if mode & stat.S_IWOTH:
+        raise SettingsError(
+            f"the state dir {d} is writable by every user (mode {stat.S_IMODE(mode):04o}), "
+            f"so any local user could replace its models or database; run `chmod o-w {d}`"
+        )
+
+
 def open_state_dir(settings: Settings) -> IO[str]:
     """Create the state dirs, lock them, and check the database; return the held lock."""
     for d in (settings.home, settings.blobs_dir, settings.partial_dir, settings.cache_dir):
-        d.mkdir(parents=True, exist_ok=True)
+        make_state_dir(d)
     lock = lock_state_dir(settings.home)
     try:
         # Before any part opens it: a database modeld cannot use stops start-up untouched.

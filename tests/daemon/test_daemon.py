@@ -6,13 +6,15 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from modeld.daemon.daemon import bind_socket
 from modeld.errors import Conflict, SettingsError
-from tests.support.daemon import DaemonProcess, InProcessDaemon
+from tests.support.daemon import DaemonProcess, InProcessDaemon, daemon_env
 
 
 def test_bind_socket_mode_is_0660_right_after_bind(short_tmp: Path) -> None:
@@ -103,6 +105,33 @@ def test_second_daemon_on_same_home_is_refused(daemon_proc: DaemonProcess) -> No
     other = daemon_proc.cli("serve", timeout=30)
     assert other.returncode == 1
     assert "already" in other.stderr
+
+
+@pytest.mark.parametrize("case", ["file", "world-writable", "blobs world-writable"])
+def test_a_state_dir_that_is_a_file_or_writable_by_everyone_is_refused(
+    short_tmp: Path, case: str
+) -> None:
+    """`modeld serve` on a state path that is a file, or on a state dir (or one of its
+    dirs) every user may write, exits 2 with one line saying what to do; no traceback."""
+    home = short_tmp / "home"
+    if case == "file":
+        home.write_text("")
+    else:
+        (home / "blobs").mkdir(parents=True)
+        (home / "blobs" if case.startswith("blobs") else home).chmod(0o777)
+    env = daemon_env(home, MODELD_SOCKET=str(short_tmp / "s.sock"))
+    got = subprocess.run(
+        [sys.executable, "-m", "modeld", "serve"],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert got.returncode == 2 and "Traceback" not in got.stderr
+    fix = "set MODELD_HOME to a directory" if case == "file" else "run `chmod o-w"
+    assert got.stderr.count("\n") == 1 and fix in got.stderr, got.stderr
+    assert not (short_tmp / "s.sock").exists()
 
 
 def test_preload_loads_the_named_models_and_the_marked_entries(short_tmp: Path) -> None:
