@@ -729,7 +729,8 @@ async def test_a_temperature_samples_without_a_top_k_or_a_seed(oa: openai.AsyncO
 
     async def text(**more: Any) -> str | None:
         r = await oa.chat.completions.create(**kw, **more)
-        return r.choices[0].message.content
+        content: str | None = r.choices[0].message.content
+        return content
 
     greedy = await text()
     sampled = [await text(temperature=1.0) for _ in range(4)]
