@@ -311,9 +311,10 @@ class Downloads:
         free = await asyncio.to_thread(free_bytes, self.settings.partial_dir)
         if free < target.size + _IMPORT_RESERVE:
             raise DiskFull(
-                f"importing {target.model_id} needs {target.size} bytes, but only {free} "
-                f"are free under {self.settings.partial_dir}; free some space "
-                "(`modeld prune`) and import again"
+                f"importing {target.model_id} needs {format_size(target.size)}, and modeld "
+                f"keeps {format_size(_IMPORT_RESERVE)} free beside it, but only "
+                f"{format_size(free)} is free under {self.settings.partial_dir}; free some "
+                "space (`modeld prune`) and import again"
             )
         tmp = self.settings.partial_dir / f"{target.model_id}.import-{os.getpid()}-{time.time_ns()}"
         try:

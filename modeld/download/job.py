@@ -31,7 +31,7 @@ import aiohttp
 from yarl import URL
 
 from modeld import logs
-from modeld.config import Settings
+from modeld.config import Settings, format_size
 from modeld.download.fetch import CHUNK, Fetcher, PrefixHasher, Writer, crc32
 from modeld.download.journal import BLOCK_SIZE, Block, Journal, JournalState, MemoryJournal
 from modeld.download.mirrors import (
@@ -480,8 +480,10 @@ class DownloadJob:
         free = shutil.disk_usage(self.partial.parent).free
         if free < need:
             raise DiskFull(
-                f"{self.id} needs {need - DISK_MARGIN} more bytes in {self.partial.parent} "
-                f"but only {free} are free; free space (`modeld prune`) or set MODELD_HOME"
+                f"{self.id} needs {format_size(need - DISK_MARGIN)} more in "
+                f"{self.partial.parent}, and modeld keeps {format_size(DISK_MARGIN)} free "
+                f"beside it, but only {format_size(free)} is free; free space "
+                "(`modeld prune`) or set MODELD_HOME"
             )
 
     async def _prepare(self, fd: int, state: JournalState | None, block: int) -> None:

@@ -8,6 +8,7 @@ import errno
 import hashlib
 import os
 import random
+import shutil
 import threading
 import time
 import zlib
@@ -678,6 +679,23 @@ async def test_disk_full_stops_at_once(
         await run_pull(short_tmp, ms, stop_later, sha=None, writer=full_after_some)
     assert (short_tmp / "partial" / "m1.partial").exists()
     assert ms[0].sent < SIZE
+
+
+async def test_free_space_within_the_reserve_says_the_reserve(
+    short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Free space over the file's size but under it plus the 64 MiB modeld keeps free: the
+    refusal names the reserve (it said "needs N bytes but only M are free", with M > N)."""
+    ms = await start_mirrors(data)
+    free = SIZE + (1 << 20)
+    usage = shutil._ntuple_diskusage(1 << 40, (1 << 40) - free, free)
+    monkeypatch.setattr("modeld.download.job.shutil.disk_usage", lambda _path: usage)
+    with pytest.raises(DiskFull) as got:
+        await run_pull(short_tmp, ms, stop_later, sha=None)
+    message = got.value.message
+    assert "3.0 MiB more" in message and "keeps 64.0 MiB free" in message, message
+    assert "only 4.0 MiB is free" in message and "modeld prune" in message
+    assert ms[0].requests == []
 
 
 async def test_not_enough_free_space_is_refused_before_the_first_byte(
