@@ -165,8 +165,9 @@ def prompt_too_long(target: Target, why: str) -> str:
     ceiling = target.file_max_tokens
     window = min(target.max_tokens, ceiling) if ceiling else target.max_tokens
     said = (
-        f"model {model}: the prompt is longer than the engine's window of {window} tokens "
-        f"({why}); send a shorter one"
+        f"model {model}: the prompt leaves no room for a reply in the engine's window of "
+        f"{window} tokens (the prompt and at least one reply token must fit; {why}); send a "
+        "shorter one"
     )
     if ceiling is not None and window >= ceiling:
         return f"{said}: {window} tokens is the most the model's file allows"

@@ -152,6 +152,17 @@ async def test_a_prompt_over_the_window_names_the_entry_limit(limited: InProcess
             "file's own 256 (`modeld show spec-off` names the entry's file" in message
         ), message
         assert message.endswith("then `modeld unload spec-off` so the next load takes it")
+        # A prompt of exactly the window (200 tokens) leaves no room for a reply: the message
+        # says so (it said "longer than the window"), and one token less gets one reply token.
+        with pytest.raises(TooLarge) as exact:
+            async for _ in c.generate("spec-off", "a " * 189, max_tokens=4):
+                pass
+        assert "leaves no room for a reply in the engine's window of 200 tokens" in (
+            exact.value.message
+        )
+        assert "200 >= 200" in exact.value.message
+        records = [r async for r in c.generate("spec-off", "a " * 188, max_tokens=4)]
+        assert records[-1]["tokens"] == 1 and records[-1]["finish"] == "length"
         with pytest.raises(TooLarge) as full:
             async for _ in c.generate("spec-default", prompt, max_tokens=4):
                 pass
