@@ -166,8 +166,17 @@ _TAG = re.compile(r"(\\*)\[([a-z#/@][^[]*?)]")
 _ESCAPE = re.compile(r"(\\*)(\[[a-z#/@][^[]*?])")
 
 
+# What a terminal acts on rather than shows: C0 and C1 controls but tab and newline (ESC
+# starts a sequence that can retitle the window, move the cursor or hide text) and the bidi
+# controls that reorder what follows them ("Trojan Source").
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
 def escape(text: str) -> str:
-    """Make ``text`` print as itself through markup (what ``rich.markup.escape`` does)."""
+    """Make ``text`` print as itself through markup (what ``rich.markup.escape`` does), with
+    each control character shown as its escape (``\\x1b``, ``\\u202e``), not acted on:
+    catalog entries, messages and paths come from others."""
+    text = _UNSAFE.sub(lambda m: ascii(m.group())[1:-1], text)
     text = _ESCAPE.sub(lambda m: f"{m.group(1)}{m.group(1)}\\{m.group(2)}", text)
     if text.endswith("\\") and not text.endswith("\\\\"):
         text += "\\"

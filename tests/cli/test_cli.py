@@ -422,3 +422,23 @@ def test_a_pull_that_reaches_no_mirror_leaves_nothing_and_says_how_to_add_one(
     assert not list((tiny.daemon.home / "partial").glob("offline*"))
     partials = json.loads(_tiny_cli(tiny, "prune", "--dry-run", "--json").stdout)["items"]
     assert not [i for i in partials if "offline" in (i["path"] or "")]
+
+
+def test_control_characters_from_a_catalog_entry_are_shown_not_acted_on(short_tmp: Path) -> None:
+    """A display name holding a terminal escape sequence and a bidi override prints them as
+    escapes (``\\x1b``, ``\\u202e``): another user's catalog entry cannot retitle the
+    terminal, hide text or reorder what `modeld show` prints."""
+    home, registry = short_tmp / "h", short_tmp / "r"
+    entry = write_entry(registry, "evil", size=1000)
+    evil = 'display_name = "Evil\\u001b]0;pwned\\u0007 \\u009b2J \\u202eedoc"'
+    entry.write_text(entry.read_text().replace('display_name = "evil"', evil))
+    d = DaemonProcess(home=home, env=daemon_env(home, MODELD_REGISTRY=str(registry)))
+    d.start()
+    try:
+        shown = d.cli("show", "evil")
+        assert shown.returncode == 0, shown.stderr
+        out = shown.stdout
+        assert "Evil\\x1b]0;pwned\\x07 \\x9b2J \\u202eedoc" in out, out
+        assert not any(c in out for c in "\x1b\x07\x9b\u202e")
+    finally:
+        d.stop()
