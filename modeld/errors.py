@@ -282,6 +282,13 @@ class Busy(ModeldError):
         self.retry_after = retry_after
 
 
+class KeysUnusable(ModeldError):
+    """The daemon's API keys file is refused (owner or permissions): no key is in force."""
+
+    code = "keys_unusable"
+    status = 503
+
+
 class ShuttingDown(Busy):
     code = "shutting_down"
 

@@ -38,7 +38,7 @@ from modeld.api.connections import peer_of
 from modeld.api.peers import Peer, is_admin
 from modeld.api.peers import enforce as enforce_allow_lists
 from modeld.config import Settings
-from modeld.errors import Forbidden, Unauthorized
+from modeld.errors import Forbidden, KeysUnusable, Unauthorized
 from modeld.services.parts import Services
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -113,6 +113,11 @@ class KeyVerifier(Protocol):
     """Finds the key a TCP client presented (``modeld.daemon.apikeys.KeyRing``)."""
 
     def verify(self, presented: str) -> ApiKeyInfo | None: ...
+
+    @property
+    def refused(self) -> bool:
+        """Whether the keys file is refused (owner or permissions): no key is in force."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -207,6 +212,14 @@ def _key_grant(request: web.Request, keys: KeyVerifier | None) -> Grant:
             f"the Authorization header is not `Bearer <key>`; {_HOW_TO_GET_A_KEY}",
         )
     key = keys.verify(token) if keys is not None else None
+    if key is None and keys is not None and keys.refused:
+        # Not the client's fault: a 401 would send it looking for another key.
+        logs.event("keys_file_refused", logging.WARNING, remote=request.remote, path=request.path)
+        raise KeysUnusable(
+            "the daemon cannot use its API keys file (its owner or permissions are wrong), so "
+            "it accepts no key until the admin of its host fixes the file; `modeld status` "
+            "there says how"
+        )
     if key is None:
         raise _unauthorized(
             request,

@@ -269,6 +269,12 @@ class KeyRing:
             return
         logs.event("api_keys_loaded", path=str(self.path), keys=len(self._keys))
 
+    @property
+    def refused(self) -> bool:
+        """Whether the file is refused (owner, permissions, contents): no key is in force."""
+        self.refresh()
+        return self._problem is not None
+
     def verify(self, presented: str) -> ApiKey | None:
         """The key whose digest matches ``presented``, or None."""
         self.refresh()

@@ -177,6 +177,24 @@ def test_key_rm_and_add_apply_without_restart(tcp: Tcp) -> None:
     assert tcp.request("GET", "/api/models", key=tcp.use_key)[0] == 200
 
 
+def test_a_keys_file_the_daemon_refuses_is_a_503_not_a_bad_key(tcp: Tcp) -> None:
+    """A keys file others may read (mode 0644) is refused, so no key is in force: a client
+    with a good key is told the daemon's file is at fault (503 keys_unusable), not that its
+    key is bad (401); `modeld status` names the fix; chmod 600 brings the keys back."""
+    path = tcp.daemon.home / "api-keys"
+    path.chmod(0o644)
+    try:
+        status, _, body = tcp.request("GET", "/api/models", key=tcp.use_key)
+        assert status == 503 and body["error"]["code"] == "keys_unusable", body
+        assert "modeld status" in body["error"]["message"]
+        assert str(path) not in body["error"]["message"]
+        shown = tcp.daemon.cli("status")
+        assert "0644" in shown.stdout + shown.stderr, shown
+    finally:
+        path.chmod(0o600)
+    assert tcp.request("GET", "/api/models", key=tcp.use_key)[0] == 200
+
+
 def test_cors_only_for_listed_origins(tcp: Tcp) -> None:
     """A listed origin gets its preflight (no key needed) and CORS headers, on errors too; any
     other origin gets neither."""
