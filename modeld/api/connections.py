@@ -308,7 +308,9 @@ def _peer_key(transport: asyncio.Transport, peer: Peer | None) -> str:
 
 
 def _peer(conn: GuardedConnection) -> str:
-    return str(conn.credentials) if conn.credentials is not None else "-"
+    """Who the connection is, for a log line: its credentials on the socket, else its
+    address (``ip:A`` on TCP)."""
+    return str(conn.credentials) if conn.credentials is not None else conn.peer
 
 
 class _Refused(asyncio.Protocol):

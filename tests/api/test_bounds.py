@@ -5,6 +5,7 @@ leaves other clients served."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -325,8 +326,20 @@ def test_slow_head_and_slow_body_are_dropped(daemon_with: Any) -> None:
     """A client sending one header line a second is dropped at MODELD_HEADER_TIMEOUT; one
     that stops half way through its body gets a 408 at MODELD_BODY_TIMEOUT."""
     d = daemon_with(
-        MODELD_HEADER_TIMEOUT="2s", MODELD_BODY_TIMEOUT="2s", MODELD_IDLE_TIMEOUT="120s"
+        MODELD_HEADER_TIMEOUT="2s",
+        MODELD_BODY_TIMEOUT="2s",
+        MODELD_IDLE_TIMEOUT="120s",
+        MODELD_LISTEN="127.0.0.1:0",
     )
+    port = int(d.wait_log("listening address=127.0.0.1:").split("127.0.0.1:")[1].split()[0])
+    # Over TCP, the log line names the peer's address (it said peer=-).
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET /api/health HTTP/1.1\r\nHost: modeld\r\n")
+        s.settimeout(30)
+        with contextlib.suppress(ConnectionResetError):
+            assert s.recv(1024) == b""
+    lines = [x for x in d.wait_log("header_timeout").splitlines() if "header_timeout" in x]
+    assert "peer=ip:127.0.0.1" in lines[0], lines
     with _connect(d.socket) as s:
         s.sendall(b"GET /api/health HTTP/1.1\r\nHost: modeld\r\n")
         dropped = False
@@ -342,7 +355,7 @@ def test_slow_head_and_slow_body_are_dropped(daemon_with: Any) -> None:
                 break
             s.sendall(f"X-Slow-{i}: y\r\n".encode())
         assert dropped, "a head sent one line a second was never dropped"
-    assert "header_timeout" in d.wait_log("header_timeout")
+    assert "header_timeout" in d.wait_log("header_timeout", count=2)
 
     with _connect(d.socket) as s:
         s.sendall(_head("POST", "/api/generate", 100) + b'{"model": "tiny')
