@@ -138,6 +138,37 @@ def test_bad_value_exits_2_with_one_line(
     assert "allowed" in lines[0]
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        (
+            "MODELD_HEADER_TIMEOUT",
+            "0",
+            "MODELD_HEADER_TIMEOUT=0: must be a positive duration such as 30s; allowed: a "
+            "duration above 0 such as 30s, 5m or 1h30m",
+        ),
+        ("MODELD_DOWNLOAD_CONNECTIONS", "abc", "=abc: not a whole number; allowed: a whole"),
+        ("MODELD_DOWNLOAD_CONNECTIONS", "0", "=0: must be 1 or more; allowed:"),
+        ("MODELD_DOWNLOAD_CONNECTIONS", "65", "=65: must be 64 or less; allowed:"),
+        ("MODELD_ALLOW_UIDS", "x", "=x: not a whole number; allowed: numeric uids"),
+        ("MODELD_LOG_LEVEL", "loud", "=loud: not one of the allowed values; allowed: debug"),
+        ("MODELD_LISTEN_PUBLIC", "maybe", "=maybe: not 1 or 0 (true or false); allowed"),
+        ("MODELD_PIECE_SIZE", "1", "=1: must be from 64 KiB to 1 GiB; allowed:"),
+        ("MODELD_PIECE_SIZE", "2GiB", "must be from 64 KiB to 1 GiB"),
+    ],
+)
+def test_a_bad_value_is_told_in_modelds_words(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch, key: str, value: str, said: str
+) -> None:
+    """The reason is modeld's, not pydantic's ("Input should be ..."), and the rule of a
+    duration that must be above 0 does not offer 0 or -1; a piece of one byte (a journal
+    record per byte) is refused."""
+    monkeypatch.setenv(key, value)
+    with pytest.raises(SettingsError) as got:
+        load_settings()
+    assert said in got.value.message and "Input should" not in got.value.message
+
+
 @pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e400", "NaN"])
 def test_parse_duration_rejects_non_finite(text: str) -> None:
     """float() takes nan/inf/1e400; none of them is a duration (they would reach JSON as NaN)."""

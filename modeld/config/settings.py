@@ -74,6 +74,8 @@ class _TomlSource(PydanticBaseSettingsSource):
 
 
 # Durations that must be more than 0 (``keep_alive`` also takes 0 and -1).
+MIN_PIECE, MAX_PIECE = 64 * 1024, 1024**3
+
 _TIMEOUTS = (
     "stall_timeout",
     "probe_header_timeout",
@@ -156,6 +158,14 @@ class Settings(BaseSettings):
     def _positive_size(cls, v: int) -> int:
         if v <= 0:
             raise ValueError("must be more than 0 bytes")
+        return v
+
+    @field_validator("piece_size")
+    @classmethod
+    def _piece_size(cls, v: int) -> int:
+        # A download's journal keeps a record per block, and blocks are at most a piece.
+        if not MIN_PIECE <= v <= MAX_PIECE:
+            raise ValueError("must be from 64 KiB to 1 GiB")
         return v
 
     @field_validator("disk_budget", mode="before")
@@ -382,10 +392,12 @@ class Settings(BaseSettings):
 
 
 def _allowed(field: str) -> str:
+    if field in _TIMEOUTS:
+        return "a duration above 0 such as 30s, 5m or 1h30m"
     allowed = {
         "memory_budget": SIZE_HELP,
         "disk_budget": SIZE_HELP,
-        "piece_size": SIZE_HELP,
+        "piece_size": SIZE_HELP + ", from 64 KiB to 1 GiB",
         "keep_alive": DURATION_HELP,
         "stall_timeout": DURATION_HELP,
         "probe_header_timeout": DURATION_HELP,
@@ -419,6 +431,27 @@ def _allowed(field: str) -> str:
     return allowed.get(field, "see the README's settings table")
 
 
+# Pydantic's error types, in the words of the rest of modeld ({...}: the error's context).
+_REASONS = {
+    "int_parsing": "not a whole number",
+    "int_from_float": "not a whole number",
+    "float_parsing": "not a number",
+    "bool_parsing": "not 1 or 0 (true or false)",
+    "greater_than_equal": "must be {ge} or more",
+    "greater_than": "must be more than {gt}",
+    "less_than_equal": "must be {le} or less",
+    "literal_error": "not one of the allowed values",
+}
+
+
+def _reason(err: Any) -> str:
+    """A validation error's reason in the words of the rest of modeld, not pydantic's."""
+    words = _REASONS.get(str(err.get("type")))
+    if words is not None:
+        return words.format(**(err.get("ctx") or {}))
+    return str(err.get("msg", "invalid")).removeprefix("Value error, ")
+
+
 def load_settings(**overrides: Any) -> Settings:
     """Read the settings, or raise SettingsError with one line naming key, value and rule."""
     try:
@@ -431,7 +464,7 @@ def load_settings(**overrides: Any) -> Settings:
         value = err.get("input")
         if isinstance(value, list):
             value = ",".join(str(v) for v in value)
-        reason = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        reason = _reason(err)
         raise SettingsError(
             f"{source}={value!s}: {reason}; allowed: {_allowed(field)}", key=field
         ) from None
