@@ -170,8 +170,10 @@ def parse_address(text: str) -> tuple[str, int]:
     listen somewhere else than the setting says. Port 0 picks a free port (logged at start).
     """
     host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not port.isdigit():
         raise ValueError(f"{text!r} is not host:port")
+    if int(port) > 65535:
+        raise ValueError(f"{text!r}: the port must be from 0 (any free one) to 65535")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     if host.lower() == "localhost":
