@@ -379,7 +379,7 @@ def test_listen_values(clean_env: Path, value: str, expected: list[tuple[str, in
     ("key", "value", "needle"),
     [
         ("listen", "example.org:80", "IP address or localhost"),
-        ("listen", "127.0.0.1:99999", "the port must be from 0 (any free one) to 65535"),
+        ("listen", "127.0.0.1:99999", "the port must be from 0 .any free one. to 65535"),
         ("listen", "127.0.0.1", "not host:port"),
         ("cors_origins", "app.test", "not an origin"),
         ("cors_origins", "https://app.test/path", "not an origin"),
