@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from modeld.client import AsyncClient
-from modeld.errors import EngineCrashed
+from modeld.errors import DiskFull, EngineCrashed
 from tests.support.daemon import DaemonProcess, daemon_env, spawn_daemon
 from tests.support.faults import (
     PULL_DATA,
@@ -42,6 +42,7 @@ from tests.support.faults import (
     wait_no_runners,
     wait_pull_progress,
 )
+from tests.support.state import MODELS
 from tests.support.unix import unix_http, unix_request
 from tests.support.wait import wait_sync
 
@@ -254,6 +255,31 @@ def test_engine_load_on_full_disk_names_the_full_disk(short_tmp: Path) -> None:
         assert body["error"]["code"] == "disk_full", body
         assert "verify" not in message, message
         assert "No space left on device" in message or "disk full" in message, message
+
+
+def test_a_runner_dead_at_create_with_no_room_for_its_cache_is_disk_full(short_tmp: Path) -> None:
+    """A runner that dies creating its engine without saying ENOSPC (an abort whose last
+    words are not the write's) is still reported as a full disk when the disk of its engine
+    cache has less room than the model file (the runtime's weight cache takes about that);
+    with room, it is a crash, and `modeld verify` is the advice."""
+    from modeld.engine.runner.client import RunnerDied
+    from modeld.engine.types import Target, load_error
+    from modeld.modelfile.plan import Plan
+    from modeld.modelfile.runtime import CreateSpec
+
+    died = RunnerDied("SIGABRT", -6, "terminate called without an active exception")
+
+    def target(cache: Path) -> Target:
+        spec = CreateSpec(path=str(MODELS / "tiny-text.litertlm"), cache_dir=str(cache))
+        return Target("tiny-text", "ab" * 32, Plan(main="cpu"), spec, 100, 256)
+
+    with tmpfs(short_tmp / "small", "256k") as small:
+        fill_disk(small / "filler")
+        err = load_error(target(small), died)
+        assert isinstance(err, DiskFull), err
+        assert "modeld prune" in err.message and str(small) in err.message
+    roomy = load_error(target(short_tmp), died)
+    assert isinstance(roomy, EngineCrashed) and "modeld verify" in roomy.message
 
 
 # --- a runner's SIGSEGV mid-generation ------------------------------------------------------

@@ -10,12 +10,14 @@ import asyncio
 import enum
 import functools
 import math
+import os
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
-from modeld.config import parse_duration
+from modeld.config import format_size, parse_duration
 from modeld.engine.runner.client import RunnerDied, RunnerError
 from modeld.errors import (
     BackendConstraint,
@@ -209,6 +211,52 @@ def validate_keep_alive(value: Any) -> float | None:
     return -1.0 if seconds < 0 else seconds
 
 
+def _cache_space_short(spec: CreateSpec) -> str | None:
+    """How much space the disk of ``spec``'s engine cache has left (e.g. ``12.0 MiB
+    free``) when that is less than the model file's size, the room the runtime's weight
+    cache takes; None when there is room, or it cannot be told."""
+    if not spec.cache_dir or spec.backend != "cpu":
+        return None
+    try:
+        st = os.statvfs(spec.cache_dir)
+        size = Path(spec.path).stat().st_size
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    return f"{format_size(free)} free" if free < size else None
+
+
+def _died_error(t: Target, exc: RunnerDied) -> ModeldError:
+    """The error of a runner that died while creating its engine."""
+    if exc.reason and "No space left on device" in exc.reason:
+        # The runtime writes its weight cache into cache/<digest>/ while creating the
+        # engine and aborts when the disk is full: the file is not at fault.
+        return DiskFull(
+            f"model {t.model_id}: the disk holding MODELD_HOME is full; the runtime "
+            f"could not write its engine cache and its runner was {exc.how} "
+            f"({exc.reason}). Free space (e.g. `modeld prune`) and load it again",
+            model=t.model_id,
+            signal=exc.signal_name,
+        )
+    short = _cache_space_short(t.spec)
+    if short is not None:
+        # Not every failed cache write says ENOSPC before the abort: the space says it.
+        return DiskFull(
+            f"model {t.model_id}: its runner was {exc.how} while creating the engine, and "
+            f"the disk holding its engine cache ({t.spec.cache_dir}) has {short}, less "
+            "than the runtime writes there (about the model file's size). Free space "
+            "(e.g. `modeld prune`) and load it again",
+            model=t.model_id,
+            signal=exc.signal_name,
+        )
+    return EngineCrashed(
+        f"model {t.model_id}: its runner {exc} while creating the engine; the daemon "
+        "is fine. Check the file with `modeld verify`",
+        model=t.model_id,
+        signal=exc.signal_name,
+    )
+
+
 def load_error(t: Target, exc: BaseException) -> ModeldError:
     """The error a failed engine load reports, from what went wrong (runtime, crash, ...)."""
     if isinstance(exc, ModeldError):
@@ -223,20 +271,5 @@ def load_error(t: Target, exc: BaseException) -> ModeldError:
             model=t.model_id,
         )
     if isinstance(exc, RunnerDied):
-        if exc.reason and "No space left on device" in exc.reason:
-            # The runtime writes its weight cache into cache/<digest>/ while creating
-            # the engine and aborts when the disk is full: the file is not at fault.
-            return DiskFull(
-                f"model {t.model_id}: the disk holding MODELD_HOME is full; the runtime "
-                f"could not write its engine cache and its runner was {exc.how} "
-                f"({exc.reason}). Free space (e.g. `modeld prune`) and load it again",
-                model=t.model_id,
-                signal=exc.signal_name,
-            )
-        return EngineCrashed(
-            f"model {t.model_id}: its runner {exc} while creating the engine; the daemon "
-            "is fine. Check the file with `modeld verify`",
-            model=t.model_id,
-            signal=exc.signal_name,
-        )
+        return _died_error(t, exc)
     return EngineError(f"model {t.model_id}: the engine could not start: {exc}")
