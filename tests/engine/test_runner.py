@@ -342,6 +342,33 @@ async def test_leaving_a_non_streamed_reply_cancels_it(short_tmp: Path) -> None:
         await runner.close()
 
 
+async def test_a_cancel_that_comes_as_the_reply_ends_leaves_the_runner_alive(
+    short_tmp: Path,
+) -> None:
+    """A client that leaves as its reply ends sends a cancel while the runner closes the
+    reply's conversation (or bare session): the runner cancels it or finds it gone, and
+    lives on. Here cancels for the running job come without pause from its start to its
+    end, so that some land during the close (the runner died of SIGSEGV within a few jobs)."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp, max_tokens=256))
+        for stream in (False, True):
+            for _ in range(100):
+                job = asyncio.ensure_future(collect(runner, ask(max_tokens=8, stream=stream)))
+                await asyncio.sleep(0)  # the job has its id, and is on its way
+                targets = list(runner._pending)
+                assert targets
+                while not job.done():
+                    for target in targets:
+                        await runner._send({"op": "cancel", "id": 0, "target": target})
+                    await asyncio.sleep(0)
+                assert job.result()[1]["finish"] in ("cancelled", "length")
+        _, final = await collect(runner, ask(max_tokens=3, stream=False))
+        assert final["tokens"] == 3 and runner.alive
+    finally:
+        await runner.close()
+
+
 async def test_non_streamed_failure_carries_the_runtime_reason(short_tmp: Path) -> None:
     """A prompt over the engine's window fails as it does streamed: the runtime's own words."""
     runner = await Runner.start()

@@ -601,6 +601,19 @@ class _Child:
             session.cancel_process()
         return session
 
+    def _close(self, conversation: Any) -> None:
+        """Close the job's conversation (or session) where ``cancel`` cannot reach it.
+
+        ``cancel`` runs on the reader thread and calls ``cancel_process`` on ``current``; a
+        client that leaves as its reply ends sends one while this thread closes it, and the
+        runtime's cancel on a deleted conversation is a use after free (the runner died of
+        SIGSEGV). Taken off ``current`` and closed under ``current_lock``, it is either
+        cancelled before the close or not reached at all."""
+        with self.current_lock:
+            if self.current is not None and self.current[1] is conversation:
+                self.current = None
+            conversation.close()
+
     def _whole_reply(self, rid: int, conversation: Any, last: Any, **kw: Any) -> Any:
         """The reply message in one blocking call, or None when the runtime refused it.
 
@@ -695,7 +708,7 @@ class _Child:
         if not streamed and not stops.stops:
             whole = self._whole_reply(rid, conversation, last, **send_kwargs)
             if whole is None:
-                conversation.close()
+                self._close(conversation)
                 self.clear_error()
                 conversation, constrained, _ = self._open(rid, kwargs, constrained, None)
         if whole is not None:
@@ -795,7 +808,7 @@ class _Child:
         self.send(final)
         # After the final record, not before: closing is the runner's business, not the
         # client's wait (the next job runs on this same thread, so it starts on a closed one).
-        conversation.close()
+        self._close(conversation)
         if key is not None and not cancelled:
             self._prepare_next(key, job)
 
@@ -923,8 +936,9 @@ def child_main(fd: int, parent_pid: int) -> int:  # noqa: PLR0912 (one branch pe
             ready = made is not None and made[1].done()  # a conversation made ahead waits
             child.send({"id": rid, "ok": True, "pss": pss, "rss": rss, "ready": ready})
         elif op == "close":
-            if child.current is not None:
-                child.cancel(child.current[0])
+            running = child.current  # the generate thread may clear it meanwhile
+            if running is not None:
+                child.cancel(running[0])
             child.send({"id": rid, "ok": True})
             break
         else:
