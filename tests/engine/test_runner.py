@@ -213,6 +213,26 @@ async def test_a_whole_plain_reply_on_a_bare_session_is_the_conversations(
         await runner.close()
 
 
+async def test_a_whole_reply_to_a_turn_holding_a_nul_is_the_streamed_ones(
+    short_tmp: Path,
+) -> None:
+    """A turn whose text holds a NUL gets the same prompt whole as streamed: the bare
+    session's prompt comes back from the runtime as a C string, which ended at the NUL (7
+    prompt tokens against 24, and another reply), so such a turn gets a conversation."""
+    runner = await Runner.start()
+    try:
+        await runner.create(spec(short_tmp, max_tokens=256))
+        parts = [{"type": "text", "text": "abc\x00def "}, {"type": "text", "text": "ghi jkl"}]
+        for content in ("abc\x00def ghi jkl", parts):
+            job = {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "seed": 2}
+            streamed_text, streamed = await collect(runner, {**job, "stream": True})
+            _, whole = await collect(runner, {**job, "stream": False})
+            assert whole["prompt_tokens"] == streamed["prompt_tokens"]
+            assert whole["text"] == streamed_text and whole.get("conversation") != "none"
+    finally:
+        await runner.close()
+
+
 async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: Path) -> None:
     """After a reply the idle runner makes the next conversation with the same settings; a
     job like the last one gets it (and the same reply for the same seed), another job a

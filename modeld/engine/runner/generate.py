@@ -241,20 +241,25 @@ _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 def session_plain(job: dict[str, Any]) -> bool:
     """Whether ``job`` is answered on a bare session (``PlainSession``): a whole reply
-    (not streamed, no stop strings) to one user turn of text, with no tools, no raw
-    template, no constrained decoding and no penalties."""
+    (not streamed, no stop strings) to one user turn of text without a NUL, with no tools,
+    no raw template, no constrained decoding and no penalties."""
     messages = job.get("messages")
     if not isinstance(messages, list) or len(messages) != 1 or not isinstance(messages[0], dict):
         return False
     turn = messages[0]
     content = turn.get("content")
-    text_only = isinstance(content, str) or (
-        isinstance(content, list)
-        and all(isinstance(p, dict) and p.get("type") == "text" for p in content)
-    )
+    if isinstance(content, str):
+        texts = [content]
+    elif isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" for p in content
+    ):
+        texts = [str(p.get("text", "")) for p in content]
+    else:
+        return False
     return (
         turn.get("role") == "user"
-        and text_only
+        # The rendered prompt comes back as a C string: a NUL would end it there.
+        and not any("\x00" in t for t in texts)
         and job.get("stream", True) is False
         and not job.get("stop")
         and not (job.get("tools") or job.get("raw"))
@@ -286,7 +291,11 @@ class PlainSession:
         )
 
     def send_message(self, message: Any) -> dict[str, Any]:
-        self.session.run_prefill([self.template.render_message_to_string(message)])
+        prompt = self.template.render_message_to_string(message)
+        if not prompt:
+            # The runtime could not render it (it says "" then): a conversation tells why.
+            raise RuntimeError("the template conversation rendered no prompt")
+        self.session.run_prefill([prompt])
         texts = self.session.run_decode().texts
         return {"role": "assistant", "content": texts[0] if texts else ""}
 
