@@ -29,17 +29,28 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ROUTE_MODULES = [system, models, downloads, engines, admin, openai, report, guards]
 
 
-def error_response(err: ModeldError) -> web.Response:
-    """The JSON error body with the error's status (and Retry-After when busy)."""
+def _wants_openai_shape(request: web.Request) -> bool:
+    """Whether the request is on an OpenAI route (``/v1/...``), whose errors add ``type``."""
+    return request.path == "/v1" or request.path.startswith("/v1/")
+
+
+def error_response(err: ModeldError, openai_shape: bool = False) -> web.Response:
+    """The JSON error body with the error's status (and Retry-After when busy); with
+    ``openai_shape``, in OpenAI's shape (``type`` and ``param`` added)."""
     headers = {}
     if isinstance(err, Busy):
         headers["Retry-After"] = str(max(1, round(err.retry_after)))
     if isinstance(err, Unauthorized):
         headers["WWW-Authenticate"] = 'Bearer realm="modeld"'
+    if openai_shape:
+        shaped = openai.error_body(err.status, err.code, err.message)
+        return web.json_response(shaped, status=err.status, headers=headers)
     return web.json_response(err.to_dict(), status=err.status, headers=headers)
 
 
-def _plain_error(status: int, code: str, message: str) -> web.Response:
+def _plain_error(status: int, code: str, message: str, openai_shape: bool) -> web.Response:
+    if openai_shape:
+        return web.json_response(openai.error_body(status, code, message), status=status)
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
 
 
@@ -49,10 +60,13 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
     started = time.perf_counter()
     route = request.match_info.route.resource
     route_name = route.canonical if route is not None else "unmatched"
+    # Errors raised before an OpenAI route's handler (no key, a refused origin, no such
+    # route or method) reach OpenAI clients too: the same shape as the handlers' own.
+    shape = _wants_openai_shape(request)
     try:
         response = await handler(request)
     except ModeldError as e:
-        response = error_response(e)
+        response = error_response(e, shape)
     except web.HTTPException as e:
         code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
             e.status, "bad_request" if e.status < 500 else "internal"
@@ -63,21 +77,21 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
             413: f"request body over MODELD_MAX_BODY ({format_size(services.settings.max_body)}); "
             "send smaller images or fewer of them",
         }.get(e.status, e.reason)
-        response = _plain_error(e.status, code, message)
+        response = _plain_error(e.status, code, message, shape)
     except (OSError, sqlite3.OperationalError) as e:
         full = disk_full(e)
         if full is None:
             logging.getLogger("modeld").exception(
                 "unhandled error on %s %s", request.method, request.path
             )
-            response = _plain_error(500, "internal", "internal error; see the daemon's log")
+            response = _plain_error(500, "internal", "internal error; see the daemon's log", shape)
         else:
-            response = error_response(full)
+            response = error_response(full, shape)
     except Exception:
         logging.getLogger("modeld").exception(
             "unhandled error on %s %s", request.method, request.path
         )
-        response = _plain_error(500, "internal", "internal error; see the daemon's log")
+        response = _plain_error(500, "internal", "internal error; see the daemon's log", shape)
     elapsed = time.perf_counter() - started
     metrics = services.metrics
     metrics.child(metrics.http_requests, route_name, str(response.status)).inc()

@@ -241,6 +241,34 @@ def test_openai_package_over_tcp_with_a_key(tcp: Tcp) -> None:
         stranger.models.list()
 
 
+def test_errors_before_an_openai_handler_are_in_openai_shape(tcp: Tcp) -> None:
+    """On /v1 routes, a missing key (401), a use key on no such route (404) or method (405),
+    and a refused origin (403) answer in OpenAI's error shape, as the handlers' own errors
+    do; the native routes keep modeld's."""
+    evil = {"Origin": "http://evil.test", "Access-Control-Request-Method": "POST"}
+    answers = [
+        tcp.request("GET", "/v1/models"),
+        tcp.request("GET", "/v1/no-such-route", key=tcp.use_key),
+        tcp.request("PUT", "/v1/chat/completions", key=tcp.use_key, body={}),
+        tcp.request("OPTIONS", "/v1/chat/completions", headers=evil),
+    ]
+    assert [status for status, _, _ in answers] == [401, 404, 405, 403]
+    for _, _, body in answers:
+        error = body["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] is None, body
+        assert error["code"] and error["message"]
+    assert answers[0][1]["www-authenticate"].startswith("Bearer")
+    stranger = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{tcp.port}/v1", api_key="mdk_" + "C" * 43, max_retries=0
+    )
+    with pytest.raises(openai.AuthenticationError) as raised:
+        stranger.models.list()
+    assert raised.value.type == "invalid_request_error"
+    assert raised.value.code == "unauthorized"
+    status, _, body = tcp.request("GET", "/api/models")
+    assert status == 401 and set(body["error"]) == {"code", "message"}
+
+
 VERDICT: Any = {
     "type": "json_schema",
     "json_schema": {
