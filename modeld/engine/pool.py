@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from types import TracebackType
@@ -152,6 +153,23 @@ def stopped_error(e: Engine) -> ModeldError:
 
 # Models whose latest runner (and its stderr, up to runner_client.STDERR_LIMIT) is kept.
 LAST_RUNNERS = 16
+
+
+# The runtime's refusal of an embedding input, inside a status line that names its C++ source
+# file and line: only this sentence of it reaches the client.
+_INPUT_OVER_SIGNATURE = re.compile(
+    r"Input sequence length \(\d+\) exceeds maximum supported signature length \(\d+\)"
+)
+
+
+def input_too_long(target: Target, why: str) -> str:
+    """The 413 for an embedding input over the encoder's longest signature."""
+    found = _INPUT_OVER_SIGNATURE.search(why)
+    said = f" ({found.group(0)})" if found else ""
+    return (
+        f"model {target.model_id}: an input is longer than the model takes{said}; "
+        "send shorter inputs"
+    )
 
 
 def prompt_too_long(target: Target, why: str) -> str:
@@ -632,10 +650,7 @@ class Pool:
                 turn.end(time.monotonic())  # the runner reported it: it went on
                 e.tainted = True
                 if err.code == "too_large" and target.spec.kind == "embedding":
-                    raise TooLarge(
-                        f"model {target.model_id}: an input is longer than the model takes "
-                        f"({err.message}); send shorter inputs"
-                    ) from err
+                    raise TooLarge(input_too_long(target, err.message)) from err
                 if err.code == "too_large":
                     raise TooLarge(prompt_too_long(e.target, err.message)) from err
                 cls = BadRequest if err.code == "bad_request" else EngineError
