@@ -172,6 +172,9 @@ def input_too_long(target: Target, why: str) -> str:
     )
 
 
+_RUNTIME_PREFIX = re.compile(r"^(?:\w+Error: )?(?:[A-Z][A-Z_]+: )?")
+
+
 def prompt_too_long(target: Target, why: str) -> str:
     """The 413 for a prompt over the window of the engine made for ``target``.
 
@@ -180,6 +183,8 @@ def prompt_too_long(target: Target, why: str) -> str:
     control. A loaded engine keeps the window it was created with until it is unloaded.
     """
     model = target.model_id
+    # The runtime's sentence, without the exception's class and the status code before it.
+    why = _RUNTIME_PREFIX.sub("", why)
     ceiling = target.file_max_tokens
     window = min(target.max_tokens, ceiling) if ceiling else target.max_tokens
     said = (

@@ -161,6 +161,10 @@ async def test_a_prompt_over_the_window_names_the_entry_limit(limited: InProcess
             exact.value.message
         )
         assert "200 >= 200" in exact.value.message
+        # The runtime's sentence, without "RuntimeError: INVALID_ARGUMENT: " before it.
+        assert "(the prompt and at least one reply token must fit; Input token ids" in (
+            exact.value.message
+        )
         records = [r async for r in c.generate("spec-off", "a " * 188, max_tokens=4)]
         assert records[-1]["tokens"] == 1 and records[-1]["finish"] == "length"
         with pytest.raises(TooLarge) as full:
