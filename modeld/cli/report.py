@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ from modeld.cli.common import (
     json_flag,
 )
 from modeld.config import format_size
+from modeld.errors import ModeldError
 
 TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
@@ -195,6 +198,28 @@ def default_name(model_id: str, at: float) -> str:
     return f"modeld-bug-report-{model_id}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(at))}.md"
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a file beside it, then a rename. A path
+    that cannot be written is one line saying to choose another (no traceback, no half file)."""
+    if path.is_dir():
+        raise ModeldError(
+            f"cannot write the bug report to {path}: it is a directory; give a file name "
+            "with --output"
+        )
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("x", encoding="utf-8") as f:
+            f.write(text)
+        tmp.replace(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ModeldError(
+            f"cannot write the bug report to {path} ({e.strerror or e}); choose a file you "
+            "may write with --output"
+        ) from None
+
+
 def bug_report(ctx: Ctx, model_id: str, output: Path | None, as_json: bool) -> None:
     """Write one file with what an upstream issue about ID needs, and print its path.
 
@@ -204,7 +229,7 @@ def bug_report(ctx: Ctx, model_id: str, output: Path | None, as_json: bool) -> N
     doc = call(ctx, lambda c: c.bug_report(model_id))
     path = output or Path.cwd() / default_name(model_id, doc["generated_at"])
     text = render(doc)
-    path.write_text(text, encoding="utf-8")
+    write_whole(path, text)
     result = {"path": str(path.resolve()), "size": len(text.encode())}
     emit(as_json, result, lambda r: console.print(r["path"], soft_wrap=True, highlight=False))
 

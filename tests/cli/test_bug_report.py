@@ -123,6 +123,32 @@ def test_bug_report_of_an_unknown_model_fails_cleanly(used_daemon: DaemonProcess
     assert out.stdout == ""
 
 
+def test_bug_report_to_a_path_it_cannot_write_says_so_in_one_line(
+    used_daemon: DaemonProcess, short_tmp: Path
+) -> None:
+    """--output in a folder that does not exist, or a folder itself: exit 1, one line naming
+    the path and to choose another, no traceback, no file (nor a half one) left."""
+    work = short_tmp / "work é b"
+    work.mkdir()
+    for target in (work / "no such dir" / "r.md", work):
+        out = subprocess.run(
+            [sys.executable, "-m", "modeld", "bug-report", "tiny-text", "--output", str(target)],
+            env=used_daemon.env,
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 1, out.stderr
+        lines = out.stderr.splitlines()
+        assert len(lines) == 1, out.stderr
+        assert lines[0].startswith(f"modeld: cannot write the bug report to {target}"), lines[0]
+        assert "--output" in lines[0]
+        assert out.stdout == ""
+    assert list(work.iterdir()) == []
+
+
 def test_revision_comes_from_the_pinned_url() -> None:
     """The revision is the commit pinned in the first ``/resolve/<rev>/`` URL, else none."""
     hub = f"https://huggingface.co/org/repo/resolve/{REVISION}/m.litertlm"
