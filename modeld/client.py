@@ -108,6 +108,13 @@ def find_daemon(
 
 
 def _path(model_id: str) -> str:
+    """``model_id`` as one path segment. An empty id is refused here as the daemon refuses
+    any other bad id: its empty segment would name another route (``/api/models/``)."""
+    if not model_id:
+        raise BadRequest(
+            "'' is not a valid model id: letters, digits, '.', '_' and '-', starting with a "
+            "letter or digit, at most 128 characters; see `modeld list`"
+        )
     return quote(model_id, safe="")
 
 

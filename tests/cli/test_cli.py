@@ -123,6 +123,25 @@ def test_ids_with_slashes_get_a_400_not_a_missing_route(daemon_proc) -> None:  #
         assert "no route" not in line, line
 
 
+def test_an_empty_id_is_a_bad_id_not_a_missing_route(daemon_proc) -> None:  # type: ignore[no-untyped-def]
+    """`modeld show ''` (an unset shell variable) is refused as a bad id in one line, exit 1,
+    for every verb that puts the id in the URL; the empty segment named another route."""
+    for args in (
+        ["show", ""],
+        ["rm", ""],
+        ["verify", ""],
+        ["pull", "", "--detach"],
+        ["pull", "", "--cancel"],
+        ["unload", ""],
+        ["bug-report", ""],
+    ):
+        result = daemon_proc.cli(*args)
+        assert result.returncode == 1, (args, result.stderr)
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1, (args, result.stderr)
+        assert lines[0].startswith("modeld: '' is not a valid model id"), (args, lines[0])
+
+
 def test_cli_finds_the_socket_named_in_the_config_file(short_tmp: Path) -> None:
     """A `socket` set only in the config file is where both `serve` binds and the CLI looks."""
     from tests.support.daemon import DaemonProcess, daemon_env
