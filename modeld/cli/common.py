@@ -149,6 +149,21 @@ def in_range(kind: type[N], low: N | None = None, high: N | None = None) -> Call
     return parse
 
 
+def keep_alive_arg(text: str) -> str:
+    """An argument type: a keep-alive the daemon takes (``30s``, ``5m``, ``0``, ``-1``),
+    checked here so that a typo is bad usage (exit 2), and passed on as written."""
+    from modeld.config import parse_duration
+    from modeld.errors import ModeldError
+
+    try:
+        parse_duration(text)
+    except (ValueError, ModeldError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: use e.g. 30s, 5m, 0 or -1 (never)"
+        ) from None
+    return text
+
+
 def existing_file(text: str) -> Path:
     """An argument type: a path to a file that exists and that this user may read."""
     path = Path(text)

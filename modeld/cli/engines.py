@@ -16,6 +16,7 @@ from modeld.cli.common import (
     err_console,
     escape,
     json_flag,
+    keep_alive_arg,
     table,
 )
 from modeld.client import Client
@@ -131,7 +132,11 @@ def load_parser(verbs: Verbs) -> None:
     p.add_argument(
         "--vision", choices=_BACKENDS, help="Also load the vision encoder on this backend."
     )
-    p.add_argument("--keep-alive", help="Idle time before it stops: 30s, 5m, 0, -1 (never).")
+    p.add_argument(
+        "--keep-alive",
+        type=keep_alive_arg,
+        help="Idle time before it stops: 30s, 5m, 0, -1 (never).",
+    )
     p.add_argument("--pin", action="store_true", help="Never evict it for memory.")
     p.add_argument(
         "--allow-unverified", action="store_true", help="Load a file no hash vouched for."

@@ -24,6 +24,7 @@ from modeld.cli.common import (
     existing_file,
     in_range,
     json_flag,
+    keep_alive_arg,
 )
 from modeld.client import Client
 from modeld.errors import ModeldError
@@ -195,7 +196,11 @@ def run_parser(verbs: Verbs) -> None:
         "--temperature", type=in_range(float, 0.0, 100.0), help="Sampling temperature (0: greedy)."
     )
     p.add_argument("--seed", type=in_range(int, 0, 2**31 - 1), help="Sampling seed (repeatable).")
-    p.add_argument("--keep-alive", help="Idle time before the engine stops: 30s, 5m, 0, -1.")
+    p.add_argument(
+        "--keep-alive",
+        type=keep_alive_arg,
+        help="Idle time before the engine stops: 30s, 5m, 0, -1.",
+    )
     p.add_argument(
         "--allow-unverified", action="store_true", help="Use a file no hash vouched for."
     )

@@ -356,6 +356,19 @@ def test_import_of_a_file_that_is_no_model_says_to_choose_one(tiny: Tiny, short_
     ]
 
 
+def test_a_keep_alive_that_is_no_duration_is_bad_usage(tiny: Tiny) -> None:
+    """`load`/`run --keep-alive forever` is bad usage, exit 2, with what a keep-alive looks
+    like (it was exit 1, as a refusal); nothing is generated."""
+    for args in (
+        ["load", "tiny-text", "--keep-alive", "forever"],
+        ["run", "tiny-text", "hello", "--keep-alive", "5 min"],
+    ):
+        result = _tiny_cli(tiny, *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert "is not a duration: use e.g. 30s, 5m, 0 or -1" in result.stderr, result.stderr
+        assert result.stdout == ""
+
+
 def test_cancel_with_no_pull_running_says_so(tiny: Tiny) -> None:
     """`modeld pull ID --cancel` with nothing running says that no pull of ID is running, and
     points at no command that would start one."""
