@@ -136,9 +136,17 @@ def read_keys(path: Path, owners: set[int] | None = None) -> list[ApiKey]:
             f"cannot read the API keys file {path} ({e.strerror}); run the command as the "
             "daemon's user, or fix the file's owner"
         ) from None
-    with os.fdopen(fd, "rb") as f:
-        _check_private(path, os.fstat(f.fileno()), owners)
-        raw = f.read(_MAX_FILE_BYTES + 1)
+    try:
+        # Checked before reading: a directory opens, and only its read fails.
+        _check_private(path, os.fstat(fd), owners)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(_MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise SettingsError(
+            f"cannot read the API keys file {path} ({e.strerror}); point it at a readable file"
+        ) from None
+    finally:
+        os.close(fd)
     if len(raw) > _MAX_FILE_BYTES:
         raise SettingsError(f"API keys file {path} is over 1 MiB; it is not a keys file")
     return _parse(path, raw) if raw.strip() else []

@@ -369,6 +369,22 @@ def test_a_keep_alive_that_is_no_duration_is_bad_usage(tiny: Tiny) -> None:
         assert result.stdout == ""
 
 
+def test_a_keys_file_that_is_a_directory_is_one_line_for_key_verbs(
+    tiny: Tiny, short_tmp: Path
+) -> None:
+    """MODELD_API_KEYS_FILE naming a directory: `key add|list|rm` say it is no regular file
+    in one line, exit 2 (bad settings); it was a traceback (IsADirectoryError)."""
+    folder = short_tmp / "keys dir é"
+    folder.mkdir()
+    for args in (["key", "add", "app2"], ["key", "list"], ["key", "rm", "app"]):
+        result = _tiny_cli(tiny, *args, MODELD_API_KEYS_FILE=str(folder))
+        assert result.returncode == 2, (args, result.stderr)
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1, (args, result.stderr)
+        assert lines[0] == f"modeld: API keys file {folder} is not a regular file; point it at one"
+    assert list(folder.iterdir()) == []
+
+
 def test_cancel_with_no_pull_running_says_so(tiny: Tiny) -> None:
     """`modeld pull ID --cancel` with nothing running says that no pull of ID is running, and
     points at no command that would start one."""

@@ -195,6 +195,24 @@ def test_a_keys_file_the_daemon_refuses_is_a_503_not_a_bad_key(tcp: Tcp) -> None
     assert tcp.request("GET", "/api/models", key=tcp.use_key)[0] == 200
 
 
+def test_a_keys_file_that_became_a_directory_is_a_503(tcp: Tcp) -> None:
+    """The keys file replaced by a directory: the daemon refuses it as it refuses a file it
+    cannot trust (503 keys_unusable, `modeld status` says why), not a 500 per request."""
+    path = tcp.daemon.home / "api-keys"
+    aside = path.with_name("api-keys.aside")
+    path.rename(aside)
+    path.mkdir()
+    try:
+        status, _, body = tcp.request("GET", "/api/models", key=tcp.use_key)
+        assert status == 503 and body["error"]["code"] == "keys_unusable", body
+        shown = tcp.daemon.cli("status")
+        assert "is not a regular file" in shown.stdout + shown.stderr, shown
+    finally:
+        path.rmdir()
+        aside.rename(path)
+    assert tcp.request("GET", "/api/models", key=tcp.use_key)[0] == 200
+
+
 def test_cors_only_for_listed_origins(tcp: Tcp) -> None:
     """A listed origin gets its preflight (no key needed) and CORS headers, on errors too; any
     other origin gets neither."""
