@@ -176,6 +176,15 @@ def existing_file(text: str) -> Path:
     return path
 
 
+def data_file(text: str) -> Path:
+    """An argument type: as ``existing_file``, and no device: the CLI reads it whole, and
+    ``/dev/zero`` never ends. A pipe (``<(curl ...)``) is taken."""
+    path = existing_file(text)
+    if path.is_char_device() or path.is_block_device():
+        raise argparse.ArgumentTypeError(f"{text!r} is a device, not a file; give an image file")
+    return path
+
+
 # rich's markup: a tag is [style] or [/...]; a backslash before it makes it literal text.
 _TAG = re.compile(r"(\\*)\[([a-z#/@][^[]*?)]")
 _ESCAPE = re.compile(r"(\\*)(\[[a-z#/@][^[]*?])")

@@ -52,6 +52,15 @@ def test_the_timing_line_is_one_line_on_a_pipe(tiny: Tiny) -> None:
     assert len(lines) == 1 and lines[0].startswith("[") and "total" in lines[0]
 
 
+def test_an_image_that_is_a_device_is_bad_usage(tiny: Tiny) -> None:
+    """`--image /dev/zero` is refused before anything is read (exit 2, the path named): the
+    CLI reads an image whole, and that read never ended while memory grew."""
+    result = _cli(tiny, "run", "tiny-text", "hi", "--image", "/dev/zero")
+    assert result.returncode == 2, result.stderr
+    assert "'/dev/zero' is a device, not a file; give an image file" in result.stderr
+    assert result.stdout == ""
+
+
 def test_a_daemon_that_goes_away_mid_reply_is_one_line_not_a_traceback(short_tmp: Path) -> None:
     """A daemon that closes the connection after the first chunk of a reply: the tokens so far
     end their line, then one line says what happened and what to do, exit status 1."""
