@@ -294,6 +294,10 @@ async def run(
                 notifier.stopping("stopping: finishing requests, stopping engines")
             finally:
                 services.stopping = True
+                # Downloads first: a pull stream a client follows ends only with its job, so
+                # the wait for in-flight handlers below lasted the whole shutdown_timeout, and
+                # again as its handler was cancelled. Their partials and journals are kept.
+                await services.downloads.stop()
                 # Stops accepting, waits for in-flight handlers up to shutdown_timeout,
                 # cancels the rest; then leaving ``root`` stops the parts, the last started
                 # first, each even if another failed.

@@ -236,7 +236,12 @@ class Downloads:
         self._stopping = True
         tasks = [j.task for j in self.jobs.values() if j.task is not None]
         for job in list(self.jobs.values()):
-            job.cancel()
+            job.cancel(
+                DownloadError(
+                    f"the daemon stopped during the pull of {job.id}; the partial is kept: "
+                    f"start it again, and `modeld pull {job.id}` resumes"
+                )
+            )
         if tasks:
             await asyncio.wait(tasks, timeout=self.settings.shutdown_timeout)
 

@@ -113,6 +113,52 @@ def test_a_pull_whose_daemon_is_killed_says_to_start_it_and_pull_again(short_tmp
     assert "`modeld pull slow` resumes" in lines[0]
 
 
+def test_a_pull_whose_daemon_is_stopped_is_told_so_at_once(short_tmp: Path) -> None:
+    """SIGTERM (or Ctrl-C of `modeld serve`) while `modeld pull ID` follows the download:
+    the daemon cancels its downloads first, so the pull's stream ends with one line saying
+    the daemon stopped and that `modeld pull ID` resumes, exit 1; the partial stays. The
+    followed stream held the stop for twice MODELD_SHUTDOWN_TIMEOUT, and the CLI said only
+    that the daemon went away."""
+    data = TINY.read_bytes()
+    mirror = ThreadMirror(data, Faults(throttle=2_000))
+    home, registry = short_tmp / "h", short_tmp / "r"
+    digest = hashlib.sha256(data).hexdigest()
+    write_entry(registry, "slow", size=len(data), sha256=digest, urls=[mirror.mirror.url])
+    env = daemon_env(home, MODELD_REGISTRY=str(registry), MODELD_SHUTDOWN_TIMEOUT="60s")
+    d = DaemonProcess(home=home, env=env)
+    d.start()
+    try:
+        pull = subprocess.Popen(
+            [sys.executable, "-m", "modeld", "pull", "slow"],
+            env=d.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+        def pulling() -> bool:
+            with Client(d.socket) as c:
+                return any(
+                    x["state"] == "downloading"
+                    for x in c.request("GET", "/api/downloads")["downloads"]
+                )
+
+        wait_sync(pulling, 30, "the pull running in the daemon")
+        assert d.stop() == 0, d.log()[-3000:]
+        _, err = pull.communicate(timeout=60)
+    finally:
+        if d.proc is not None and d.proc.poll() is None:
+            d.stop(signal.SIGKILL)
+        mirror.close()
+    assert pull.returncode == 1, err
+    lines = err.splitlines()
+    assert lines == [
+        "modeld: the daemon stopped during the pull of slow; the partial is kept: start it "
+        "again, and `modeld pull slow` resumes"
+    ], err
+    assert (home / "partial" / "slow.partial").exists()
+
+
 def test_ids_with_slashes_get_a_400_not_a_missing_route(daemon_proc) -> None:  # type: ignore[no-untyped-def]
     """The CLI escapes ids in URLs, so `pull a/b` is refused as a bad id (exit 1, one line)."""
     for args in (["pull", "a/b", "--detach"], ["pull", "../x", "--cancel"], ["unload", "a/b"]):
