@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from modeld import __version__
 from modeld.cli.common import Formatter, UsageError, VerbParser, Verbs
@@ -120,9 +121,19 @@ def run(argv: list[str]) -> None:
     ns._run(ns, **options)
 
 
+def _open_closed_streams() -> None:
+    """Started with stdout or stderr closed (`modeld run ID hi >&-`, a cron job), Python has
+    None for them: write that output to /dev/null, as to a reader that is gone. It also
+    keeps descriptors 1 and 2 from a socket the CLI opens."""
+    for name in ("stdin", "stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, Path(os.devnull).open("r" if name == "stdin" else "w"))  # noqa: SIM115
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI and turn outcomes into the CLI's exit statuses."""
     args = sys.argv[1:] if argv is None else argv
+    _open_closed_streams()
     try:
         run(args)
     except KeyboardInterrupt:

@@ -265,6 +265,31 @@ def test_output_to_a_pipe_is_never_cut_nor_styled(tiny: Tiny) -> None:
     _tiny_cli(tiny, "unload", "tiny-text", "--grace", "5s")
 
 
+def test_a_closed_stdout_is_a_reader_that_left_not_a_traceback(tiny: Tiny) -> None:
+    """`modeld list >&-` (a cron job, a service with stdout closed): exit 0, the output goes
+    nowhere, errors still reach stderr; Python's None for stdout was a traceback."""
+    for args in (["list"], ["run", "tiny-text", "hi", "--max-tokens", "2"]):
+        result = subprocess.run(
+            ["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "modeld", *args],
+            env=tiny.daemon.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.returncode == 0, (args, result.stderr)
+        assert "Traceback" not in result.stderr, result.stderr
+    gone = subprocess.run(
+        ["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "modeld", "show", "nope"],
+        env=tiny.daemon.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert gone.returncode == 1 and gone.stderr.startswith("modeld: no model 'nope'"), gone
+
+
 def test_shell_completion_offers_the_daemons_model_ids(tiny: Tiny) -> None:
     """Completion's protocol: a model id from the daemon's catalog, a verb."""
     result = _tiny_cli(
