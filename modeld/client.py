@@ -270,6 +270,10 @@ def _cut_off() -> DaemonDisconnected:
     )
 
 
+# What a Unix socket's path may hold (sun_path, less its NUL).
+_SUN_PATH_MAX = 107
+
+
 def _unreachable(where: Endpoint, err: BaseException) -> DaemonUnavailable:
     os_error = getattr(err, "os_error", err)
     denied = isinstance(os_error, OSError) and os_error.errno in (errno.EACCES, errno.EPERM)
@@ -280,8 +284,14 @@ def _unreachable(where: Endpoint, err: BaseException) -> DaemonUnavailable:
             f"no modeld answers on {where} ({err.__class__.__name__}); check MODELD_URL and "
             "that the daemon listens there (MODELD_LISTEN)"
         )
+    if len(os.fsencode(where.socket)) > _SUN_PATH_MAX:
+        return DaemonUnavailable(
+            f"the socket path {where.socket} is longer than the {_SUN_PATH_MAX} bytes a Unix "
+            "socket path may have; pass a shorter one with --socket (or MODELD_SOCKET)"
+        )
+    why = os_error.strerror if isinstance(os_error, OSError) and os_error.strerror else None
     return DaemonUnavailable(
-        f"no modeld answers on {where} ({err.__class__.__name__}); "
+        f"no modeld answers on {where} ({why or err.__class__.__name__}); "
         "start one with `modeld serve` or pass --socket"
     )
 

@@ -62,6 +62,26 @@ def test_no_daemon_one_line_exit_1(short_tmp: Path) -> None:
     assert "modeld serve" in lines[0]
 
 
+def test_no_daemon_says_why_in_words(short_tmp: Path) -> None:
+    """--socket naming a plain file, or a path over the 107 bytes a socket path may hold: one
+    line saying why in words (it named the exception class, OSError for the long path)."""
+    plain_file = short_tmp / "not a socket"
+    plain_file.write_text("")
+    long_path = short_tmp / ("x" * (120 - len(str(short_tmp))))
+    result = _run("--socket", str(plain_file), "status")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == (
+        f"modeld: no modeld answers on {plain_file} (Connection refused); start one with "
+        "`modeld serve` or pass --socket\n"
+    )
+    result = _run("--socket", str(long_path), "status")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == (
+        f"modeld: the socket path {long_path} is longer than the 107 bytes a Unix socket path "
+        "may have; pass a shorter one with --socket (or MODELD_SOCKET)\n"
+    )
+
+
 def test_a_daemon_that_goes_away_mid_answer_is_one_line_for_any_verb(short_tmp: Path) -> None:
     """`status` whose daemon closes after half its answer: one line saying what happened and
     what to do, exit status 1, as for a daemon that is not there at all."""
