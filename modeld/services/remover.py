@@ -178,8 +178,9 @@ class Remover:
             await self.flush_uses()
         if sel.to_budget and self.settings.disk_budget is None:
             raise Refused(
-                "prune --to-budget needs a disk budget: set MODELD_DISK_BUDGET (e.g. 20GB) "
-                "and restart the daemon, or use --unused-for D"
+                'prune --to-budget needs a disk budget: set disk_budget (e.g. "20GB") in '
+                "the config file and reload the daemon (`systemctl reload modeld` or SIGHUP), "
+                "or MODELD_DISK_BUDGET and restart it; or use --unused-for D"
             )
         # Read at call time, so a test can shorten the grace for its own daemon.
         grace = prune.ORPHAN_GRACE

@@ -476,6 +476,18 @@ def test_a_keys_file_that_is_a_directory_is_one_line_for_key_verbs(
     assert list(folder.iterdir()) == []
 
 
+def test_prune_to_budget_without_one_says_to_set_it_and_reload(tiny: Tiny) -> None:
+    """`prune --to-budget` with no disk budget: one line, exit 1, saying to set disk_budget
+    in the config file and reload (it is applied live); it said only to set the variable
+    and restart the daemon."""
+    result = _tiny_cli(tiny, "prune", "--to-budget", "--dry-run")
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "set disk_budget" in lines[0] and "reload the daemon" in lines[0], lines[0]
+    assert "MODELD_DISK_BUDGET" in lines[0], lines[0]
+
+
 def test_cancel_with_no_pull_running_says_so(tiny: Tiny) -> None:
     """`modeld pull ID --cancel` with nothing running says that no pull of ID is running, and
     points at no command that would start one."""
