@@ -3,6 +3,7 @@ pipe, shell completion, logs."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,56 +98,18 @@ def test_a_daemon_that_goes_away_mid_answer_is_one_line_for_any_verb(short_tmp: 
     assert lines[0].startswith("modeld: the daemon closed the connection"), lines[0]
 
 
-def test_a_pull_whose_daemon_is_killed_says_to_start_it_and_pull_again(short_tmp: Path) -> None:
-    """kill -9 of the daemon while `modeld pull ID` follows the download: one line saying the
-    daemon went away and that `modeld pull ID` resumes, exit status 1, no traceback."""
+@contextlib.contextmanager
+def _followed_pull(
+    short_tmp: Path, throttle: int, **env: str
+) -> Iterator[tuple[DaemonProcess, subprocess.Popen[str]]]:
+    """A daemon pulling ``slow`` from a throttled loopback mirror while `modeld pull slow`
+    follows it (yielded once the download runs); the daemon is killed after, if still up."""
     data = TINY.read_bytes()
-    mirror = ThreadMirror(data, Faults(throttle=5_000))
+    mirror = ThreadMirror(data, Faults(throttle=throttle))
     home, registry = short_tmp / "h", short_tmp / "r"
     digest = hashlib.sha256(data).hexdigest()
     write_entry(registry, "slow", size=len(data), sha256=digest, urls=[mirror.mirror.url])
-    d = DaemonProcess(home=home, env=daemon_env(home, MODELD_REGISTRY=str(registry)))
-    d.start()
-    try:
-        pull = subprocess.Popen(
-            [sys.executable, "-m", "modeld", "pull", "slow"],
-            env=d.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-        def pulling() -> bool:
-            with Client(d.socket) as c:
-                return bool(c.request("GET", "/api/downloads")["downloads"])
-
-        wait_sync(pulling, 30, "the pull running in the daemon")
-        d.stop(signal.SIGKILL)
-        _, err = pull.communicate(timeout=60)
-    finally:
-        if d.proc is not None and d.proc.poll() is None:
-            d.stop()
-        mirror.close()
-    assert pull.returncode == 1, err
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("modeld: the daemon went away during the pull of slow"), lines[0]
-    assert "`modeld pull slow` resumes" in lines[0]
-
-
-def test_a_pull_whose_daemon_is_stopped_is_told_so_at_once(short_tmp: Path) -> None:
-    """SIGTERM (or Ctrl-C of `modeld serve`) while `modeld pull ID` follows the download:
-    the daemon cancels its downloads first, so the pull's stream ends with one line saying
-    the daemon stopped and that `modeld pull ID` resumes, exit 1; the partial stays. The
-    followed stream held the stop for twice MODELD_SHUTDOWN_TIMEOUT, and the CLI said only
-    that the daemon went away."""
-    data = TINY.read_bytes()
-    mirror = ThreadMirror(data, Faults(throttle=2_000))
-    home, registry = short_tmp / "h", short_tmp / "r"
-    digest = hashlib.sha256(data).hexdigest()
-    write_entry(registry, "slow", size=len(data), sha256=digest, urls=[mirror.mirror.url])
-    env = daemon_env(home, MODELD_REGISTRY=str(registry), MODELD_SHUTDOWN_TIMEOUT="60s")
-    d = DaemonProcess(home=home, env=env)
+    d = DaemonProcess(home=home, env=daemon_env(home, MODELD_REGISTRY=str(registry), **env))
     d.start()
     try:
         pull = subprocess.Popen(
@@ -164,19 +128,42 @@ def test_a_pull_whose_daemon_is_stopped_is_told_so_at_once(short_tmp: Path) -> N
                 )
 
         wait_sync(pulling, 30, "the pull running in the daemon")
-        assert d.stop() == 0, d.log()[-3000:]
-        _, err = pull.communicate(timeout=60)
+        yield d, pull
     finally:
         if d.proc is not None and d.proc.poll() is None:
             d.stop(signal.SIGKILL)
         mirror.close()
+
+
+def test_a_pull_whose_daemon_is_killed_says_to_start_it_and_pull_again(short_tmp: Path) -> None:
+    """kill -9 of the daemon while `modeld pull ID` follows the download: one line saying the
+    daemon went away and that `modeld pull ID` resumes, exit status 1, no traceback."""
+    with _followed_pull(short_tmp, 5_000) as (d, pull):
+        d.stop(signal.SIGKILL)
+        _, err = pull.communicate(timeout=60)
+    assert pull.returncode == 1, err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("modeld: the daemon went away during the pull of slow"), lines[0]
+    assert "`modeld pull slow` resumes" in lines[0]
+
+
+def test_a_pull_whose_daemon_is_stopped_is_told_so_at_once(short_tmp: Path) -> None:
+    """SIGTERM (or Ctrl-C of `modeld serve`) while `modeld pull ID` follows the download:
+    the daemon cancels its downloads first, so the pull's stream ends with one line saying
+    the daemon stopped and that `modeld pull ID` resumes, exit 1; the partial stays. The
+    followed stream held the stop for twice MODELD_SHUTDOWN_TIMEOUT, and the CLI said only
+    that the daemon went away."""
+    with _followed_pull(short_tmp, 2_000, MODELD_SHUTDOWN_TIMEOUT="60s") as (d, pull):
+        assert d.stop() == 0, d.log()[-3000:]
+        _, err = pull.communicate(timeout=60)
     assert pull.returncode == 1, err
     lines = err.splitlines()
     assert lines == [
         "modeld: the daemon stopped during the pull of slow; the partial is kept: start it "
         "again, and `modeld pull slow` resumes"
     ], err
-    assert (home / "partial" / "slow.partial").exists()
+    assert (short_tmp / "h" / "partial" / "slow.partial").exists()
 
 
 def test_ids_with_slashes_get_a_400_not_a_missing_route(daemon_proc) -> None:  # type: ignore[no-untyped-def]
