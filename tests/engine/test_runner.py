@@ -23,15 +23,17 @@ from modeld.engine.runner.client import Runner, RunnerDied, RunnerError, StderrL
 from modeld.engine.runner.generate import (
     DEFAULT_TOP_K,
     KEPT_THREADS,
+    PlainSession,
     _stream_async,
     classify_json,
+    conversation_args,
     parse_chunk,
     sampler_defaults,
     sampler_fields,
     stream_reply,
     text_of,
 )
-from modeld.modelfile.runtime import CreateSpec
+from modeld.modelfile.runtime import CreateSpec, create_engine
 from tests.support.state import MODELS
 from tests.support.wait import process_gone, until, wait_sync, wait_until
 
@@ -179,18 +181,41 @@ async def test_non_streamed_reply_comes_whole_in_the_final_record(short_tmp: Pat
         await runner.close()
 
 
+def conversation_reply(made: CreateSpec, job: dict[str, Any]) -> tuple[str, int, int]:
+    """The reply a conversation made as the runner makes one gives ``job``, in this process
+    on an engine of its own: text, prompt tokens, reply tokens."""
+    engine = create_engine(made)
+    try:
+        kwargs, last, _, send = conversation_args(job, sampler_defaults(made.path))
+        conversation = engine.create_conversation(**kwargs)
+        parts: list[str] = []
+
+        def on_message(message: dict[str, Any]) -> bool:
+            parts.append(text_of(message))
+            return False
+
+        stream_reply(conversation, last, send, on_message)
+        info = conversation.get_benchmark_info()
+        conversation.close()
+        return "".join(parts), info.last_prefill_token_count, info.last_decode_token_count
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize(
     "model", ["tiny-text", "tiny-text-b", "tiny-text-f32", "tiny-text-long", "gemma3n-like"]
 )
-async def test_a_whole_plain_reply_on_a_bare_session_is_the_conversations(
+async def test_a_plain_reply_on_a_bare_session_is_the_conversations(
     short_tmp: Path, model: str
 ) -> None:
-    """A whole reply to one plain user turn is made on a bare session: same prompt tokens,
-    reply, token count and finish as a conversation gives (a streamed job, which always gets
-    one), with the runtime's default sampler, with a seeded one, and for text parts."""
+    """A reply to one plain user turn, whole or streamed, is made on a bare session: the same
+    text and token counts as a conversation gives (made in this process, on an engine of its
+    own), with the runtime's default sampler, with a seeded one, for text parts, and cut at
+    a stop string."""
+    made = spec(short_tmp, MODELS / f"{model}.litertlm", max_tokens=256)
     runner = await Runner.start()
     try:
-        await runner.create(spec(short_tmp, MODELS / f"{model}.litertlm", max_tokens=256))
+        await runner.create(made)
         parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]
         jobs = [
             ask("hello there", max_tokens=8),
@@ -198,12 +223,23 @@ async def test_a_whole_plain_reply_on_a_bare_session_is_the_conversations(
             {"messages": [{"role": "user", "content": parts}], "max_tokens": 3},
         ]
         for job in jobs:
+            text, prompt_tokens, tokens = conversation_reply(made, job)
             streamed_text, streamed = await collect(runner, {**job, "stream": True})
-            tokens, whole = await collect(runner, {**job, "stream": False})
-            assert whole["conversation"] == "none" and tokens == ""
-            assert whole["text"] == streamed_text
-            for k in ("prompt_tokens", "tokens", "finish"):
-                assert whole[k] == streamed[k], k
+            none, whole = await collect(runner, {**job, "stream": False})
+            assert streamed["conversation"] == whole["conversation"] == "none" and none == ""
+            assert streamed_text == whole["text"] == text
+            for final in (streamed, whole):
+                assert (final["prompt_tokens"], final["tokens"]) == (prompt_tokens, tokens)
+            assert streamed["finish"] == whole["finish"]
+        # A stop string: the reply is cut before it, on the session, streamed or not.
+        text = conversation_reply(made, jobs[1])[0]
+        stop = text[3:6]
+        assert stop and text.index(stop) >= 1
+        for stream in (True, False):
+            got, final = await collect(runner, {**jobs[1], "stop": [stop], "stream": stream})
+            cut = got if stream else final["text"]
+            assert cut == text[: text.index(stop)] and final["finish"] == "stop"
+            assert final["conversation"] == "none"
         # A system message (or any other history) still gets a conversation.
         system = {"role": "system", "content": "be brief"}
         job = {**jobs[0], "stream": False}
@@ -236,8 +272,9 @@ async def test_a_whole_reply_to_a_turn_holding_a_nul_is_the_streamed_ones(
 async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: Path) -> None:
     """After a reply the idle runner makes the next conversation with the same settings; a
     job like the last one gets it (and the same reply for the same seed), another job a
-    fresh one, and a job with history or a system message never one made ahead. A whole
-    reply to one plain turn goes on a bare session: nothing is made ahead for it."""
+    fresh one, and a job with history or a system message never one made ahead. (Its jobs
+    name a penalty: a reply to one plain turn goes on a bare session, and nothing is made
+    ahead for it.)"""
     runner = await Runner.start()
 
     async def prepared() -> bool:
@@ -246,7 +283,7 @@ async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: P
 
     try:
         await runner.create(spec(short_tmp, max_tokens=256))
-        job = ask("hello there", max_tokens=8, seed=3, stream=True)
+        job = ask("hello there", max_tokens=8, seed=3, stream=True, frequency_penalty=0.5)
         first_text, first = await collect(runner, job)
         await until(prepared)
         again_text, again = await collect(runner, job)
@@ -268,13 +305,15 @@ async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: P
         await until(prepared)
         plain_text, plain = await collect(runner, job)
         assert plain["conversation"] == "ready"
-        # A whole reply to the same turn: a bare session and the same reply; the conversation
-        # made ahead waits on for the next streamed job.
+        # The same turn with no penalty, whole or streamed: a bare session; the conversation
+        # made ahead waits on for the next job like the last.
         await until(prepared)
-        _, whole = await collect(runner, {**job, "stream": False})
-        assert whole["conversation"] == "none" and whole["text"] == first_text
+        bare = {k: v for k, v in job.items() if k != "frequency_penalty"}
+        for stream in (False, True):
+            _, on_session = await collect(runner, {**bare, "stream": stream})
+            assert on_session["conversation"] == "none"
         _, plain = await collect(runner, job)
-        assert plain["conversation"] == "ready"
+        assert plain["conversation"] == "ready" and await collect(runner, job)
     finally:
         await runner.close()
 
@@ -289,8 +328,9 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
     runner = await Runner.start()
     try:
         await runner.create(spec(short_tmp, LONG, max_tokens=1280, threads=1))
-        # Streamed: a whole reply to one plain turn goes on a bare session, made in line.
-        alone_job = ask("hello there", max_tokens=5, seed=7, stream=True)
+        # A NUL in the turn: a reply to one plain turn goes on a bare session, made in line.
+        # (A penalty would do as well, but this model's tokenizer fails one: "Invalid token id".)
+        alone_job = ask("hello\x00there", max_tokens=5, seed=7, stream=True)
         alone_text, _ = await collect(runner, alone_job)
         # Long enough (~1,000 tokens, 100 ms or more) that the second job arrives while the
         # first one decodes.
@@ -724,6 +764,53 @@ def test_stream_reply_gives_what_the_public_streaming_api_gives(short_tmp: Path)
     assert kept == KEPT_THREADS
 
 
+def test_a_bare_sessions_stream_is_its_whole_reply(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``PlainSession`` streams the text its whole reply gives, through the runtime's callback
+    and, where a runtime moved that private API, through the public ``run_decode_async``; it
+    stops when asked. A cancel before its decode ends it with nothing: the runtime's streamed
+    decode never called back after a cancel that came during the prefill."""
+    import litert_lm._ffi
+
+    engine = create_engine(spec(short_tmp, max_tokens=256))
+    template = engine.create_conversation()
+    kwargs = {"max_output_tokens": 24}
+    message = {"role": "user", "content": "hello there"}
+
+    def streamed(stop_after: int | None = None, cancel_first: bool = False) -> list[str]:
+        session = PlainSession(engine, template, kwargs)
+        parts: list[str] = []
+
+        def on_message(chunk: dict[str, Any]) -> bool:
+            parts.append(text_of(chunk))
+            return stop_after is not None and len(parts) >= stop_after
+
+        if cancel_first:
+            session.cancel_process()
+        session.stream(message, on_message)
+        session.close()
+        return parts
+
+    try:
+        whole_session = PlainSession(engine, template, kwargs)
+        whole = text_of(whole_session.send_message(message))
+        whole_session.close()
+        fast = streamed()
+        assert len(fast) > 3 and "".join(fast) == whole
+        cut = streamed(stop_after=2)
+        assert len(cut) == 2 and whole.startswith("".join(cut))
+        assert streamed(cancel_first=True) == []
+        monkeypatch.delattr(litert_lm._ffi, "STREAM_CALLBACK_TYPE")
+        assert "".join(streamed()) == whole
+        cut = streamed(stop_after=2)
+        assert len(cut) == 2 and whole.startswith("".join(cut))
+        assert streamed(cancel_first=True) == []
+    finally:
+        template.close()
+        engine.close()
+
+
 def test_a_chunk_reads_as_json_loads_reads_it() -> None:
     """The plain-text shortcut of ``parse_chunk`` gives what ``json.loads`` gives, for text
     the runtime escapes (quotes, backslashes, newlines, control characters), text it does
@@ -757,7 +844,8 @@ def test_the_pinned_runtime_still_has_the_private_streaming_api(short_tmp: Path)
     from modeld.modelfile.runtime import create_engine
 
     version = importlib.metadata.version("litert-lm-api")
-    conversation = create_engine(spec(short_tmp, max_tokens=256)).create_conversation()
+    engine = create_engine(spec(short_tmp, max_tokens=256))
+    conversation = engine.create_conversation()
     try:
         from litert_lm._ffi import STREAM_CALLBACK_TYPE  # noqa: F401
         from litert_lm.conversation import normalize_message  # noqa: F401
@@ -771,6 +859,12 @@ def test_the_pinned_runtime_still_has_the_private_streaming_api(short_tmp: Path)
             getattr(conversation._lib, name)
         for name in ("_create_optional_args", "_delete_optional_args", "_resolve_response_format"):
             getattr(conversation, name)
+        # A bare session's stream (``PlainSession.stream``).
+        session = engine.create_session(apply_prompt_template=False)
+        try:
+            assert session._lib.litert_lm_session_run_decode_async and session._ptr
+        finally:
+            session.close()
     except (ImportError, AttributeError) as e:
         pytest.fail(
             f"litert-lm-api {version} moved the private streaming API that runners use ({e}). "

@@ -711,6 +711,7 @@ class _Child:
                 self._close(conversation)
                 self.clear_error()
                 conversation, constrained, _ = self._open(rid, kwargs, constrained, None)
+                plain = False
         if whole is not None:
             text_parts.append(text_of(whole))
             tool_calls += calls_of(whole)
@@ -731,7 +732,17 @@ class _Child:
                         self.send_token(rid, piece)
                 return stops.hit
 
-            stream_reply(conversation, last, send_kwargs, on_message)
+            try:
+                stream_reply(conversation, last, send_kwargs, on_message)
+            except RuntimeError:
+                if not plain or first_at is not None or rid in self.cancelled:
+                    raise
+                # As for a whole reply: a conversation fails with the runtime's own reason.
+                self._close(conversation)
+                self.clear_error()
+                conversation, constrained, _ = self._open(rid, kwargs, constrained, None)
+                plain = False
+                stream_reply(conversation, last, send_kwargs, on_message)
         tail = stops.flush()
         if tail:
             text_parts.append(tail)
@@ -803,7 +814,7 @@ class _Child:
             final["json"] = classify_json("".join(text_parts), finish, strict)
         if reused:
             final["conversation"] = "ready"
-        elif plain and whole is not None:
+        elif plain:
             final["conversation"] = "none"  # a bare session answered (``PlainSession``)
         self.send(final)
         # After the final record, not before: closing is the runner's business, not the

@@ -7,6 +7,7 @@ Like the child it imports nothing heavy at module level.
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import json
 import secrets
@@ -240,9 +241,9 @@ _PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def session_plain(job: dict[str, Any]) -> bool:
-    """Whether ``job`` is answered on a bare session (``PlainSession``): a whole reply
-    (not streamed, no stop strings) to one user turn of text without a NUL, with no tools,
-    no raw template, no constrained decoding and no penalties."""
+    """Whether ``job`` is answered on a bare session (``PlainSession``): a reply, whole or
+    streamed, to one user turn of text without a NUL, with no tools, no raw template, no
+    constrained decoding and no penalties."""
     messages = job.get("messages")
     if not isinstance(messages, list) or len(messages) != 1 or not isinstance(messages[0], dict):
         return False
@@ -260,8 +261,6 @@ def session_plain(job: dict[str, Any]) -> bool:
         turn.get("role") == "user"
         # The rendered prompt comes back as a C string: a NUL would end it there.
         and not any("\x00" in t for t in texts)
-        and job.get("stream", True) is False
-        and not job.get("stop")
         and not (job.get("tools") or job.get("raw"))
         and job.get("schema") is None
         and job.get("format") != "json"
@@ -270,16 +269,22 @@ def session_plain(job: dict[str, Any]) -> bool:
 
 
 class PlainSession:
-    """A whole reply to one plain user turn (``session_plain``) on a bare runtime session,
-    where a conversation would cost more than the reply's own decode.
+    """A reply to one plain user turn (``session_plain``) on a bare runtime session, where a
+    conversation would cost more than the reply's own decode.
 
     Making a ``Conversation`` takes 0.3 to 0.5 ms of the runtime's time on the 2-core dev box
     (a session 0.01 to 0.02 ms), a fifth of the tiny model's whole 8-token reply. The prompt
     is the one a conversation prefills: the engine's template conversation (made once, never
     sent to) renders the turn with the model's chat template (``render_message_to_string``,
     ~0.06 ms), and the session, told to apply no template of its own, prefills it and
-    decodes. Same tokens in, same reply out: a test compares the two paths on the fixtures.
-    It has the methods of a conversation that the runner calls on a whole reply.
+    decodes, in one call (``send_message``) or chunk by chunk (``stream``). Same tokens in,
+    same reply out: a test compares the two paths on the fixtures. It has the methods of a
+    conversation that the runner calls.
+
+    A cancel that reaches the runtime's session before its decode starts (during the
+    prefill) leaves it so that ``run_decode_async`` never calls back: the runner waited
+    for the reply's end for ever. So until the decode starts a cancel is only noted, and
+    the decode is then not started; once it runs, the runtime's cancel ends it.
     """
 
     def __init__(self, engine: Any, template: Any, kwargs: dict[str, Any]) -> None:
@@ -289,21 +294,79 @@ class PlainSession:
             sampler_config=kwargs.get("sampler_config"),
             max_output_tokens=kwargs.get("max_output_tokens"),
         )
+        self.lock = threading.Lock()  # orders a cancel against the start of the decode
+        self.cancelled = False
+        self.decoding = False
 
-    def send_message(self, message: Any) -> dict[str, Any]:
+    def _prefill(self, message: Any) -> bool:
+        """Prefill the turn's prompt; False when cancelled (nothing is to be decoded)."""
         prompt = self.template.render_message_to_string(message)
         if not prompt:
             # The runtime could not render it (it says "" then): a conversation tells why.
             raise RuntimeError("the template conversation rendered no prompt")
         self.session.run_prefill([prompt])
+        return not self.cancelled
+
+    def send_message(self, message: Any) -> dict[str, Any]:
+        if not self._prefill(message):
+            return {"role": "assistant", "content": ""}
+        with self.lock:
+            if self.cancelled:
+                return {"role": "assistant", "content": ""}
+            self.decoding = True
         texts = self.session.run_decode().texts
         return {"role": "assistant", "content": texts[0] if texts else ""}
+
+    def stream(self, message: Any, on_message: Callable[[dict[str, Any]], bool]) -> None:
+        """The reply chunk by chunk, as ``stream_reply`` gives a conversation's: the
+        runtime's callback calls ``on_message`` with ``{"content": text}`` on its own thread;
+        the reply is cancelled once ``on_message`` returns True. A session's chunk is the
+        bare text (no JSON): read through an incremental UTF-8 decoder, so that a character
+        split over two chunks comes out whole. The callback is the runtime's private API
+        (``Session._lib``, ``STREAM_CALLBACK_TYPE``); a runtime that moved it is driven
+        through ``run_decode_async`` instead."""
+        if not self._prefill(message):
+            return
+        session = self.session
+        try:
+            from litert_lm._ffi import STREAM_CALLBACK_TYPE
+
+            lib = session._lib
+            run = lib.litert_lm_session_run_decode_async
+            pointer = session._ptr
+        except (ImportError, AttributeError):
+            stopped = False
+            with self.lock:
+                if self.cancelled:
+                    return
+                self.decoding = True
+            for response in session.run_decode_async():
+                # Read to the end after a cancel: the runtime is done with the session then.
+                if not stopped and response.texts and on_message({"content": response.texts[0]}):
+                    stopped = True
+                    session.cancel_process()
+            return
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        reply = _Reply(lib, on_message, lambda raw: {"content": decoder.decode(raw)})
+        c_callback = STREAM_CALLBACK_TYPE(reply.callback)
+        # Kept on the session, as the runtime's own code does, while the runtime may call it.
+        session._current_callback = c_callback
+        with self.lock:
+            if self.cancelled:
+                return
+            self.decoding = True
+            if run(pointer, c_callback, None) != 0:
+                raise RuntimeError("litert_lm_session_run_decode_async failed")
+        reply.wait(session.cancel_process)
 
     def get_benchmark_info(self) -> Any:
         return self.session.get_benchmark_info()
 
     def cancel_process(self) -> None:
-        self.session.cancel_process()
+        with self.lock:
+            self.cancelled = True
+            if self.decoding:
+                self.session.cancel_process()
 
     def close(self) -> None:
         self.session.close()
@@ -367,7 +430,13 @@ def keep_thread_state() -> None:
 class _Reply:
     """One streamed reply between the runtime's callback thread and the thread that waits."""
 
-    def __init__(self, lib: Any, on_message: Callable[[dict[str, Any]], bool]) -> None:
+    def __init__(
+        self,
+        lib: Any,
+        on_message: Callable[[dict[str, Any]], bool],
+        parse: Callable[[bytes], dict[str, Any]] = parse_chunk,
+    ) -> None:
+        self.parse = parse  # a chunk's bytes -> its message
         self.get_error = lib.litert_lm_stream_chunk_get_error
         self.get_text = lib.litert_lm_stream_chunk_get_text
         self.is_final = lib.litert_lm_stream_chunk_is_final
@@ -394,7 +463,7 @@ class _Reply:
                 return
             raw = self.get_text(chunk)
             final = bool(self.is_final(chunk))
-            if raw and not self.stop and self.on_message(parse_chunk(raw)):
+            if raw and not self.stop and self.on_message(self.parse(raw)):
                 with self.cv:
                     self.stop = True
                     self.cv.notify()
@@ -436,8 +505,12 @@ def stream_reply(
     callback parses the chunk and calls ``on_message`` itself, on the runtime's thread,
     and this thread only waits for the end. The callback path is the runtime's private
     API (``Conversation._lib``, ``_create_optional_args``, ``STREAM_CALLBACK_TYPE``): a
-    runtime that moved it is driven through ``send_message_async`` instead.
+    runtime that moved it is driven through ``send_message_async`` instead. A bare session
+    (``PlainSession``) streams its own way.
     """
+    if isinstance(conversation, PlainSession):
+        conversation.stream(message, on_message)
+        return
     try:
         from litert_lm._ffi import STREAM_CALLBACK_TYPE
         from litert_lm.conversation import normalize_message
