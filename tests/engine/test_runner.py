@@ -328,8 +328,9 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
     runner = await Runner.start()
     try:
         await runner.create(spec(short_tmp, LONG, max_tokens=1280, threads=1))
-        # A NUL in the turn: a reply to one plain turn goes on a bare session, made in line.
-        # (A penalty would do as well, but this model's tokenizer fails one: "Invalid token id".)
+        # A NUL in the turn keeps the job on a conversation (a reply to one plain turn goes on a
+        # bare session). A penalty would do as well, but this model fails one ("Invalid token
+        # id").
         alone_job = ask("hello\x00there", max_tokens=5, seed=7, stream=True)
         alone_text, _ = await collect(runner, alone_job)
         # Long enough (~1,000 tokens, 100 ms or more) that the second job arrives while the
@@ -343,6 +344,16 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
             assert second[1]["conversation"] == "ready"
             assert second[1]["tokens"] == waiting_job["max_tokens"]
             assert second[0].startswith(alone_text)
+        # A plain turn waits too: its bare session is made, and its prompt rendered, during
+        # that decode; the reply is the one a session made in line gives.
+        plain_job = ask("hello there", max_tokens=5, seed=7, stream=True)
+        plain_text, plain = await collect(runner, plain_job)
+        assert plain["conversation"] == "none"
+        for stream in (True, False):
+            job = {**plain_job, "stream": stream}
+            first, second = await asyncio.gather(collect(runner, long_job), collect(runner, job))
+            assert second[1]["conversation"] == "none ready"
+            assert (second[0] if stream else second[1]["text"]) == plain_text
         # A waiting job cancelled (its caller left) after its conversation was made.
         running = asyncio.ensure_future(collect(runner, long_job))
         left = asyncio.ensure_future(collect(runner, {**alone_job, "max_tokens": 7}))
@@ -380,6 +391,12 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
         text, streamed = both[1]
         assert streamed["conversation"] == "ready" and streamed["tokens"] == 6
         assert text == whole["text"]
+        # A plain turn: its session is made ahead for a streamed job only.
+        plain_job = ask("hello there", max_tokens=5, seed=7)
+        for stream, made in ((True, "none ready"), (False, "none")):
+            job = {**plain_job, "stream": stream}
+            both = await asyncio.gather(collect(runner, long_job), collect(runner, job))
+            assert both[1][1]["conversation"] == made
     finally:
         await runner.close()
 

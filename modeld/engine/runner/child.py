@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import json
 import math
 import os
@@ -60,6 +61,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -590,16 +592,26 @@ class _Child:
             conversation.cancel_process()
         return conversation, constrained, reused
 
-    def _open_session(self, rid: int, kwargs: dict[str, Any]) -> Any:
-        """A ``PlainSession`` for ``rid``, registered so that ``cancel`` can reach it."""
+    def _open_session(self, rid: int, kwargs: dict[str, Any]) -> tuple[Any, bool]:
+        """A ``PlainSession`` for ``rid``, registered so that ``cancel`` can reach it: the one
+        made ahead for it while the last job ran, if any (then True), else one made now."""
         from modeld.engine.runner.generate import PlainSession
 
-        session = PlainSession(self.engine, self.template, kwargs)
+        with self.ready_lock:
+            ready = self.ready
+            if ready is not None and ready[0] == _session_key(rid):
+                self.ready = None
+            else:
+                ready = None
+        session: Any = ready[1].result() if ready is not None else None
+        reused = session is not None
+        if session is None:
+            session = PlainSession(self.engine, self.template, kwargs)
         with self.current_lock:
             self.current = (rid, session)
         if rid in self.cancelled:
             session.cancel_process()
-        return session
+        return session, reused
 
     def _close(self, conversation: Any) -> None:
         """Close the job's conversation (or session) where ``cancel`` cannot reach it.
@@ -691,7 +703,7 @@ class _Child:
         key = None if plain else conversation_key(job)
         conversation: Any
         if plain:
-            conversation, reused = self._open_session(rid, kwargs), False
+            conversation, reused = self._open_session(rid, kwargs)
         else:
             conversation, constrained, reused = self._open(rid, kwargs, constrained, key)
         self.prepare_queued()
@@ -812,10 +824,11 @@ class _Child:
         if job.get("format") == "json" or job.get("schema") is not None:
             strict = job.get("schema") if job.get("strict") else None
             final["json"] = classify_json("".join(text_parts), finish, strict)
-        if reused:
+        if plain:
+            # A bare session answered (``PlainSession``), made ahead for the job or not.
+            final["conversation"] = "none ready" if reused else "none"
+        elif reused:
             final["conversation"] = "ready"
-        elif plain:
-            final["conversation"] = "none"  # a bare session answered (``PlainSession``)
         self.send(final)
         # After the final record, not before: closing is the runner's business, not the
         # client's wait (the next job runs on this same thread, so it starts on a closed one).
@@ -837,12 +850,13 @@ class _Child:
     def prepare_queued(self) -> None:
         """While a job runs, make the conversation of the job waiting next, so that it
         starts the moment this one ends (its first token comes ~0.5 ms sooner after its
-        turn: the runtime's time to make one), as ``_ahead_during_decode`` allows. On the
-        reader thread when a job comes, and on the generate thread when one starts:
-        whichever sees it first. The look at the queue and the claim of the slot are one
-        step under ``ready_lock``, which ``_open`` takes too: a job taken off the queue
-        meanwhile finds the conversation made for it, never one for a job gone. One made
-        ahead for other settings (a job answered on a bare session left it) is closed."""
+        turn: the runtime's time to make one), as ``_ahead_during_decode`` allows; for a
+        job answered on a bare session, its ``PlainSession`` with the prompt rendered
+        (~0.2 ms). On the reader thread when a job comes, and on the generate thread when
+        one starts: whichever sees it first. The look at the queue and the claim of the
+        slot are one step under ``ready_lock``, which ``_open`` and ``_open_session`` take
+        too: a job taken off the queue meanwhile finds what was made for it, never what
+        was made for a job gone. One made ahead for other settings is closed."""
         from modeld.engine.runner.generate import (
             conversation_args,
             conversation_key,
@@ -860,11 +874,22 @@ class _Child:
                 return
             try:
                 if self.template is not None and session_plain(waiting):
-                    return  # answered on a bare session: nothing to make ahead
-                key = conversation_key(waiting)
-                if key is None or waiting.get("id") in self.cancelled:
-                    return
-                kwargs = conversation_args(waiting, self.sampler_defaults)[0]
+                    # Answered on a bare session: made, its prompt rendered, ahead.
+                    if waiting.get("id") in self.cancelled:
+                        return
+                    key = _session_key(waiting.get("id"))
+                    turn = waiting["messages"][0]
+                    make: Callable[[], Any] = functools.partial(
+                        self._make_plain, conversation_args(waiting, self.sampler_defaults)[0], turn
+                    )
+                else:
+                    settings = conversation_key(waiting)
+                    if settings is None or waiting.get("id") in self.cancelled:
+                        return
+                    key = settings
+                    make = functools.partial(
+                        self._make, conversation_args(waiting, self.sampler_defaults)[0]
+                    )
             except Exception:
                 return  # the job fails with the reason when its turn comes, alone
             if self.ready is not None:
@@ -872,12 +897,23 @@ class _Child:
                     return
                 # The one worker runs this after the stale one is made.
                 self.ahead.submit(_close_made, self.ready[1])
-            self.ready = (key, self.ahead.submit(self._make, kwargs))
+            self.ready = (key, self.ahead.submit(make))
 
     def _prepare(self, key: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         with self.ready_lock:
             if self.ready is None:
                 self.ready = (key, self.ahead.submit(self._make, kwargs))
+
+    def _make_plain(self, kwargs: dict[str, Any], turn: Any) -> Any:
+        """On the ``ahead`` thread: a ``PlainSession`` with its prompt rendered, or None (the
+        job makes its own, and says why if that fails too)."""
+        from modeld.engine.runner.generate import PlainSession
+
+        try:
+            return PlainSession(self.engine, self.template, kwargs, turn)
+        except Exception:
+            self.clear_error()
+            return None
 
     def _make(self, kwargs: dict[str, Any]) -> Any:
         """On the ``ahead`` thread: a conversation, or None (the job makes its own, and says
@@ -887,6 +923,11 @@ class _Child:
         except Exception:
             self.clear_error()
             return None
+
+
+def _session_key(rid: Any) -> tuple[Any, ...]:
+    """The ``ready`` key of a bare session made ahead for the waiting job ``rid``."""
+    return ("session", rid)
 
 
 def _close_made(made: Future[Any]) -> None:

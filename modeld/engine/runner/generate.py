@@ -287,7 +287,12 @@ class PlainSession:
     the decode is then not started; once it runs, the runtime's cancel ends it.
     """
 
-    def __init__(self, engine: Any, template: Any, kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, engine: Any, template: Any, kwargs: dict[str, Any], message: Any = None
+    ) -> None:
+        """``message``: the turn, when the session is made ahead for a job that waits (its
+        prompt is rendered now too; the job passes the same turn to ``send_message`` or
+        ``stream``)."""
         self.template = template
         self.session = engine.create_session(
             apply_prompt_template=False,
@@ -297,10 +302,11 @@ class PlainSession:
         self.lock = threading.Lock()  # orders a cancel against the start of the decode
         self.cancelled = False
         self.decoding = False
+        self.prompt = template.render_message_to_string(message) if message is not None else ""
 
     def _prefill(self, message: Any) -> bool:
         """Prefill the turn's prompt; False when cancelled (nothing is to be decoded)."""
-        prompt = self.template.render_message_to_string(message)
+        prompt = self.prompt or self.template.render_message_to_string(message)
         if not prompt:
             # The runtime could not render it (it says "" then): a conversation tells why.
             raise RuntimeError("the template conversation rendered no prompt")
