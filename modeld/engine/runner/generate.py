@@ -268,6 +268,19 @@ def session_plain(job: dict[str, Any]) -> bool:
     )
 
 
+# The template conversation renders prompts on the generate thread and, for a job that
+# waits, on the ``ahead`` thread: two renders at once on one conversation gave a wrong
+# prompt or raised UnicodeDecodeError (1 in 40,000 with two threads rendering in a loop).
+_RENDER_LOCK = threading.Lock()
+
+
+def render(template: Any, message: Any) -> str:
+    """``message`` rendered with the model's chat template by ``template`` (a conversation
+    never sent to), one render at a time; "" when the runtime could not render it."""
+    with _RENDER_LOCK:
+        return str(template.render_message_to_string(message) or "")
+
+
 class PlainSession:
     """A reply to one plain user turn (``session_plain``) on a bare runtime session, where a
     conversation would cost more than the reply's own decode.
@@ -302,11 +315,11 @@ class PlainSession:
         self.lock = threading.Lock()  # orders a cancel against the start of the decode
         self.cancelled = False
         self.decoding = False
-        self.prompt = template.render_message_to_string(message) if message is not None else ""
+        self.prompt = render(template, message) if message is not None else ""
 
     def _prefill(self, message: Any) -> bool:
         """Prefill the turn's prompt; False when cancelled (nothing is to be decoded)."""
-        prompt = self.prompt or self.template.render_message_to_string(message)
+        prompt = self.prompt or render(self.template, message)
         if not prompt:
             # The runtime could not render it (it says "" then): a conversation tells why.
             raise RuntimeError("the template conversation rendered no prompt")
