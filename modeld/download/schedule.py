@@ -368,17 +368,22 @@ class Schedule:
         return None
 
     def _rescue(self) -> None:
-        """While pieces wait in the queue, a piece silent for ``SILENT`` seconds is given up
-        when another mirror is ready: its rest goes to the queue's front and its connection
-        takes other work. Otherwise every connection could sit on a mirror gone silent
-        until the stall timeout, with none free to move the work (the endgame and the
-        hash-front rule run on a free connection). Its mirror's rate drops to what the piece
-        got, so it gets no more work while a faster mirror is there; no strike."""
-        if not self.queue:
+        """While pieces wait in the queue, or while no connection is free, a piece silent
+        for ``SILENT`` seconds is given up when another mirror is ready: its rest goes to
+        the queue's front and its connection takes other work. Otherwise every connection
+        could sit on a mirror gone silent until the stall timeout, with none free to move
+        the work (the endgame and the hash-front rule run on a free connection): with the
+        queue empty and the last four pieces on a mirror that went silent, a pull waited
+        the whole 60 s stall timeout. Its mirror's rate drops to what the piece got, so it
+        gets no more work while a faster mirror is there; no strike. With the queue empty
+        and a connection free, the endgame (``_steal``) moves the work instead."""
+        busy = sum(1 for p in self.inflight if not p.abandoned)
+        if not self.queue and busy < self.connections:
             return
         now = time.monotonic()
         ready, rates = self._rates()
-        for p in list(self.inflight):
+        # Highest first: each rest goes to the queue's front, so they end up in file order.
+        for p in sorted(self.inflight, key=lambda p: p.pos, reverse=True):
             m = p.mirror
             if p.abandoned or p.stream or m is None or not p.last or now - p.last < SILENT:
                 continue

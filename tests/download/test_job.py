@@ -25,6 +25,7 @@ from modeld.download.fetch import Fetcher
 from modeld.download.job import DownloadJob, DownloadState, DownloadTarget, Tuning, memory_job
 from modeld.download.journal import Block, JournalState, MemoryJournal
 from modeld.download.mirrors import MirrorFailure, check_url
+from modeld.download.schedule import Piece, Schedule
 from modeld.errors import DigestConflict, DiskFull, DownloadError, IntegrityError
 from modeld.store.vouches import MemoryVouches, Vouch
 from tests.support.hub import hub
@@ -1020,3 +1021,39 @@ def test_block_crc_matches_zlib() -> None:
         crc = fetch.crc32(data[i : i + 131072 + 5], crc)
     assert crc == zlib.crc32(data)
     assert fetch.crc32(b"") == 0
+
+
+def test_pieces_on_a_silent_mirror_are_moved_when_no_connection_is_free() -> None:
+    """The queue is empty and every connection sits on a piece of a mirror gone silent: the
+    endgame runs only on a free connection, so the rescue gives their rest back to the
+    queue, for the other mirror, long before the stall timeout (a pull waited the whole
+    60 s for the last four pieces). With a connection free, it leaves them to the endgame."""
+    bs = 1024 * 1024
+    silent = mirrors_mod.Mirror(
+        URL("http://127.0.0.1:1/f"), primary=True, state=mirrors_mod.MirrorState.OK
+    )
+    fast = mirrors_mod.Mirror(URL("http://127.0.0.1:2/f"), state=mirrors_mod.MirrorState.OK)
+    silent.conn_rate, fast.conn_rate = 30e6, 20e6
+    schedule = Schedule(
+        size=4 * bs,
+        block_size=bs,
+        piece_size=bs,
+        mirrors=[silent, fast],
+        done=bytearray([1, 1, 0, 0]),
+        connections=2,
+    )
+    was = time.monotonic() - 3  # silent for 3 s
+    pieces = [
+        Piece(i * bs, (i + 1) * bs, i * bs, mirror=silent, began=was, last=was) for i in (2, 3)
+    ]
+    schedule.inflight.add(pieces[0])
+    schedule._rescue()  # one connection is free: the endgame's work
+    assert not schedule.queue and not pieces[0].abandoned
+    schedule.inflight.add(pieces[1])
+    schedule._rescue()  # none is free
+    assert all(p.abandoned for p in pieces) and not schedule.inflight
+    # In file order: the piece holding the hash front first.
+    assert [(p.pos, p.end) for p in schedule.queue] == [(2 * bs, 3 * bs), (3 * bs, 4 * bs)]
+    assert silent.conn_rate == 1.0 and silent.strikes == 0
+    mirror, piece = schedule._next_piece() or (None, None)
+    assert mirror is fast and piece is not None and piece.pos == 2 * bs
