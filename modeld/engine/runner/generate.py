@@ -270,7 +270,7 @@ def session_plain(job: dict[str, Any]) -> bool:
 
 # The template conversation renders prompts on the generate thread and, for a job that
 # waits, on the ``ahead`` thread: two renders at once on one conversation gave a wrong
-# prompt or raised UnicodeDecodeError (1 in 40,000 with two threads rendering in a loop).
+# prompt or raised UnicodeDecodeError (6 to 8 in 40,000 with two threads rendering in a loop).
 _RENDER_LOCK = threading.Lock()
 
 
@@ -289,7 +289,7 @@ class PlainSession:
     (a session 0.01 to 0.02 ms), a fifth of the tiny model's whole 8-token reply. The prompt
     is the one a conversation prefills: the engine's template conversation (made once, never
     sent to) renders the turn with the model's chat template (``render_message_to_string``,
-    ~0.06 ms), and the session, told to apply no template of its own, prefills it and
+    0.06 to 0.14 ms), and the session, told to apply no template of its own, prefills it and
     decodes, in one call (``send_message``) or chunk by chunk (``stream``). Same tokens in,
     same reply out: a test compares the two paths on the fixtures. It has the methods of a
     conversation that the runner calls.
