@@ -613,6 +613,17 @@ class _Child:
             session.cancel_process()
         return session, reused
 
+    def _reopen(
+        self, rid: int, failed: Any, kwargs: dict[str, Any], constrained: bool
+    ) -> tuple[Any, bool]:
+        """A conversation made now for ``rid``, in place of ``failed`` (one whose reply the
+        runtime refused): the reply is made again on it, and fails, if it does, with the
+        runtime's own reason. The conversation and whether decoding is constrained."""
+        self._close(failed)
+        self.clear_error()
+        conversation, constrained, _ = self._open(rid, kwargs, constrained, None)
+        return conversation, constrained
+
     def _close(self, conversation: Any) -> None:
         """Close the job's conversation (or session) where ``cancel`` cannot reach it.
 
@@ -720,9 +731,7 @@ class _Child:
         if not streamed and not stops.stops:
             whole = self._whole_reply(rid, conversation, last, **send_kwargs)
             if whole is None:
-                self._close(conversation)
-                self.clear_error()
-                conversation, constrained, _ = self._open(rid, kwargs, constrained, None)
+                conversation, constrained = self._reopen(rid, conversation, kwargs, constrained)
                 plain = False
         if whole is not None:
             text_parts.append(text_of(whole))
@@ -749,10 +758,7 @@ class _Child:
             except RuntimeError:
                 if not plain or first_at is not None or rid in self.cancelled:
                     raise
-                # As for a whole reply: a conversation fails with the runtime's own reason.
-                self._close(conversation)
-                self.clear_error()
-                conversation, constrained, _ = self._open(rid, kwargs, constrained, None)
+                conversation, constrained = self._reopen(rid, conversation, kwargs, constrained)
                 plain = False
                 stream_reply(conversation, last, send_kwargs, on_message)
         tail = stops.flush()

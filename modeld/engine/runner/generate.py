@@ -317,22 +317,28 @@ class PlainSession:
         self.decoding = False
         self.prompt = render(template, message) if message is not None else ""
 
-    def _prefill(self, message: Any) -> bool:
-        """Prefill the turn's prompt; False when cancelled (nothing is to be decoded)."""
+    def _prefill(self, message: Any) -> None:
         prompt = self.prompt or render(self.template, message)
         if not prompt:
             # The runtime could not render it (it says "" then): a conversation tells why.
             raise RuntimeError("the template conversation rendered no prompt")
         self.session.run_prefill([prompt])
-        return not self.cancelled
 
-    def send_message(self, message: Any) -> dict[str, Any]:
-        if not self._prefill(message):
-            return {"role": "assistant", "content": ""}
+    def _begin(self, start: Callable[[], None] | None = None) -> bool:
+        """Mark the decode begun, unless a cancel came first (then False). ``start`` runs
+        under the lock, so that a cancel that comes meanwhile reaches a running decode."""
         with self.lock:
             if self.cancelled:
-                return {"role": "assistant", "content": ""}
+                return False
             self.decoding = True
+            if start is not None:
+                start()
+        return True
+
+    def send_message(self, message: Any) -> dict[str, Any]:
+        self._prefill(message)
+        if not self._begin():
+            return {"role": "assistant", "content": ""}
         texts = self.session.run_decode().texts
         return {"role": "assistant", "content": texts[0] if texts else ""}
 
@@ -344,8 +350,7 @@ class PlainSession:
         split over two chunks comes out whole. The callback is the runtime's private API
         (``Session._lib``, ``STREAM_CALLBACK_TYPE``); a runtime that moved it is driven
         through ``run_decode_async`` instead."""
-        if not self._prefill(message):
-            return
+        self._prefill(message)
         session = self.session
         try:
             from litert_lm._ffi import STREAM_CALLBACK_TYPE
@@ -355,10 +360,8 @@ class PlainSession:
             pointer = session._ptr
         except (ImportError, AttributeError):
             stopped = False
-            with self.lock:
-                if self.cancelled:
-                    return
-                self.decoding = True
+            if not self._begin():
+                return
             for response in session.run_decode_async():
                 # Read to the end after a cancel: the runtime is done with the session then.
                 if not stopped and response.texts and on_message({"content": response.texts[0]}):
@@ -370,13 +373,13 @@ class PlainSession:
         c_callback = STREAM_CALLBACK_TYPE(reply.callback)
         # Kept on the session, as the runtime's own code does, while the runtime may call it.
         session._current_callback = c_callback
-        with self.lock:
-            if self.cancelled:
-                return
-            self.decoding = True
+
+        def start() -> None:
             if run(pointer, c_callback, None) != 0:
                 raise RuntimeError("litert_lm_session_run_decode_async failed")
-        reply.wait(session.cancel_process)
+
+        if self._begin(start):
+            reply.wait(session.cancel_process)
 
     def get_benchmark_info(self) -> Any:
         return self.session.get_benchmark_info()
