@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from modeld.client import AsyncClient  # noqa: E402
 from modeld.engine.runner.child import read_memory  # noqa: E402
 from modeld.engine.runner.client import Runner  # noqa: E402
+from modeld.engine.runner.job import GenerateJob, Options  # noqa: E402
 from modeld.modelfile.runtime import CreateSpec  # noqa: E402
 from tests.support.daemon import DaemonProcess, daemon_env  # noqa: E402
 from tests.support.state import install_fixture  # noqa: E402
@@ -89,7 +90,7 @@ async def runner_alone(runs: int, cache: Path) -> list[float]:
     r = await Runner.start()
     try:
         await r.create(CreateSpec(path=str(MODEL), backend="cpu", cache_dir=str(cache)))
-        job = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": TOKENS}
+        job = GenerateJob(({"role": "user", "content": PROMPT},), Options(max_tokens=TOKENS))
         out = []
         for i in range(runs + 3):
             t = time.perf_counter()

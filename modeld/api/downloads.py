@@ -13,7 +13,7 @@ from aiohttp import web
 from modeld.api.access import on_unix_socket
 from modeld.api.connections import peer_of
 from modeld.api.requests import ImportBody, PullBody, PullSourceBody, read_body
-from modeld.api.stream import ndjson
+from modeld.api.stream import as_is, ndjson
 from modeld.errors import BadRequest, Forbidden
 from modeld.services.parts import Services
 
@@ -103,7 +103,7 @@ def add_routes(app: web.Application, services: Services) -> None:
         )
         if body.detach or body.stream is False:
             return web.json_response(started.snapshot())
-        return await ndjson(request, started.records())
+        return await ndjson(request, started.records(), as_is)
 
     async def pull_source(request: web.Request) -> web.StreamResponse:
         body = await read_body(request, PullSourceBody)
@@ -112,7 +112,7 @@ def add_routes(app: web.Application, services: Services) -> None:
         )
         if body.detach or body.stream is False:
             return web.json_response(started.snapshot())
-        return await ndjson(request, started.records())
+        return await ndjson(request, started.records(), as_is)
 
     async def index(_: web.Request) -> web.Response:
         return web.json_response({"downloads": downloads.list()})

@@ -7,6 +7,8 @@ generation go through the ``Inference`` service, which the OpenAI routes share.
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from modeld.api import access, requests
@@ -15,6 +17,7 @@ from modeld.api.requests import GenerateBody, LoadBody
 from modeld.api.stream import ndjson
 from modeld.config import parse_duration
 from modeld.errors import BadRequest
+from modeld.services.inference import Done, Final, Token
 from modeld.services.parts import Services
 
 
@@ -33,6 +36,11 @@ def unload_grace(text: str | None) -> float | None:
             "to refuse at once what has not ended"
         )
     return grace
+
+
+def generation_json(record: Token | Final[Done]) -> dict[str, Any]:
+    """A generation record on the native API: ``{"token": ...}``, then the final record."""
+    return {"token": record.text} if isinstance(record, Token) else record.to_json()
 
 
 def add_routes(app: web.Application, services: Services) -> None:
@@ -68,7 +76,7 @@ def add_routes(app: web.Application, services: Services) -> None:
             _, records = await inference.generate(
                 requests.from_native(body), may_shorten_keep_alive=access.administers(request)
             )
-            return await ndjson(request, records)
+            return await ndjson(request, records, generation_json)
 
     app.router.add_get("/api/engines", list_engines)
     app.router.add_post("/api/engines", load)

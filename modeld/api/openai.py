@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -58,10 +59,21 @@ from modeld.api.requests import INT32, Backends, Duration, ModelId, Number
 from modeld.errors import (
     BadRequest,
     Busy,
+    EngineError,
     ModeldError,
     TooLarge,
 )
-from modeld.services.inference import Generation, Turn
+from modeld.services.inference import (
+    Done,
+    Embedded,
+    Final,
+    Generation,
+    Options,
+    Shape,
+    Token,
+    ToolCall,
+    Turn,
+)
 from modeld.services.parts import Services
 
 SSE = "text/event-stream"
@@ -70,6 +82,7 @@ MAX_EMBEDDING_INPUTS = 2048
 _DONE = b"data: [DONE]\n\n"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Records = AsyncGenerator[Token | Final[Done], None]
 
 
 class _Loose(BaseModel):
@@ -385,7 +398,7 @@ def _turn(i: int, m: ChatMessage, names: dict[str, str]) -> Turn:
             parts = m.content or []
             text = "\n".join(p.text for p in parts if isinstance(p, TextPart))
         return Turn("tool", text, name=names[m.tool_call_id])
-    calls = []
+    calls: list[ToolCall] = []
     for j, call in enumerate(m.tool_calls or []):
         if role != "assistant":
             raise BadRequest(f'{where}.tool_calls": only assistant messages make tool calls')
@@ -433,70 +446,74 @@ def forced_call_schema(tools: list[ToolDef], name: str | None) -> dict[str, Any]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def _sampling(body: _Sampled) -> dict[str, Any]:
-    return {
-        "model": body.model,
-        "max_tokens": body.max_tokens,
-        "temperature": body.temperature,
-        "top_k": body.top_k,
-        "top_p": body.top_p,
-        "seed": body.seed,
-        "stop": requests.stops(body.stop),
-        "presence_penalty": body.presence_penalty,
-        "frequency_penalty": body.frequency_penalty,
-        "repetition_penalty": body.repetition_penalty,
-        "stream": bool(body.stream),
-        "keep_alive": body.keep_alive,
-        "allow_unverified": body.allow_unverified,
-        "backends": body.backends.model_dump(exclude_none=True) if body.backends else None,
-    }
+def _generation(body: _Sampled, turns: list[Turn], shape: Shape) -> Generation:
+    """The ``Generation`` of either completion body: its sampling fields, ``turns`` and
+    ``shape`` (stop strings and streaming are added here)."""
+    return Generation(
+        model=body.model,
+        turns=turns,
+        options=Options.picked(body),
+        shape=dataclasses.replace(
+            shape, stop=tuple(requests.stops(body.stop)), stream=bool(body.stream)
+        ),
+        keep_alive=body.keep_alive,
+        allow_unverified=body.allow_unverified,
+        backends=body.backends.model_dump(exclude_none=True) if body.backends else None,
+    )
 
 
 def generation_of(body: ChatBody) -> tuple[Generation, bool]:
     """A chat completion body as the native ``Generation``, and whether a call is forced."""
     names: dict[str, str] = {}
     turns = [_turn(i, m, names) for i, m in enumerate(body.messages)]
-    gen = Generation(turns=turns, **_sampling(body))
-    gen.max_tokens = body.max_completion_tokens or body.max_tokens
+    shape = Shape()
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
-        gen.format = "json"
+        shape = Shape(json=True)
     elif fmt is not None and fmt.json_schema is not None:
-        gen.schema = fmt.json_schema.schema_ or {"type": "object"}
-        gen.strict = bool(fmt.json_schema.strict)
-        gen.schema_of = "response_format.json_schema.schema"
-        requests.check_json_schema(gen.schema, gen.schema_of)
+        schema = fmt.json_schema.schema_ or {"type": "object"}
+        where = "response_format.json_schema.schema"
+        requests.check_json_schema(schema, where)
+        shape = Shape(schema=schema, strict=bool(fmt.json_schema.strict), schema_of=where)
     choice = body.tool_choice
     if choice is not None and not body.tools:
         raise BadRequest('"tool_choice": needs "tools"')
     forced = False
     if body.tools and choice != "none":
-        gen.tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        tools = tuple(t.model_dump(exclude_none=True) for t in body.tools)
+        shape = dataclasses.replace(shape, tools=tools)
         if choice == "required" or isinstance(choice, NamedTool):
-            if gen.schema is not None or gen.format is not None:
+            if shape.constrained:
                 raise BadRequest(
                     '"response_format": cannot be combined with a required tool call; '
                     "the reply is then the call"
                 )
             name = choice.function.name if isinstance(choice, NamedTool) else None
-            gen.schema = forced_call_schema(body.tools, name)
-            gen.strict = True
-            gen.schema_of = "tools[].function.parameters"
+            shape = dataclasses.replace(
+                shape,
+                schema=forced_call_schema(body.tools, name),
+                strict=True,
+                schema_of="tools[].function.parameters",
+            )
             forced = True
+    gen = _generation(body, turns, shape)
+    # OpenAI's newer name wins over the older one.
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    gen.options = dataclasses.replace(gen.options, max_tokens=max_tokens)
     return gen, forced
 
 
 def completion_generation(body: CompletionBody) -> Generation:
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-    return Generation(turns=[Turn("user", prompt)], raw=True, **_sampling(body))
+    return _generation(body, [Turn("user", prompt)], Shape(raw=True))
 
 
 # --- responses ----------------------------------------------------------------------------------
 
 
-def usage_of(final: dict[str, Any]) -> dict[str, int]:
+def usage_of(final: Final[Done]) -> dict[str, int]:
     """OpenAI usage from the runner's final record (prefill and decode token counts)."""
-    prompt, completion = int(final.get("prompt_tokens") or 0), int(final.get("tokens") or 0)
+    prompt, completion = final.result.prompt_tokens, final.result.tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -504,22 +521,21 @@ def usage_of(final: dict[str, Any]) -> dict[str, int]:
     }
 
 
-def _extension(final: dict[str, Any]) -> dict[str, Any]:
+def _extension(final: Final[Done]) -> dict[str, Any]:
     """modeld's own fields: engine, phase timings and, for JSON output, the diagnostics."""
-    out = {"engine": final.get("engine"), "timings": final.get("timings")}
-    if "json" in final:
-        out["json"] = final["json"]
-    return out
+    doc = final.to_json()
+    return {k: doc[k] for k in ("engine", "timings", "json") if k in doc}
 
 
-def tool_calls_of(final: dict[str, Any], text: str, forced: bool) -> list[dict[str, Any]]:
+def tool_calls_of(final: Final[Done], text: str, forced: bool) -> list[dict[str, Any]]:
     """The reply's tool calls in OpenAI's shape: the runtime's, or a forced reply as one call.
 
     A forced reply was constrained to the call's schema and validated against it; one cut
     short (``max_tokens``) is no call, and its text is returned as content instead.
     """
-    calls = list(final.get("tool_calls") or [])
-    if forced and (final.get("json") or {}).get("status") == "complete":
+    calls = list(final.result.tool_calls)
+    check = final.result.json
+    if forced and check is not None and check["status"] == "complete":
         doc = json.loads(text)
         calls = [{"name": doc["name"], "arguments": doc["arguments"]}]
     return [
@@ -532,10 +548,10 @@ def tool_calls_of(final: dict[str, Any], text: str, forced: bool) -> list[dict[s
     ]
 
 
-def _finish(final: dict[str, Any], calls: list[dict[str, Any]]) -> str:
+def _finish(final: Final[Done], calls: list[dict[str, Any]]) -> str:
     if calls:
         return "tool_calls"
-    return "length" if final.get("finish") == "length" else "stop"
+    return "length" if final.result.finish == "length" else "stop"
 
 
 def _compact(doc: dict[str, Any]) -> bytes:
@@ -559,7 +575,7 @@ class _Reply:
         self.created = int(time.time())
         self.model = model
 
-    def calls(self, final: dict[str, Any], text: str) -> list[dict[str, Any]]:
+    def calls(self, final: Final[Done], text: str) -> list[dict[str, Any]]:
         calls = tool_calls_of(final, text, self.forced)
         return calls if self.parallel else calls[:1]
 
@@ -578,12 +594,12 @@ class _Reply:
         doc["choices"] = [choice]
         return _event(doc)
 
-    def usage_chunk(self, final: dict[str, Any]) -> bytes:
+    def usage_chunk(self, final: Final[Done]) -> bytes:
         doc = self.head("chat.completion.chunk" if self.chat else "text_completion")
         doc.update(choices=[], usage=usage_of(final), modeld=_extension(final))
         return _event(doc)
 
-    def completion(self, text: str, final: dict[str, Any]) -> dict[str, Any]:
+    def completion(self, text: str, final: Final[Done]) -> dict[str, Any]:
         calls = self.calls(final, text)
         finish = _finish(final, calls)
         if self.chat:
@@ -605,7 +621,7 @@ class _Reply:
         """A chat stream starts with the role; a text completion's starts with text."""
         return [self.chunk({"role": "assistant", "content": ""})] if self.chat else []
 
-    def ending(self, final: dict[str, Any], held: str, include_usage: bool) -> list[bytes]:
+    def ending(self, final: Final[Done], held: str, include_usage: bool) -> list[bytes]:
         """The chunks after the last token: tool calls, the finish, then usage if asked."""
         calls = self.calls(final, held)
         out = []
@@ -630,24 +646,32 @@ class _Reply:
         return out
 
 
-async def _collect(reply: _Reply, records: AsyncGenerator[dict[str, Any], None]) -> dict[str, Any]:
+async def collect(records: Records) -> tuple[str, Final[Done]]:
+    """The whole reply's text and its final record."""
     parts: list[str] = []
-    final: dict[str, Any] = {}
+    final: Final[Done] | None = None
     async with contextlib.aclosing(records):
         async for rec in records:
-            if "token" in rec:
-                parts.append(rec["token"])
+            if isinstance(rec, Token):
+                parts.append(rec.text)
             else:
                 final = rec
+    if final is None:
+        raise EngineError("the generation ended without its final record")
     # A non-streamed job's final record carries the whole text (no token records).
-    text = final.pop("text", None)
-    return reply.completion("".join(parts) if text is None else text, final)
+    text = final.result.text
+    return ("".join(parts) if text is None else text), final
+
+
+async def _collect(reply: _Reply, records: Records) -> dict[str, Any]:
+    text, final = await collect(records)
+    return reply.completion(text, final)
 
 
 async def _sse(
     request: web.Request,
     reply: _Reply,
-    records: AsyncGenerator[dict[str, Any], None],
+    records: Records,
     include_usage: bool,
 ) -> web.StreamResponse:
     """Stream chunks as server-sent events; refusals before the first token keep their status.
@@ -671,8 +695,8 @@ async def _sse(
 async def _write_events(
     response: web.StreamResponse,
     reply: _Reply,
-    first: dict[str, Any] | None,
-    records: AsyncGenerator[dict[str, Any], None],
+    first: Token | Final[Done] | None,
+    records: Records,
     include_usage: bool,
 ) -> bytes:
     """Write the chunks as they come; return what ends the stream (sent with its end)."""
@@ -684,13 +708,13 @@ async def _write_events(
     try:
         rec = first
         while rec is not None:
-            if "token" not in rec:
+            if not isinstance(rec, Token):
                 last = b"".join([*pending, *reply.ending(rec, "".join(held), include_usage)])
                 pending = []
             elif reply.forced:
-                held.append(rec["token"])
+                held.append(rec.text)
             else:
-                pending.append(reply.chunk({"content": rec["token"]}))
+                pending.append(reply.chunk({"content": rec.text}))
             if pending:
                 await response.write(b"".join(pending))
                 pending = []
@@ -726,13 +750,13 @@ def embedding_texts(body: EmbeddingBody) -> list[str]:
     return strings
 
 
-def embeddings_doc(body: EmbeddingBody, rec: dict[str, Any]) -> dict[str, Any]:
+def embeddings_doc(body: EmbeddingBody, rec: Final[Embedded]) -> dict[str, Any]:
     """OpenAI's ``list`` of ``embedding`` objects, floats or base64 (little-endian float32).
 
     ``usage`` counts are null: LiteRT-LM 0.18.1's embedding API reports no token counts.
     """
     data: list[dict[str, Any]] = []
-    for index, vector in enumerate(rec["embeddings"]):
+    for index, vector in enumerate(rec.result.embeddings):
         value: Any = vector
         if body.encoding_format == "base64":
             value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
@@ -743,9 +767,9 @@ def embeddings_doc(body: EmbeddingBody, rec: dict[str, Any]) -> dict[str, Any]:
         "model": body.model,
         "usage": {"prompt_tokens": None, "total_tokens": None},
         "modeld": {
-            "engine": rec.get("engine"),
-            "dimensions": rec.get("dimensions"),
-            "timings": rec.get("timings"),
+            "engine": rec.engine,
+            "dimensions": rec.result.dimensions,
+            "timings": rec.to_json()["timings"],
         },
     }
 

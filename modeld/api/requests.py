@@ -35,7 +35,7 @@ from modeld.api import access
 from modeld.api.bodies import read_json
 from modeld.catalog.catalog import ID_PATTERN
 from modeld.errors import BadRequest
-from modeld.services.inference import Generation, Turn
+from modeld.services.inference import Generation, Options, Shape, Turn
 
 # Bounds the runtime's C++ side takes without overflow (int32 fields).
 INT32 = 2**31 - 1
@@ -462,13 +462,8 @@ def from_native(body: GenerateBody) -> Generation:
     return Generation(
         model=body.model,
         turns=turns,
-        max_tokens=body.max_tokens,
-        temperature=body.temperature,
-        top_k=body.top_k,
-        top_p=body.top_p,
-        seed=body.seed,
-        stop=stops(body.stop),
-        format=body.format,
+        options=Options.picked(body),
+        shape=Shape(stop=tuple(stops(body.stop)), json=body.format == "json"),
         keep_alive=body.keep_alive,
         allow_unverified=body.allow_unverified,
         backends=body.backends.model_dump(exclude_none=True) if body.backends else None,

@@ -29,6 +29,15 @@ from modeld import logs
 from modeld.config import format_size
 from modeld.engine.budget import Budget
 from modeld.engine.runner.client import RunnerDied, RunnerError
+from modeld.engine.runner.job import (
+    FINISH_CANCELLED,
+    Done,
+    Embedded,
+    EmbedJob,
+    GenerateJob,
+    Job,
+    Token,
+)
 from modeld.engine.types import (
     ALLOWED,
     Engine,
@@ -43,7 +52,7 @@ from modeld.engine.types import (
     load_error,
     validate_keep_alive,
 )
-from modeld.engine.views import EngineView, Phases, engine_view, final_record
+from modeld.engine.views import EngineView, Final, Moments, Phases, engine_view, final_record
 from modeld.errors import (
     BadRequest,
     Busy,
@@ -410,9 +419,9 @@ class Pool:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
-        e.create_seconds = float(reply.get("seconds", 0.0))
-        e.warm_up_timings = reply.get("warm_up")
-        e.options = reply.get("options")
+        e.create_seconds = reply.seconds
+        e.warm_up_timings = reply.warm_up
+        e.options = reply.options
         if self.metrics:
             self.metrics.phase_seconds.labels("engine_create").observe(e.create_seconds)
             if e.warm_up_timings is not None:
@@ -420,7 +429,7 @@ class Pool:
                     float(e.warm_up_timings["seconds"])
                 )
         e.load_seconds = time.monotonic() - started
-        e.measured = runner.memory()[0] or int(reply.get("pss", 0))
+        e.measured = runner.memory()[0] or reply.pss
         e.reserved = max(e.measured, t.expected)
         self.budget.note_used()
         if e.state is not State.LOADING:
@@ -616,12 +625,12 @@ class Pool:
     async def generate(
         self,
         target: Target,
-        job: dict[str, Any],
+        job: GenerateJob,
         *,
         keep_alive: KeepAlive | None = None,
         image_prepare: float = 0.0,
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        """Token records, then a final record with phase timings (see the runner child).
+    ) -> AsyncGenerator[Token | Final[Done], None]:
+        """``Token`` records, then the ``Final`` record with phase timings.
 
         ``image_prepare`` is the time the caller spent preparing the job's images (it comes
         before the request reaches the pool); it is reported as its own phase. The job goes
@@ -629,6 +638,37 @@ class Pool:
         crashed before its turn came (queued on the lock, or its job waiting in the runner)
         is given a fresh engine, once: it never ran, and a fresh engine serves it as well.
         """
+        async with contextlib.aclosing(
+            self._serve(target, job, keep_alive=keep_alive, image_prepare=image_prepare)
+        ) as records:
+            async for rec in records:
+                if isinstance(rec, Token):
+                    yield rec
+                    continue
+                result = rec.result
+                if not isinstance(result, Done):
+                    raise EngineError(f"model {target.model_id}: its runner answered no reply")
+                yield Final(result, rec.model, rec.engine, rec.timings)
+
+    async def embed(
+        self, target: Target, job: EmbedJob, *, keep_alive: KeepAlive | None = None
+    ) -> Final[Embedded]:
+        """The vectors of an embedding job, with phase timings."""
+        async with contextlib.aclosing(self._serve(target, job, keep_alive=keep_alive)) as recs:
+            async for rec in recs:
+                result = None if isinstance(rec, Token) else rec.result
+                if isinstance(result, Embedded) and not isinstance(rec, Token):
+                    return Final(result, rec.model, rec.engine, rec.timings)
+        raise EngineError(f"model {target.model_id}: its runner answered no vectors")
+
+    async def _serve(
+        self,
+        target: Target,
+        job: Job,
+        *,
+        keep_alive: KeepAlive | None = None,
+        image_prepare: float = 0.0,
+    ) -> AsyncGenerator[Token | Final[Done] | Final[Embedded], None]:
         arrived = time.monotonic()
         fresh_engine_once = True
         while True:
@@ -716,43 +756,38 @@ class Pool:
     async def _run(
         self,
         e: Engine,
-        job: dict[str, Any],
+        job: Job,
         turn: Turn,
         *,
         arrived: float,
         loaded_at: float,
         prepare: float,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[Token | Final[Done] | Final[Embedded]]:
         assert e.runner is not None
         sent = time.monotonic()
         first: float | None = None
         async with contextlib.aclosing(e.runner.generate(job, turn.sent)) as records:
             async for rec in records:
-                if "token" in rec:
+                if isinstance(rec, Token):
                     first = first or time.monotonic()
-                    yield {"token": rec["token"]}
+                    yield rec
                     continue
-                if rec.get("finish") == "cancelled" and e.runner.closing:
+                if isinstance(rec, Done) and rec.finish == FINISH_CANCELLED and e.runner.closing:
                     # Cut short by the runner's close (an unload, the daemon stopping): no
                     # reply, not a short one.
                     raise stopped_error(e)
                 # The runner went on to the next job: let the one after that be sent.
                 turn.end(time.monotonic())
-                ttft = (rec.get("timings") or {}).get("first_token")
+                ttft = rec.timings.first_token
                 began = turn.began(sent)
                 if first is None and ttft is not None:
                     # A non-streamed reply sends no token frames: the runner's own figure.
                     first = began + ttft
-                yield final_record(
-                    e,
-                    rec,
-                    self.phases,
-                    arrived=arrived,
-                    loaded_at=loaded_at,
-                    began=began,
-                    first=first,
-                    image_prepare=prepare,
-                )
+                moments = Moments(arrived, loaded_at, began, first, prepare)
+                if isinstance(rec, Done):
+                    yield final_record(e, rec, self.phases, moments)
+                else:
+                    yield final_record(e, rec, self.phases, moments)
         if not e.measured_at or time.monotonic() - e.measured_at >= self.config.watch_interval:
             self._spawn(self.budget.measure_after(e))
 

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from modeld.config import format_size, parse_duration
 from modeld.engine.runner.client import RunnerDied, RunnerError
+from modeld.engine.runner.job import Created, Job, Record, WarmUp
 from modeld.errors import (
     BackendConstraint,
     BadRequest,
@@ -41,10 +42,10 @@ class RunnerLike(Protocol):
     @property
     def alive(self) -> bool: ...
     def stderr_text(self) -> str: ...
-    async def create(self, spec: CreateSpec) -> dict[str, Any]: ...
+    async def create(self, spec: CreateSpec) -> Created: ...
     def generate(
-        self, job: dict[str, Any], sent: Callable[[], None] | None = None
-    ) -> AsyncGenerator[dict[str, Any], None]: ...
+        self, job: Job, sent: Callable[[], None] | None = None
+    ) -> AsyncGenerator[Record, None]: ...
     def memory(self) -> tuple[int, int]: ...
     def rss(self) -> int: ...
     async def wait_exit(self) -> RunnerDied: ...
@@ -139,7 +140,7 @@ class Engine:
     create_seconds: float | None = None
     # Whether this load warms up, and the warm-up generation's timings (``runner.child``).
     warm_up: bool = False
-    warm_up_timings: dict[str, Any] | None = None
+    warm_up_timings: WarmUp | None = None
     # What the runner created the engine with, read back from the runtime (``runner.py``).
     options: dict[str, Any] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypedDict, TypeVar
 
 from modeld import logs
+from modeld.engine.runner.job import Done, Embedded, WarmUp, record_to_wire
 from modeld.engine.types import Engine, State
 from modeld.metrics import Metrics
 from modeld.modelfile.plan import Plan
@@ -48,7 +49,7 @@ class EngineView:
     # The warm-up generation at load (None: this load did not warm up), apart from
     # create_seconds; load_seconds includes both.
     warm_up_seconds: float | None
-    warm_up: dict[str, Any] | None
+    warm_up: WarmUp | None
     cpu_threads: Any
     loaded_at: float
     last_eviction: str | None
@@ -110,57 +111,101 @@ class Phases:
         self.metrics.child(self.metrics.generated_tokens, model_id).inc(count)
 
 
-def final_record(
-    e: Engine,
-    rec: dict[str, Any],
-    phases: Phases | None,
-    *,
-    arrived: float,
-    loaded_at: float,
-    began: float,
-    first: float | None,
-    image_prepare: float = 0.0,
-) -> dict[str, Any]:
+class PhaseTimings(TypedDict):
+    """Seconds a request spent in each phase (a rate for the decode); None: not measured."""
+
+    # Decoding, downscaling and re-encoding the request's images (0 without images); done
+    # before the request reaches the pool, so not part of "total".
+    image_prepare: float
+    load: float
+    engine_create: float | None
+    # The load's warm-up generation, when this request waited for that load.
+    warm_up: float
+    queue: float
+    prefill: float | None
+    first_token: float | None
+    decode_tokens_per_second: float | None
+    total: float
+
+
+R = TypeVar("R", Done, Embedded)
+
+
+@dataclass(frozen=True, slots=True)
+class Final(Generic[R]):
+    """A request's last record as its caller gets it: the runner's, where it ran, and the
+    phases it went through."""
+
+    result: R
+    model: str
+    engine: str
+    timings: PhaseTimings
+
+    def to_json(self) -> dict[str, Any]:
+        """The native API's final record: the runner's fields with ``done``, ``model``,
+        ``engine`` and the phase timings (unmeasured phases left out)."""
+        out = record_to_wire(self.result)
+        out.pop("conversation", None)
+        out.update(
+            done=True,
+            model=self.model,
+            engine=self.engine,
+            timings={k: v for k, v in self.timings.items() if v is not None},
+        )
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Moments:
+    """When a request arrived, found its engine ready, began on it and had its first token
+    (monotonic seconds), and how long its images took to prepare before all that."""
+
+    arrived: float
+    loaded_at: float
+    began: float
+    first: float | None
+    image_prepare: float = 0.0
+
+
+def final_record(e: Engine, rec: R, phases: Phases | None, at: Moments) -> Final[R]:
     """The last record of a request: the runner's, with the phase timings; logged and counted."""
     now = time.monotonic()
-    inner = rec.get("timings") or {}
+    arrived, loaded_at, began, first = at.arrived, at.loaded_at, at.began, at.first
+    image_prepare = at.image_prepare
+    inner = rec.timings
     waited_load = loaded_at - arrived
-    timings = {
-        # Decoding, downscaling and re-encoding the request's images (0 without images);
-        # done before the request reaches the pool, so not part of "total".
+    timings: PhaseTimings = {
         "image_prepare": image_prepare,
         "load": waited_load,
         "engine_create": e.create_seconds if waited_load > 0.001 else 0.0,
-        # The load's warm-up generation, when this request waited for that load.
         "warm_up": (
             float(e.warm_up_timings["seconds"])
             if e.warm_up_timings and waited_load > 0.001
             else 0.0
         ),
         "queue": began - loaded_at,
-        "prefill": inner.get("prefill"),
+        "prefill": inner.prefill,
         "first_token": (first - arrived) if first is not None else None,
-        "decode_tokens_per_second": inner.get("decode_tokens_per_second"),
+        "decode_tokens_per_second": inner.decode_tokens_per_second,
         "total": now - arrived,
     }
+    tokens = rec.tokens if isinstance(rec, Done) else 0
     if phases is not None:
         for phase in ("load", "queue", "prefill", "first_token", "total"):
-            value = timings[phase]
+            value = timings[phase]  # type: ignore[literal-required]
             if value is not None:
                 phases.observe(phase, float(value))
         if first is not None:
             phases.observe("decode", now - first)
         if image_prepare:
             phases.observe("image_prepare", image_prepare)
-        phases.tokens(e.target.model_id, rec.get("tokens") or 0)
+        phases.tokens(e.target.model_id, tokens)
     fields: dict[str, Any] = {k: v for k, v in timings.items() if v is not None}
     logs.event(
         "generate",
         engine=e.target.engine_id,
-        finish=rec.get("finish"),
-        tokens=rec.get("tokens"),
+        finish=rec.finish if isinstance(rec, Done) else "stop",
+        tokens=tokens,
         **fields,
     )
-    out = {k: v for k, v in rec.items() if k not in ("id", "timings", "conversation")}
-    out.update(done=True, model=e.target.model_id, engine=e.target.engine_id, timings=timings)
-    return out
+    return Final(rec, e.target.model_id, e.target.engine_id, timings)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import functools
 import io
 import logging
@@ -30,7 +29,36 @@ from modeld import logs
 from modeld.config import Settings
 from modeld.engine.engines import Engines
 from modeld.engine.pool import KeepAlive, Pool, Target, validate_keep_alive
+from modeld.engine.runner.job import (
+    Done,
+    Embedded,
+    EmbedJob,
+    GenerateJob,
+    ImagePart,
+    Message,
+    Options,
+    Part,
+    Shape,
+    Token,
+    ToolCall,
+    ToolResponsePart,
+)
+from modeld.engine.views import Final
 from modeld.errors import BadRequest, Refused, TooLarge
+
+# The job's types, for the adapters that build a ``Generation`` and read its records.
+__all__ = [
+    "Done",
+    "Embedded",
+    "Final",
+    "Generation",
+    "Inference",
+    "Options",
+    "Shape",
+    "Token",
+    "ToolCall",
+    "Turn",
+]
 
 IMAGE_LONG_SIDE = 640
 JPEG_QUALITY = 88
@@ -90,27 +118,32 @@ def _too_many_pixels(width: int, height: int, max_pixels: int) -> TooLarge:
 class Turn:
     """One message: its role, its text and the raw bytes of its images.
 
-    An assistant turn may carry the tool calls it made (``{"name", "arguments"}`` with the
-    arguments as an object); a ``tool`` turn names the tool whose result its text is.
+    An assistant turn may carry the tool calls it made; a ``tool`` turn names the tool whose
+    result its text is.
     """
 
     role: str
     text: str
     images: list[bytes] = field(default_factory=list)
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
     name: str | None = None
 
-    def message(self, prepared: Callable[[bytes], bytes]) -> dict[str, Any]:
+    def message(self, prepared: Callable[[bytes], bytes]) -> Message:
         """The turn in the runtime's message format (litert-lm's ``Message.to_json``)."""
         if self.role == "tool":
-            part = {"type": "tool_response", "name": self.name or "", "response": self.text}
-            return {"role": "tool", "content": [part]}
+            response: ToolResponsePart = {
+                "type": "tool_response",
+                "name": self.name or "",
+                "response": self.text,
+            }
+            return {"role": "tool", "content": [response]}
+        msg: Message
         if not self.images:
-            msg: dict[str, Any] = {"role": self.role, "content": self.text}
+            msg = {"role": self.role, "content": self.text}
         else:
-            content: list[dict[str, Any]] = [{"type": "text", "text": self.text}]
+            content: list[Part] = [{"type": "text", "text": self.text}]
             content += [
-                {"type": "image", "blob": base64.b64encode(prepared(b)).decode()}
+                ImagePart(type="image", blob=base64.b64encode(prepared(b)).decode())
                 for b in self.images
             ]
             msg = {"role": self.role, "content": content}
@@ -121,68 +154,25 @@ class Turn:
 
 @dataclass
 class Generation:
-    """One generation request, whichever wire format it came in."""
+    """One generation request, whichever wire format it came in: the model, the turns, what
+    the request sets of the runtime (``Options``) and what the reply must be (``Shape``)."""
 
     model: str
     turns: list[Turn]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    format: str | None = None
-    # Repetition settings (the runtime's RepetitionPenaltyConfig).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    # A JSON schema the reply is constrained to (the runtime's constrained decoding), and
-    # whether the daemon also checks the finished reply against it.
-    schema: dict[str, Any] | None = None
-    strict: bool = False
-    # The request's field the schema came from, named when the runtime cannot use it.
-    schema_of: str | None = None
-    # OpenAI tool descriptions (``{"type": "function", "function": {...}}``) given to the
-    # runtime, which hands calls back instead of running them.
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    # The prompt goes to the model as it is, without the chat template (``/v1/completions``).
-    raw: bool = False
+    options: Options = field(default_factory=Options)
+    shape: Shape = field(default_factory=Shape)
     keep_alive: Any = None
     allow_unverified: bool = False
     backends: dict[str, Any] | None = None
-    # False: the client waits for the whole reply, so the runner sends it in one record.
-    stream: bool = True
 
     @property
     def image_count(self) -> int:
         return sum(len(t.images) for t in self.turns)
 
-    def job(self, prepared: Callable[[bytes], bytes]) -> dict[str, Any]:
-        """The runner's ``generate`` fields; ``prepared`` re-encodes each image."""
-        job: dict[str, Any] = {
-            "messages": [t.message(prepared) for t in self.turns],
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_k": self.top_k,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": self.stop,
-            "format": self.format,
-            "stream": self.stream,
-        }
-        extra = {
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "schema": self.schema,
-            "schema_of": self.schema_of if self.schema is not None else None,
-            "strict": self.strict or None,
-            "tools": self.tools or None,
-            "raw": self.raw or None,
-        }
-        # Only what is set: a plain request's frame stays as it was.
-        job.update({k: v for k, v in extra.items() if v is not None})
-        return job
+    def job(self, prepared: Callable[[bytes], bytes]) -> GenerateJob:
+        """The runner's job; ``prepared`` re-encodes each image."""
+        messages = tuple(t.message(prepared) for t in self.turns)
+        return GenerateJob(messages, self.options, self.shape)
 
 
 def check_prompt(gen: Generation, model_id: str, max_tokens: int) -> None:
@@ -219,7 +209,7 @@ def keep_alive_of(value: Any, may_shorten: bool) -> KeepAlive | None:
 class Prepared:
     """A request turned into the runner's job, images re-encoded."""
 
-    job: dict[str, Any]
+    job: GenerateJob
     # Seconds spent decoding and re-encoding the images (a phase of the final record).
     image_prepare: float = 0.0
 
@@ -342,10 +332,9 @@ class Inference:
         may_shorten_keep_alive: bool,
         allow_unverified: bool = False,
         backends: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """One vector per input, in order, from ``model``'s embedding engine.
-
-        The final record: ``embeddings``, ``dimensions``, ``engine``, ``timings``. A model
+    ) -> Final[Embedded]:
+        """One vector per input, in order, from ``model``'s embedding engine, with where it
+        ran and its phase timings. A model
         that generates text is refused (``not_embedding_model``), as is an input the
         runtime cannot take: longer than its longest signature (413), or ``dimensions``
         over the model's own (400).
@@ -356,17 +345,13 @@ class Inference:
         target = await self.engines.target(
             model, kind="embedding", backends=backends, allow_unverified=allow_unverified
         )
-        job = {"op": "embed", "inputs": inputs, "dimensions": dimensions}
-        final: dict[str, Any] = {}
-        async with contextlib.aclosing(self.pool.generate(target, job, keep_alive=alive)) as recs:
-            async for rec in recs:
-                final = rec
-        return final
+        job = EmbedJob(tuple(inputs), dimensions)
+        return await self.pool.embed(target, job, keep_alive=alive)
 
     async def generate(
         self, gen: Generation, *, may_shorten_keep_alive: bool
-    ) -> tuple[str, AsyncGenerator[dict[str, Any], None]]:
-        """``(engine id, token records then a final record)`` for an admitted request.
+    ) -> tuple[str, AsyncGenerator[Token | Final[Done], None]]:
+        """``(engine id, token records then the final record)`` for an admitted request.
 
         Everything that can refuse the request (unknown or uninstalled model, too many
         images, a backend constraint, a prompt over the window, a bad keep_alive or image)

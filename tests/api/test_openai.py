@@ -19,6 +19,8 @@ from pydantic import BaseModel, SecretStr
 
 from modeld.api.openai import _Reply
 from modeld.engine.runner.generate import calls_of
+from modeld.engine.runner.job import Done
+from modeld.engine.views import Final, PhaseTimings
 from tests.support.daemon import InProcessDaemon, daemon_with_models
 
 
@@ -48,6 +50,19 @@ def png_data_url() -> str:
     out = io.BytesIO()
     Image.new("RGB", (900, 300), (200, 30, 30)).save(out, format="PNG")
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+_TIMINGS: PhaseTimings = {
+    "image_prepare": 0.0,
+    "load": 0.0,
+    "engine_create": 0.0,
+    "warm_up": 0.0,
+    "queue": 0.0,
+    "prefill": None,
+    "first_token": None,
+    "decode_tokens_per_second": None,
+    "total": 0.0,
+}
 
 
 async def test_models_lists_installed_in_openai_shape(oa: openai.AsyncOpenAI) -> None:
@@ -811,9 +826,10 @@ def test_runtime_tool_calls_take_openai_shape() -> None:
             ],
         }
     )
-    final = {"finish": "stop", "tokens": 9, "prompt_tokens": 4, "tool_calls": calls_of(message)}
+    done = Done("stop", prompt_tokens=4, tokens=9, tool_calls=tuple(calls_of(message)))
+    final = Final(done, "m", "m@cpu", _TIMINGS)
     reply = _Reply("m", chat=True)
-    doc = reply.completion("", dict(final))
+    doc = reply.completion("", final)
     choice = doc["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     calls = choice["message"]["tool_calls"]
@@ -835,7 +851,7 @@ def test_runtime_tool_calls_take_openai_shape() -> None:
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
     assert events[-1]["usage"]["completion_tokens"] == 9
     # parallel_tool_calls: false: at most one call comes back.
-    one = _Reply("m", chat=True, parallel=False).completion("", dict(final))
+    one = _Reply("m", chat=True, parallel=False).completion("", final)
     assert [c["function"]["name"] for c in one["choices"][0]["message"]["tool_calls"]] == [
         "get_weather"
     ]

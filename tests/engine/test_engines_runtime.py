@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from modeld.engine.runner.client import Runner
+from modeld.engine.runner.job import Created
 from modeld.hostinfo import runtime_version
 from modeld.modelfile import probe as probe_mod
 from modeld.modelfile.probe import ProbeResult
@@ -114,7 +115,7 @@ async def test_probe_child_gets_the_runners_create_spec(
         probed.append(spec.to_json())
         return await real_probe(spec, *args, **kwargs)
 
-    async def create(self: Runner, spec: CreateSpec) -> dict[str, Any]:
+    async def create(self: Runner, spec: CreateSpec) -> Created:
         created.append(spec.to_json())
         return await real_create(self, spec)
 

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from modeld.engine.pool import KeepAlive, Pool, PoolConfig, State, Target
+from modeld.engine.runner.job import Done, Token
+from modeld.engine.views import Final
 from modeld.errors import (
     BadRequest,
     Busy,
@@ -25,7 +27,7 @@ from modeld.errors import (
 )
 from modeld.modelfile.plan import Plan
 from modeld.modelfile.runtime import CreateSpec
-from tests.support.fake_runner import FakeFactory
+from tests.support.fake_runner import FakeFactory, number_of, numbered_job
 from tests.support.wait import wait_until
 
 PLAN = Plan(main="cpu")
@@ -39,8 +41,17 @@ def target(name: str, estimate: int = 100) -> Target:
     )
 
 
-async def consume(pool: Pool, t: Target, **kw: Any) -> list[dict[str, Any]]:
-    return [rec async for rec in pool.generate(t, {"messages": []}, **kw)]
+def final_of(rec: Token | Final[Done]) -> Final[Done]:
+    assert isinstance(rec, Final), rec
+    return rec
+
+
+def done_of(rec: Token | Final[Done]) -> Done:
+    return final_of(rec).result
+
+
+async def consume(pool: Pool, t: Target, **kw: Any) -> list[Token | Final[Done]]:
+    return [rec async for rec in pool.generate(t, numbered_job(), **kw)]
 
 
 def numbered(
@@ -49,8 +60,8 @@ def numbered(
     """Request number ``n`` (its job carries ``n``), noted in ``served`` when it is done."""
 
     async def ask(n: int) -> None:
-        async for rec in pool.generate(t, {"messages": [], "n": n}):
-            if rec.get("done"):
+        async for rec in pool.generate(t, numbered_job(n)):
+            if isinstance(rec, Final):
                 served.append(n)
 
     return ask
@@ -69,7 +80,7 @@ async def test_cold_burst_creates_one_engine() -> None:
     t = target("m")
     results = await asyncio.gather(*(consume(pool, t) for _ in range(50)))
     assert factory.creates == 1
-    assert all(r[-1]["done"] and r[-1]["finish"] == "stop" for r in results)
+    assert all(done_of(r[-1]).finish == "stop" for r in results)
     assert pool.list()[0]["requests"] == 50
     await pool.stop()
 
@@ -150,7 +161,7 @@ async def test_a_load_waits_for_a_busy_engine_beside_a_pinned_one() -> None:
     factory.release_all()
     await running
     factory.hold = False
-    assert (await waiting)[-1]["done"]
+    assert isinstance((await waiting)[-1], Final)
     assert sorted(e["model"] for e in pool.list()) == ["b", "p"]
     await pool.stop()
 
@@ -230,7 +241,7 @@ async def test_request_queued_behind_a_crash_gets_a_fresh_engine() -> None:
     factory.hold = False
     factory.release_all()
     await asyncio.gather(*queued)
-    assert served == [1, 2] and [job.get("n") for job in factory.jobs] == [None, 1, 2]
+    assert served == [1, 2] and [number_of(job) for job in factory.jobs] == [None, 1, 2]
     assert factory.creates == 2
     await pool.stop()
 
@@ -264,9 +275,9 @@ async def test_requests_for_one_engine_are_served_in_arrival_order() -> None:
         await ask(0)
         # The engine was just released and the next in line only woken: a request that
         # reaches the pool now, before the loop runs that one, must queue behind it.
-        late = pool.generate(t, {"messages": [], "n": 99})
+        late = pool.generate(t, numbered_job(99))
         async for rec in late:
-            if rec.get("done"):
+            if isinstance(rec, Final):
                 served.append(99)
 
     tasks = [asyncio.create_task(first_then_barge())]
@@ -281,7 +292,7 @@ async def test_requests_for_one_engine_are_served_in_arrival_order() -> None:
     factory.release_all()
     await asyncio.gather(*tasks, return_exceptions=True)
     expected = [0, 1, 2, 4, 5, 6, 7, 8, 99]
-    assert [job["n"] for job in factory.jobs] == expected  # the order they began
+    assert [number_of(job) for job in factory.jobs] == expected  # the order they began
     assert served == expected
     await pool.stop()
 
@@ -303,11 +314,11 @@ async def test_the_next_job_waits_in_the_runner_and_a_leaver_there_never_begins(
     for n in (1, 2, 3):
         tasks.append(asyncio.create_task(ask(n)))
         await wait_until(functools.partial(lambda k: engine.users == k, n + 1))
-    assert [job["n"] for job in factory.sent] == [0, 1]  # 1 waits in the runner, 2 and 3 here
-    assert [job["n"] for job in factory.jobs] == [0]
+    assert [number_of(job) for job in factory.sent] == [0, 1]  # 1 waits in the runner, 2 and 3 here
+    assert [number_of(job) for job in factory.jobs] == [0]
     tasks[1].cancel()  # request 1 leaves while its job waits in the runner
     await wait_until(lambda: engine.users == 3)
-    assert [job["n"] for job in factory.sent] == [0, 1, 2]  # its place went to the next
+    assert [number_of(job) for job in factory.sent] == [0, 1, 2]  # its place went to the next
     factory.gates[0].set()  # request 0 ends; 2 begins in the runner, 3 is sent
     await wait_until(lambda: len(factory.gates) == 2 and len(factory.sent) == 4)
     assert served == [0] and pool.list()[0]["state"] == "busy"
@@ -316,7 +327,7 @@ async def test_the_next_job_waits_in_the_runner_and_a_leaver_there_never_begins(
     assert pool.list()[0]["state"] == "busy"
     factory.gates[2].set()
     await asyncio.gather(*tasks, return_exceptions=True)
-    assert [job["n"] for job in factory.jobs] == [0, 2, 3]  # 1 never began
+    assert [number_of(job) for job in factory.jobs] == [0, 2, 3]  # 1 never began
     assert served == [0, 2, 3]
     assert pool.list()[0]["state"] == "ready"
     await pool.stop()
@@ -334,7 +345,7 @@ async def test_unload_waits_for_in_flight_request() -> None:
     factory.release_all()
     records = await task
     await unload
-    assert records[-1]["done"]
+    assert isinstance(records[-1], Final)
     assert pool.list() == []
     await pool.stop()
 
@@ -465,8 +476,8 @@ async def test_image_prepare_is_its_own_phase_in_the_final_record() -> None:
         without = (await consume(pool, target("m")))[-1]
     finally:
         await pool.stop()
-    assert with_images["timings"]["image_prepare"] == 0.125
-    assert without["timings"]["image_prepare"] == 0.0
+    assert final_of(with_images).timings["image_prepare"] == 0.125
+    assert final_of(without).timings["image_prepare"] == 0.0
     observed = metrics.registry.get_sample_value(
         "modeld_generate_phase_seconds_sum", {"phase": "image_prepare"}
     )
@@ -523,7 +534,8 @@ async def test_peak_of_a_failed_request_is_never_learned() -> None:
     await pool.start()
     bad, good = target("bad"), target("good")
     with pytest.raises(BadRequest):
-        await anext(pool.generate(bad, {"messages": [], "fake_fail": "too long", "fake_pss": 9000}))
+        factory.refuse = ("too long", 9000)
+        await anext(pool.generate(bad, numbered_job()))
     (engine,) = pool.engines.values()
     await wait_until(lambda: engine.measured == 9000)
     await consume(pool, good)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,18 @@ from modeld.engine.runner.generate import (
     stream_reply,
     text_of,
 )
+from modeld.engine.runner.job import (
+    Done,
+    EmbedJob,
+    Finish,
+    GenerateJob,
+    Job,
+    Options,
+    Record,
+    Shape,
+    Token,
+    record_to_wire,
+)
 from modeld.modelfile.runtime import CreateSpec, create_engine
 from tests.support.state import MODELS
 from tests.support.wait import process_gone, until, wait_sync, wait_until
@@ -51,13 +65,36 @@ def ask(text: str = "hello", **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": text}], **extra}
 
 
+_OPTIONS = {f.name for f in dataclasses.fields(Options)}
+
+
+def typed(job: dict[str, Any]) -> Job:
+    """A job written as the flat dict these tests use (messages, options and shape fields
+    side by side; ``"format": "json"``), as the runner's typed job."""
+    if job.get("op") == "embed":
+        return EmbedJob(tuple(job["inputs"]), job.get("dimensions"))
+    rest = {k: v for k, v in job.items() if k != "messages"}
+    options = {k: rest.pop(k) for k in list(rest) if k in _OPTIONS}
+    if rest.pop("format", None) == "json":
+        rest["json"] = True
+    return GenerateJob(tuple(job["messages"]), Options(**options), Shape.from_wire(rest))
+
+
+def generate(
+    runner: Runner, job: dict[str, Any], sent: Callable[[], None] | None = None
+) -> AsyncGenerator[Record, None]:
+    return runner.generate(typed(job), sent)
+
+
 async def collect(runner: Runner, job: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    text, final = [], {}
-    async for rec in runner.generate(job):
-        if "token" in rec:
-            text.append(rec["token"])
+    """The reply's streamed text, and its final record as the runner sent it."""
+    text: list[str] = []
+    final: dict[str, Any] = {}
+    async for rec in generate(runner, job):
+        if isinstance(rec, Token):
+            text.append(rec.text)
         else:
-            final = rec
+            final = record_to_wire(rec)
     return "".join(text), final
 
 
@@ -66,7 +103,7 @@ async def test_create_and_generate_reports_phases_and_memory(short_tmp: Path) ->
     runner = await Runner.start()
     try:
         created = await runner.create(spec(short_tmp, max_tokens=256))
-        assert created["seconds"] > 0 and created["pss"] > 0
+        assert created.seconds > 0 and created.pss > 0
         text, final = await collect(runner, ask(max_tokens=12, seed=1, top_k=5, temperature=0.7))
         assert final["done"] and final["finish"] == "length" and final["tokens"] == 12
         assert text
@@ -112,7 +149,7 @@ async def test_cancel_mid_generation_then_next_request(short_tmp: Path) -> None:
     runner = await Runner.start()
     try:
         await runner.create(spec(short_tmp))
-        gen = runner.generate(ask(max_tokens=200))
+        gen = generate(runner, ask(max_tokens=200))
         async for _ in gen:
             break
         await gen.aclose()
@@ -140,10 +177,10 @@ async def test_jobs_sent_while_one_runs_wait_in_order_and_a_cancelled_one_never_
     try:
         await runner.create(spec(short_tmp, MODELS / "tiny-text-long.litertlm"))
         # A reply of 1,024 tokens: hundreds of ms, while the two below are sent and one leaves.
-        first = runner.generate(ask("Write a long story about the sea.", max_tokens=1024))
+        first = generate(runner, ask("Write a long story about the sea.", max_tokens=1024))
         await anext(first)
         sent = asyncio.Event()
-        leaver = asyncio.ensure_future(anext(runner.generate(ask(max_tokens=5), sent.set)))
+        leaver = asyncio.ensure_future(anext(generate(runner, ask(max_tokens=5), sent.set)))
         await sent.wait()
         last = asyncio.ensure_future(collect(runner, ask(max_tokens=3)))
         leaver.cancel()
@@ -153,11 +190,13 @@ async def test_jobs_sent_while_one_runs_wait_in_order_and_a_cancelled_one_never_
         _, final = await last
     finally:
         await runner.close()
-    assert rest[-1]["done"] and rest[-1]["tokens"] == 1024 and final["tokens"] == 3
+    end = rest[-1]
+    assert isinstance(end, Done) and end.tokens == 1024 and final["tokens"] == 3
     ends = [m for m in seen if m.get("done")]
     assert [m["id"] for m in ends] == sorted(m["id"] for m in ends)  # in the order sent
     (left,) = [m for m in ends if m["finish"] == "cancelled"]
-    assert "tokens" not in left and not [m for m in seen if m["id"] == left["id"] and "token" in m]
+    assert left.get("tokens", 0) == 0
+    assert not [m for m in seen if m["id"] == left["id"] and "token" in m]
 
 
 async def test_non_streamed_reply_comes_whole_in_the_final_record(short_tmp: Path) -> None:
@@ -187,7 +226,9 @@ def conversation_reply(made: CreateSpec, job: dict[str, Any]) -> tuple[str, int,
     on an engine of its own: text, prompt tokens, reply tokens."""
     engine = create_engine(made)
     try:
-        kwargs, last, _, send = conversation_args(job, sampler_defaults(made.path))
+        asked = typed(job)
+        assert isinstance(asked, GenerateJob)
+        kwargs, last, _, send = conversation_args(asked, sampler_defaults(made.path))
         conversation = engine.create_conversation(**kwargs)
         parts: list[str] = []
 
@@ -366,16 +407,18 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
         assert (await running)[1]["finish"] in ("stop", "length")
         assert after_text == alone_text and after["tokens"] == 5
         # A waiting job the runtime cannot take fails alone; the one running is unharmed.
-        bad_jobs: list[tuple[dict[str, Any], str]] = [
-            ({"messages": [{"role": "assistant", "content": "hi"}]}, "from the user"),
-            ({"messages": 5}, "not iterable"),  # malformed: the daemon never sends it
-        ]
-        for bad_job, reason in bad_jobs:
-            running = asyncio.ensure_future(collect(runner, long_job))
-            await asyncio.sleep(0.02)  # it runs: the bad one waits behind it
-            with pytest.raises(RunnerError, match=reason):
-                await collect(runner, {**bad_job, "stream": False})
-            assert (await running)[1]["finish"] in ("stop", "length")
+        running = asyncio.ensure_future(collect(runner, long_job))
+        await asyncio.sleep(0.02)  # it runs: the bad one waits behind it
+        with pytest.raises(RunnerError, match="from the user"):
+            bad = {"messages": [{"role": "assistant", "content": "hi"}], "stream": False}
+            await collect(runner, bad)
+        assert (await running)[1]["finish"] in ("stop", "length")
+        # A malformed frame (the daemon never sends one) is refused as it arrives.
+        running = asyncio.ensure_future(collect(runner, long_job))
+        await asyncio.sleep(0.02)
+        with pytest.raises(RunnerError, match="malformed generate job"):
+            await runner.call("generate", messages=5)
+        assert (await running)[1]["finish"] in ("stop", "length")
         assert (await collect(runner, alone_job))[0] == alone_text
     finally:
         await runner.close()
@@ -485,8 +528,8 @@ async def test_embedding_engine_embeds_and_refuses_what_is_not_its_kind(
     runner, text = await Runner.start(), await Runner.start()
     try:
         created = await runner.create(spec(short_tmp, EMBED, kind="embedding", warm_up=True))
-        assert created["options"]["embedding_dimension"] == 32
-        assert created["warm_up"]["seconds"] > 0
+        assert created.options["embedding_dimension"] == 32
+        assert created.warm_up is not None and created.warm_up["seconds"] > 0
         _, final = await collect(runner, {"op": "embed", "inputs": ["a b", "c d", "a b"]})
         first, second, third = final["embeddings"]
         assert final["done"] and final["dimensions"] == 32
@@ -579,7 +622,7 @@ def test_runner_dies_with_its_parent(short_tmp: Path) -> None:
         ("", "length", "truncated"),
     ],
 )
-def test_classify_json(text: str, finish: str, status: str) -> None:
+def test_classify_json(text: str, finish: Finish, status: str) -> None:
     """JSON diagnostics tell complete, empty, truncated and not_json apart, keeping the raw text."""
     result = classify_json(text, finish)
     assert result["status"] == status and result["raw"] == text
@@ -595,10 +638,12 @@ def test_classify_json_with_a_schema_tells_a_mismatch_apart() -> None:
     }
     bad = classify_json('{"n": 12}', "stop", schema)
     assert bad["status"] == "schema_mismatch" and bad["raw"] == '{"n": 12}'
-    assert bad["error"].startswith("complete but does not match the schema at n: 12 is greater")
+    assert str(bad["error"]).startswith(
+        "complete but does not match the schema at n: 12 is greater"
+    )
     missing = classify_json("{}", "stop", schema)
-    assert (
-        missing["status"] == "schema_mismatch" and "'n' is a required property" in missing["error"]
+    assert missing["status"] == "schema_mismatch" and "'n' is a required property" in str(
+        missing["error"]
     )
     assert classify_json('{"n": 3}', "stop", schema)["status"] == "complete"
     assert classify_json('{"n": 3', "length", schema)["status"] == "truncated"
@@ -972,16 +1017,17 @@ def test_a_requests_sampler_fields_go_over_the_files() -> None:
     """What a request names goes over the file's sampler; a request that samples gets a
     top-k and a seed where neither names one; none named: the engine's own sampler."""
     gemma = {"top_k": 64, "top_p": 0.95, "temperature": 1.0}
-    assert sampler_fields({}, gemma) == {}
-    got = sampler_fields({"seed": 3}, gemma)
+    assert sampler_fields(Options(), gemma) == {}
+    assert sampler_fields(Options(max_tokens=4, presence_penalty=1.0), gemma) == {}
+    got = sampler_fields(Options(seed=3), gemma)
     assert got == {"top_k": 64, "top_p": 0.95, "temperature": 1.0, "seed": 3}
-    got = sampler_fields({"temperature": 0.7}, {})
+    got = sampler_fields(Options(temperature=0.7), {})
     assert got["top_k"] == DEFAULT_TOP_K and got["temperature"] == 0.7 and "seed" in got
-    assert sampler_fields({"seed": 1}, {"temperature": 0.0}) == {
+    assert sampler_fields(Options(seed=1), {"temperature": 0.0}) == {
         "temperature": 0.0,
         "seed": 1,
         "top_k": 1,
     }
-    seeds = {sampler_fields({"temperature": 1.0}, None)["seed"] for _ in range(8)}
+    seeds = {sampler_fields(Options(temperature=1.0), None)["seed"] for _ in range(8)}
     assert len(seeds) > 1
     assert sampler_defaults(str(TINY)) == {"top_k": None, "top_p": None, "temperature": 0.0}

@@ -20,7 +20,14 @@ from modeld.errors import (
     ModelNotInstalled,
     TooLarge,
 )
-from modeld.services.inference import PROMPT_BYTES_PER_TOKEN, Generation, Turn
+from modeld.services.inference import (
+    PROMPT_BYTES_PER_TOKEN,
+    Final,
+    Generation,
+    Options,
+    Token,
+    Turn,
+)
 from modeld.services.parts import Services
 from tests.support.state import MODELS, install_fixture, registry_settings, write_entry
 
@@ -64,8 +71,9 @@ async def test_prepare_reencodes_images_into_the_runners_job(started: Services) 
     gen = Generation("tiny-text", [Turn("user", "what is it?", [_png()])])
     prepared = await started.inference.prepare(gen)
     assert prepared.image_prepare > 0
-    content = prepared.job["messages"][0]["content"]
-    assert content[0] == {"type": "text", "text": "what is it?"}
+    content = prepared.job.messages[0]["content"]
+    assert isinstance(content, list) and content[0] == {"type": "text", "text": "what is it?"}
+    assert content[1]["type"] == "image"
     with Image.open(io.BytesIO(base64.b64decode(content[1]["blob"]))) as img:
         assert img.format == "JPEG" and max(img.size) == 640
 
@@ -88,12 +96,13 @@ async def test_admit_refuses_before_any_runner_starts(started: Services) -> None
 
 async def test_generate_streams_tokens_then_the_final_record(started: Services) -> None:
     """A text request on the real runtime: token records, then one final record with timings."""
-    gen = Generation("tiny-text", [Turn("user", "hello")], max_tokens=3)
+    gen = Generation("tiny-text", [Turn("user", "hello")], Options(max_tokens=3))
     engine_id, records = await started.inference.generate(gen, may_shorten_keep_alive=True)
     out = [r async for r in records]
     final = out[-1]
-    assert final["done"] is True and final["engine"] == engine_id
-    assert final["tokens"] == 3
+    assert isinstance(final, Final) and final.engine == engine_id
+    assert final.result.tokens == 3
+    assert all(isinstance(r, Token) for r in out[:-1])
     assert [v["id"] for v in (await started.inference.loaded())["engines"]] == [engine_id]
     unloaded = await started.inference.unload("tiny-text")
     assert [v["id"] for v in unloaded] == [engine_id]

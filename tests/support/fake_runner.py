@@ -9,12 +9,25 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
 
 from modeld.engine.runner.client import RunnerDied, RunnerError
+from modeld.engine.runner.job import Created, Done, GenerateJob, Job, Record, Token
 from modeld.modelfile.runtime import CreateSpec
 
 _PIDS = itertools.count(100_000)
+
+
+def numbered_job(n: int | None = None) -> GenerateJob:
+    """A job that carries ``n`` (``number_of``), so that a test can tell jobs apart."""
+    return GenerateJob(({"role": "user", "content": "" if n is None else str(n)},))
+
+
+def number_of(job: Job) -> int | None:
+    """The ``n`` of a ``numbered_job``; None for a job without one."""
+    if not isinstance(job, GenerateJob) or not job.messages:
+        return None
+    content = job.messages[0]["content"]
+    return int(content) if isinstance(content, str) and content else None
 
 
 class FakeRunner:
@@ -34,7 +47,7 @@ class FakeRunner:
     def alive(self) -> bool:
         return not self._exited.is_set()
 
-    async def create(self, spec: CreateSpec) -> dict[str, Any]:
+    async def create(self, spec: CreateSpec) -> Created:
         self.factory.creates += 1
         # The time a real create takes, simulated (what the tests around it wait through).
         await asyncio.sleep(self.factory.create_seconds)
@@ -44,11 +57,11 @@ class FakeRunner:
             raise RunnerError("engine_error", self.factory.fail)
         self.spec = spec
         self.pss = self.factory.engine_pss
-        return {"ok": True, "seconds": 0.0, "pss": self.pss, "rss": self.pss}
+        return Created(0.0, None, self.pss, self.pss, {})
 
     async def generate(
-        self, job: dict[str, Any], sent: Callable[[], None] | None = None
-    ) -> AsyncGenerator[dict[str, Any], None]:
+        self, job: Job, sent: Callable[[], None] | None = None
+    ) -> AsyncGenerator[Record, None]:
         self.factory.sent.append(job)
         if sent is not None:
             sent()
@@ -58,7 +71,7 @@ class FakeRunner:
             async for rec in self._generate(job):
                 yield rec
 
-    async def _generate(self, job: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+    async def _generate(self, job: Job) -> AsyncGenerator[Record, None]:
         if self.died is not None:
             raise self.died
         self.factory.jobs.append(job)
@@ -66,13 +79,14 @@ class FakeRunner:
         if not self.factory.hold:
             gate.set()
         self.factory.gates.append(gate)
-        if job.get("fake_fail"):  # a request the runtime refuses after growing to fake_pss
-            self.pss = int(job.get("fake_pss", self.pss))
-            raise RunnerError("bad_request", str(job["fake_fail"]))
+        refuse, self.factory.refuse = self.factory.refuse, None
+        if refuse is not None:  # a request the runtime refuses after growing to a PSS
+            reason, self.pss = refuse
+            raise RunnerError("bad_request", reason)
         for token in ("a", "b"):
             if self.died is not None:
                 raise self.died
-            yield {"token": token}
+            yield Token(token)
         waiter = asyncio.ensure_future(gate.wait())
         exited = asyncio.ensure_future(self._exited.wait())
         try:
@@ -82,7 +96,7 @@ class FakeRunner:
             exited.cancel()
         if self.died is not None:
             raise self.died
-        yield {"done": True, "finish": "stop", "tokens": 2, "timings": {}, "pss": self.pss}
+        yield Done("stop", tokens=2)
 
     def memory(self) -> tuple[int, int]:
         self.factory.pss_reads += 1
@@ -136,8 +150,10 @@ class FakeFactory:
         self.hold = hold
         self.runners: list[FakeRunner] = []
         self.gates: list[asyncio.Event] = []
-        self.jobs: list[dict[str, Any]] = []  # every generation's job, in the order they began
-        self.sent: list[dict[str, Any]] = []  # every job sent to a runner, begun or not
+        self.jobs: list[Job] = []  # every generation's job, in the order they began
+        self.sent: list[Job] = []  # every job sent to a runner, begun or not
+        # The next job is refused by the runtime with this reason, after growing to this PSS.
+        self.refuse: tuple[str, int] | None = None
         self.creates = 0
         self.pss_reads = 0  # PSS readings of any of its runners (the costly kind)
 

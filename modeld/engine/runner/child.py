@@ -14,19 +14,12 @@ JSON object. Parent -> child ops, each with an ``id``:
   "options"}``; ``seconds`` is ``litert_lm.Engine()`` alone, ``warm_up`` the warm-up
   generation's timings (None when not asked); ``options`` are the settings the engine was
   created with, read back from the runtime's ``Engine`` object (``engine_options``)
-- ``generate``: messages (role/content, last one is sent), max_tokens, sampler, stop,
-  format, stream; when set: presence/frequency/repetition_penalty, schema (+ strict, and
-  schema_of: the request's field it came from, named when the runtime cannot use it),
-  tools (OpenAI descriptions; calls come back, never run), raw (no chat template)
-  -> token frames... then ``{"id", "done": true, "finish", "timings"...}`` (with
-  ``tool_calls`` when the model made some, ``conversation``: ``"ready"`` when a
-  conversation made ahead served it, ``"none"`` when a bare session did); with
-  ``"stream": false`` no token frames, and the final record carries ``text``
-- ``embed`` (an engine created with ``kind: "embedding"``): ``inputs`` (texts),
-  ``dimensions`` (None: the model's own) -> ``{"id", "done": true, "finish": "stop",
-  "embeddings": [[float, ...], ...], "dimensions", "timings"}``, one vector per input in
-  order (the runtime's ``compute_embedding_batch``: L2-normalised; ``dimensions``
-  truncates, then normalises)
+- ``generate``: a ``GenerateJob`` (``modeld.engine.runner.job``: messages, options, shape)
+  -> token frames... then its ``Done``; with ``shape.stream`` false no token frames, and
+  ``Done.text`` carries the whole reply
+- ``embed`` (an engine created with ``kind: "embedding"``): an ``EmbedJob`` -> one
+  ``Embedded``, one vector per input in order (the runtime's ``compute_embedding_batch``:
+  L2-normalised; ``dimensions`` truncates, then normalises)
 - ``cancel``: ``target`` (a generate id) -> no reply of its own; the generation ends
   with ``finish: "cancelled"``
 - ``stats`` -> ``{"id", "ok": true, "pss", "rss", "ready"}`` (``ready``: a conversation
@@ -64,10 +57,28 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import psutil
 
+from modeld.engine.runner.job import (
+    FINISH_CANCELLED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Created,
+    Done,
+    Embedded,
+    EmbedJob,
+    Finish,
+    GenerateJob,
+    Job,
+    Made,
+    RunnerTimings,
+    ToolCall,
+    WarmUp,
+    job_of,
+    record_to_wire,
+)
 from modeld.proc import die_with_parent
 
 _HEADER = struct.Struct(">I")
@@ -97,7 +108,7 @@ def generate_error_code(exc: Exception, reason: str) -> str:
     return "engine_error"
 
 
-def generate_error_message(exc: Exception, reason: str, job: dict[str, Any]) -> str:
+def generate_error_message(exc: Exception, reason: str, job: Job) -> str:
     """What the client is told of a failed generation: for its own fault, what to change."""
     if isinstance(exc, ValueError):
         return str(exc)  # modeld's own refusal, worded for the client already
@@ -106,11 +117,18 @@ def generate_error_message(exc: Exception, reason: str, job: dict[str, Any]) -> 
     why = reason.split(_NO_CONSTRAINT, 1)[1].removesuffix(f" ({type(exc).__name__}: {exc})")
     # A regex error spans lines, with a line of carets under the pattern: one line here.
     why = " ".join(line.strip() for line in why.splitlines() if line.strip(" ^"))
-    field = job.get("schema_of") or "the JSON schema"
+    field = (job.shape.schema_of if isinstance(job, GenerateJob) else None) or "the JSON schema"
     return (
         f'"{field}": the runtime cannot constrain the reply to this schema ({why}); '
         "change the schema"
     )
+
+
+class Queued(NamedTuple):
+    """A job waiting for the generate thread, under its request id."""
+
+    rid: int
+    job: Job
 
 
 class ProtocolError(Exception):
@@ -311,7 +329,7 @@ class _Child:
         self.kind = "text"  # or "embedding": the ``create`` spec's kind
         self.dimension: int | None = None  # an embedding model's vector length
         self.max_tokens: int | None = None
-        self.jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.jobs: queue.Queue[Queued | None] = queue.Queue()
         self.cancelled: set[int] = set()
         self.current: tuple[int, Any] | None = None  # (generate id, conversation)
         # A conversation made ahead, on the ``ahead`` thread, for the job waiting next while
@@ -344,6 +362,9 @@ class _Child:
         frame = encode_frame(msg)
         self.tokens.flush()
         self._send_frame(frame)
+
+    def send_final(self, rid: int, record: Done | Embedded) -> None:
+        self.send({"id": rid, **record_to_wire(record)})
 
     def send_token(self, rid: int, text: str) -> None:
         self.tokens.add(rid, text)
@@ -444,17 +465,8 @@ class _Child:
                 self.error(rid, self._code_for(reason), f"the warm-up generation failed: {reason}")
                 return
         pss, rss = read_memory(os.getpid())
-        self.send(
-            {
-                "id": rid,
-                "ok": True,
-                "seconds": seconds,
-                "warm_up": warm_up,
-                "pss": pss,
-                "rss": rss,
-                "options": self._options(),
-            }
-        )
+        created = Created(seconds, warm_up, pss, rss, self._options())
+        self.send({"id": rid, **created.to_wire()})
 
     def _template(self, spec: Any) -> Any:
         """The conversation that renders plain jobs' prompts (``PlainSession``), or None.
@@ -476,7 +488,7 @@ class _Child:
             self.clear_error()
             return None
 
-    def _warm_up(self) -> dict[str, Any]:
+    def _warm_up(self) -> WarmUp:
         """One short generation, so that the first request does not pay the one-time costs.
 
         A GPU engine compiles its shaders and a CPU engine packs its weights and touches
@@ -514,10 +526,29 @@ class _Child:
             options["embedding_dimension"] = self.dimension
         return options
 
-    def enqueue(self, job: dict[str, Any]) -> None:
+    def accept(self, op: str, rid: Any, msg: dict[str, Any]) -> None:
+        """On the reader thread: a ``generate`` or ``embed`` frame, queued as its job or
+        refused with the reason."""
+        wanted = "embedding" if op == "embed" else "text"
+        if self.engine is None:
+            self.error(rid, "engine_error", f"{op} before create")
+        elif self.kind != wanted:
+            article = "an" if self.kind == "embedding" else "a"
+            self.error(rid, "bad_request", f"{op} asked of {article} {self.kind} engine")
+        elif not isinstance(rid, int):
+            self.error(rid, "bad_request", f"a {op} frame needs an integer id")
+        else:
+            try:
+                job = job_of(op, msg)
+            except (ValueError, TypeError) as e:
+                self.error(rid, "bad_request", f"a malformed {op} job: {e}")
+                return
+            self.enqueue(rid, job)
+
+    def enqueue(self, rid: int, job: Job) -> None:
         """On the reader thread: ``job`` waits for the generate thread; while one runs, its
         conversation is made now."""
-        self.jobs.put(job)
+        self.jobs.put(Queued(rid, job))
         if self.current is not None:
             self.prepare_queued()
 
@@ -530,19 +561,19 @@ class _Child:
 
     def _work(self) -> None:
         while True:
-            job = self.jobs.get()
-            if job is None:
+            queued = self.jobs.get()
+            if queued is None:
                 return
-            rid = job["id"]
+            rid, job = queued
             if rid in self.cancelled:
                 self.cancelled.discard(rid)
-                self.send({"id": rid, "done": True, "finish": "cancelled", "timings": {}})
+                self.send_final(rid, Done(FINISH_CANCELLED))
                 continue
             try:
-                if job.get("op") == "embed":
-                    self._embed(job)
+                if isinstance(job, EmbedJob):
+                    self._embed(rid, job)
                 else:
-                    self._generate(job)
+                    self._generate(rid, job)
             except (BrokenPipeError, ConnectionError):
                 return
             except Exception as e:
@@ -653,36 +684,28 @@ class _Child:
             # by the streaming path, which carries the runtime's own reason in its exception.
             return {"content": ""} if rid in self.cancelled else None
 
-    def _embed(self, job: dict[str, Any]) -> None:
+    def _embed(self, rid: int, job: EmbedJob) -> None:
         """One vector per input, in order, in one final record (nothing is streamed)."""
         import litert_lm
 
         started = time.perf_counter()
         self.clear_error()
-        inputs = [str(t) for t in job.get("inputs") or []]
-        size = job.get("dimensions")
-        if size is not None and self.dimension is not None and int(size) > self.dimension:
+        size = job.dimensions
+        if size is not None and self.dimension is not None and size > self.dimension:
             raise ValueError(
                 f"dimensions {size} is more than this model's {self.dimension}; ask for at "
                 f"most {self.dimension}, or leave dimensions out"
             )
-        options = litert_lm.EmbeddingOptions(output_size=None if size is None else int(size))
-        vectors = [r.embedding for r in self.engine.compute_embedding_batch(inputs, options)]
+        options = litert_lm.EmbeddingOptions(output_size=size)
+        batch = self.engine.compute_embedding_batch(list(job.inputs), options)
+        vectors = [r.embedding for r in batch]
         seconds = time.perf_counter() - started
-        self.send(
-            {
-                "id": job["id"],
-                "done": True,
-                "finish": "stop",
-                "embeddings": vectors,
-                "dimensions": len(vectors[0]) if vectors else size or self.dimension,
-                # No token counts: 0.18.1's embedding API reports none.
-                "tokens": 0,
-                "timings": {"prefill": seconds, "embed": seconds},
-            }
-        )
+        # No token counts: 0.18.1's embedding API reports none.
+        dimensions = len(vectors[0]) if vectors else size or self.dimension
+        timings = RunnerTimings(prefill=seconds, embed=seconds)
+        self.send_final(rid, Embedded(vectors, dimensions, timings))
 
-    def _generate(self, job: dict[str, Any]) -> None:  # noqa: PLR0912, PLR0915
+    def _generate(self, rid: int, job: GenerateJob) -> None:  # noqa: PLR0912, PLR0915
         """Stream one reply for ``job`` to the parent, then a final record with timings.
 
         With ``"stream": false`` no token frame is sent: the final record carries the whole
@@ -692,26 +715,21 @@ class _Child:
         import litert_lm
 
         from modeld.engine.runner.generate import (
-            FINISH_CANCELLED,
-            FINISH_LENGTH,
-            FINISH_STOP,
             StopFilter,
             calls_of,
             classify_json,
             conversation_args,
-            conversation_key,
-            session_plain,
             stream_reply,
             text_of,
         )
 
-        rid = job["id"]
-        streamed = job.get("stream", True) is not False
+        shape = job.shape
+        streamed = shape.stream
         started = time.perf_counter()
         self.clear_error()
         kwargs, last, constrained, send_kwargs = conversation_args(job, self.sampler_defaults)
-        plain = self.template is not None and session_plain(job)
-        key = None if plain else conversation_key(job)
+        plain = self.template is not None and job.session_plain()
+        key = None if plain else job.conversation_key()
         conversation: Any
         if plain:
             conversation, reused = self._open_session(rid, kwargs)
@@ -719,13 +737,13 @@ class _Child:
             conversation, constrained, reused = self._open(rid, kwargs, constrained, key)
         self.prepare_queued()
         if constrained:
-            schema = job.get("schema") or {"type": "object"}
+            schema = shape.schema or {"type": "object"}
             send_kwargs["response_format"] = litert_lm.ResponseFormat.json(schema)
-        stops = StopFilter([str(s) for s in job.get("stop") or []])
+        stops = StopFilter(list(shape.stop))
         first_at: float | None = None
         chunks = 0
         text_parts: list[str] = []
-        tool_calls: list[dict[str, Any]] = []
+        tool_calls: list[ToolCall] = []
         whole = None
         asked = time.perf_counter()
         if not streamed and not stops.stops:
@@ -775,8 +793,9 @@ class _Child:
             info = None
         prefill_tokens = info.last_prefill_token_count if info else 0
         decode_tokens = info.last_decode_token_count if info else chunks
-        max_out = job.get("max_tokens")
+        max_out = job.options.max_tokens
         window = self.max_tokens
+        finish: Finish
         if cancelled:
             finish = FINISH_CANCELLED
         elif stops.hit:
@@ -802,47 +821,50 @@ class _Child:
         ):
             # One blocking call shows no first token: setup, prefill and one decode step.
             ttft = (asked - started) + prefill + 1 / info.last_decode_tokens_per_second
-        timings = {
-            "prefill": prefill,
-            "first_token": ttft,
-            "decode_tokens_per_second": (
+        timings = RunnerTimings(
+            prefill=prefill,
+            first_token=ttft,
+            decode_tokens_per_second=(
                 info.last_decode_tokens_per_second
                 if info and info.last_decode_tokens_per_second
                 else ((chunks - 1) / decode_seconds if chunks > 1 and decode_seconds > 0 else None)
             ),
-            "generate": ended - started,
-        }
-        # No PSS here: reading smaps_rollup costs ~2.4 ms on this process, so the daemon
-        # measures it from /proc off the request path.
-        final: dict[str, Any] = {
-            "id": rid,
-            "done": True,
-            "finish": finish,
-            "prompt_tokens": prefill_tokens,
-            "tokens": decode_tokens,
-            "timings": timings,
-            "constrained": constrained,
-        }
-        if not streamed:
-            final["text"] = "".join(text_parts)
-        if tool_calls:
-            final["tool_calls"] = tool_calls
-        if job.get("format") == "json" or job.get("schema") is not None:
-            strict = job.get("schema") if job.get("strict") else None
-            final["json"] = classify_json("".join(text_parts), finish, strict)
+            generate=ended - started,
+        )
+        made: Made | None = None
         if plain:
             # A bare session answered (``PlainSession``), made ahead for the job or not.
-            final["conversation"] = "none ready" if reused else "none"
+            made = "none ready" if reused else "none"
         elif reused:
-            final["conversation"] = "ready"
-        self.send(final)
+            made = "ready"
+        text = "".join(text_parts)
+        # No PSS here: reading smaps_rollup is slow on a big process, so the daemon measures
+        # it from /proc off the request path.
+        self.send_final(
+            rid,
+            Done(
+                finish=finish,
+                prompt_tokens=prefill_tokens,
+                tokens=decode_tokens,
+                timings=timings,
+                constrained=constrained,
+                text=None if streamed else text,
+                tool_calls=tuple(tool_calls),
+                json=(
+                    classify_json(text, finish, shape.schema if shape.strict else None)
+                    if shape.constrained
+                    else None
+                ),
+                conversation=made,
+            ),
+        )
         # After the final record, not before: closing is the runner's business, not the
         # client's wait (the next job runs on this same thread, so it starts on a closed one).
         self._close(conversation)
         if key is not None and not cancelled:
             self._prepare_next(key, job)
 
-    def _prepare_next(self, key: tuple[Any, ...], job: dict[str, Any]) -> None:
+    def _prepare_next(self, key: tuple[Any, ...], job: GenerateJob) -> None:
         """Make the next job's conversation now, while the engine is idle: a client sends
         its requests alike, and making one takes ~0.6 ms of the runtime's time on a small
         machine (the tiny models' whole 8-token reply is ~3 ms). Not when a job already
@@ -863,38 +885,35 @@ class _Child:
         slot are one step under ``ready_lock``, which ``_open`` and ``_open_session`` take
         too: a job taken off the queue meanwhile finds what was made for it, never what
         was made for a job gone. One made ahead for other settings is closed."""
-        from modeld.engine.runner.generate import (
-            conversation_args,
-            conversation_key,
-            session_plain,
-        )
+        from modeld.engine.runner.generate import conversation_args
 
         with self.ready_lock:
             with self.jobs.mutex:
                 waiting = self.jobs.queue[0] if self.jobs.queue else None
-            if waiting is None or waiting.get("op") != "generate":
+            if waiting is None or not isinstance(waiting.job, GenerateJob):
                 return
-            streamed = waiting.get("stream", True) is not False
+            wid, job = waiting.rid, waiting.job
             policy = self.ahead_during_decode
-            if policy == "none" or (policy == "streamed" and not streamed):
+            if policy == "none" or (policy == "streamed" and not job.shape.stream):
+                return
+            if wid in self.cancelled:
                 return
             try:
-                if self.template is not None and session_plain(waiting):
+                if self.template is not None and job.session_plain():
                     # Answered on a bare session: made, its prompt rendered, ahead.
-                    if waiting.get("id") in self.cancelled:
-                        return
-                    key = _session_key(waiting.get("id"))
-                    turn = waiting["messages"][0]
+                    key = _session_key(wid)
                     make: Callable[[], Any] = functools.partial(
-                        self._make_plain, conversation_args(waiting, self.sampler_defaults)[0], turn
+                        self._make_plain,
+                        conversation_args(job, self.sampler_defaults)[0],
+                        job.messages[0],
                     )
                 else:
-                    settings = conversation_key(waiting)
-                    if settings is None or waiting.get("id") in self.cancelled:
+                    settings = job.conversation_key()
+                    if settings is None:
                         return
                     key = settings
                     make = functools.partial(
-                        self._make, conversation_args(waiting, self.sampler_defaults)[0]
+                        self._make, conversation_args(job, self.sampler_defaults)[0]
                     )
             except Exception:
                 return  # the job fails with the reason when its turn comes, alone
@@ -931,7 +950,7 @@ class _Child:
             return None
 
 
-def _session_key(rid: Any) -> tuple[Any, ...]:
+def _session_key(rid: int) -> tuple[Any, ...]:
     """The ``ready`` key of a bare session made ahead for the waiting job ``rid``."""
     return ("session", rid)
 
@@ -943,7 +962,7 @@ def _close_made(made: Future[Any]) -> None:
         conversation.close()
 
 
-def child_main(fd: int, parent_pid: int) -> int:  # noqa: PLR0912 (one branch per op)
+def child_main(fd: int, parent_pid: int) -> int:
     die_with_parent(parent_pid)
     # A terminal's Ctrl-C goes to the daemon, which stops runners in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -978,14 +997,7 @@ def child_main(fd: int, parent_pid: int) -> int:  # noqa: PLR0912 (one branch pe
         if op == "create":
             child.create(msg)
         elif op in ("generate", "embed"):
-            wanted = "embedding" if op == "embed" else "text"
-            if child.engine is None:
-                child.error(rid, "engine_error", f"{op} before create")
-            elif child.kind != wanted:
-                article = "an" if child.kind == "embedding" else "a"
-                child.error(rid, "bad_request", f"{op} asked of {article} {child.kind} engine")
-            else:
-                child.enqueue(msg)
+            child.accept(op, rid, msg)
         elif op == "cancel":
             child.cancel(int(msg.get("target", -1)))
         elif op == "stats":

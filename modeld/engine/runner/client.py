@@ -30,6 +30,7 @@ from modeld.engine.runner.child import (
     read_rss,
     split_frames,
 )
+from modeld.engine.runner.job import Created, Job, Record, Token, record_of
 from modeld.modelfile.runtime import CreateSpec
 
 _STDERR_LINES = 200
@@ -334,19 +335,18 @@ class Runner:
             raise RunnerError(str(err.get("code", "engine_error")), str(err.get("message", "")))
         return reply
 
-    async def create(self, spec: CreateSpec) -> dict[str, Any]:
-        return await self.call("create", **spec.to_json())
+    async def create(self, spec: CreateSpec) -> Created:
+        return Created.from_wire(await self.call("create", **spec.to_json()))
 
     async def generate(
-        self, job: dict[str, Any], sent: Callable[[], None] | None = None
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        """Token records, then the final ``done`` record; leaving early cancels in the child.
+        self, job: Job, sent: Callable[[], None] | None = None
+    ) -> AsyncGenerator[Record, None]:
+        """``Token`` records, then the final ``Done`` (``Embedded`` for an ``EmbedJob``);
+        leaving early cancels in the child.
 
-        A job with ``"op": "embed"`` asks an embedding engine for vectors: no token
-        records, the final record carries them. The child runs its jobs one at a time, in
-        the order they were sent: one sent while another runs waits in the child, and
-        starts the moment that one ends. ``sent`` is called once the job is on its way,
-        ahead of any job sent after it.
+        The child runs its jobs one at a time, in the order they were sent: one sent while
+        another runs waits in the child, and starts the moment that one ends. ``sent`` is
+        called once the job is on its way, ahead of any job sent after it.
         """
         rid = next(self._ids)
         q: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
@@ -354,13 +354,16 @@ class Runner:
         finished = False
         held: dict[str, Any] | BaseException | None = None
         try:
-            await self._send({"op": "generate", "id": rid, **job})
+            await self._send({"op": job.op, "id": rid, **job.to_wire()})
             if sent is not None:
                 sent()
             while True:
                 rec = held if held is not None else await q.get()
                 held = None
-                if isinstance(rec, dict) and "token" in rec:
+                if isinstance(rec, BaseException):
+                    finished = True
+                    raise rec
+                if "token" in rec:
                     # Merge the tokens that are already here into one record: one write
                     # downstream instead of one per token (clients see fewer, longer pieces).
                     parts = [rec["token"]]
@@ -371,20 +374,14 @@ class Runner:
                         else:
                             held = nxt
                             break
-                    if len(parts) > 1:
-                        rec = {"id": rid, "token": "".join(parts)}
-                if isinstance(rec, BaseException):
-                    finished = True
-                    raise rec
+                    yield Token("".join(parts))
+                    continue
+                finished = True
                 if "error" in rec:
-                    finished = True
                     err = rec["error"]
                     raise RunnerError(str(err.get("code")), str(err.get("message", "")))
-                if rec.get("done"):
-                    finished = True
-                    yield rec
-                    return
-                yield rec
+                yield record_of(rec)
+                return
         finally:
             # A record held back by the merge is always the last one (done, error, or the
             # runner's death): the generation is over and there is nothing to cancel.

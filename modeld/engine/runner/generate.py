@@ -15,12 +15,19 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-FINISH_STOP = "stop"  # the model ended its reply (or a stop string matched)
-FINISH_LENGTH = "length"  # max_tokens or the engine's token window ran out
-FINISH_CANCELLED = "cancelled"
+from modeld.engine.runner.job import (
+    FINISH_CANCELLED,
+    FINISH_LENGTH,
+    Finish,
+    GenerateJob,
+    JsonCheck,
+    JsonStatus,
+    Options,
+    ToolCall,
+)
 
 
-def classify_json(text: str, finish: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+def classify_json(text: str, finish: Finish, schema: dict[str, Any] | None = None) -> JsonCheck:
     """The JSON diagnostics: complete, empty, truncated, not_json or schema_mismatch.
 
     "Max number of tokens reached" ends a reply silently in LiteRT-LM 0.18, so a reply that
@@ -30,7 +37,7 @@ def classify_json(text: str, finish: str, schema: dict[str, Any] | None = None) 
     """
     raw = text.strip()
     if not raw:
-        status = "truncated" if finish == FINISH_LENGTH else "empty"
+        status: JsonStatus = "truncated" if finish == FINISH_LENGTH else "empty"
         return {"status": status, "raw": text, "error": None}
     try:
         doc = json.loads(raw)
@@ -51,11 +58,11 @@ def classify_json(text: str, finish: str, schema: dict[str, Any] | None = None) 
     return {"status": "complete", "raw": text, "error": None}
 
 
-def calls_of(message: Any) -> list[dict[str, Any]]:
+def calls_of(message: Any) -> list[ToolCall]:
     """The tool calls in a runtime message, as ``{"name", "arguments"}`` (an object)."""
     data = message.to_json() if hasattr(message, "to_json") else message
     calls = data.get("tool_calls") if isinstance(data, dict) else None
-    out = []
+    out: list[ToolCall] = []
     for call in calls or []:
         fn = call.get("function", call) if isinstance(call, dict) else {}
         args = fn.get("arguments")
@@ -64,7 +71,9 @@ def calls_of(message: Any) -> list[dict[str, Any]]:
                 args = json.loads(args)
             except json.JSONDecodeError:
                 args = {"_raw": args}
-        out.append({"name": str(fn.get("name", "")), "arguments": args or {}})
+        if not isinstance(args, dict):
+            args = {"_raw": args}
+        out.append({"name": str(fn.get("name", "")), "arguments": args})
     return out
 
 
@@ -136,11 +145,10 @@ class StopFilter:
 # The top-k of a request that samples (a temperature above 0) and names none, where the
 # file names none either: Ollama's and llama.cpp's default.
 DEFAULT_TOP_K = 40
-SAMPLER_FIELDS = ("top_k", "top_p", "temperature", "seed")
 
 
-def sampler_fields(job: dict[str, Any], defaults: dict[str, Any] | None) -> dict[str, Any]:
-    """The runtime's ``SamplerConfig`` fields for ``job``: {} for the engine's own sampler.
+def sampler_fields(options: Options, defaults: dict[str, Any] | None) -> dict[str, Any]:
+    """The runtime's ``SamplerConfig`` fields for ``options``: {} for the engine's own sampler.
 
     A ``SamplerConfig`` replaces the file's sampler whole, and what it leaves out takes the
     runtime's fallback: top_k 1, top_p 0.95, temperature 1, seed 0. So ``temperature: 0.8``
@@ -148,7 +156,7 @@ def sampler_fields(job: dict[str, Any], defaults: dict[str, Any] | None) -> dict
     fields go over the file's defaults (``defaults``: ``sampler_defaults``); a request that
     samples gets ``DEFAULT_TOP_K`` where neither names a top-k, and a random seed where it
     names none, as an OpenAI client expects."""
-    given = {k: job[k] for k in SAMPLER_FIELDS if job.get(k) is not None}
+    given = options.to("sampler")
     if not given:
         return {}
     out = {k: v for k, v in (defaults or {}).items() if v is not None} | given
@@ -177,18 +185,18 @@ def sampler_defaults(path: str) -> dict[str, Any]:
 
 
 def conversation_args(
-    job: dict[str, Any], defaults: dict[str, Any] | None = None
+    job: GenerateJob, defaults: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], Any, bool, dict[str, Any]]:
     """``create_conversation`` kwargs, the message to send, constrained, ``send`` kwargs;
     ``defaults``: the file's sampler (``sampler_defaults``)."""
     import litert_lm
 
-    messages = list(job.get("messages") or [])
+    messages = list(job.messages)
     if not messages or messages[-1].get("role") not in ("user", "tool"):
         raise ValueError("the last message must come from the user (or carry tool results)")
     # Results of several calls go in as one tool message, one tool_response part each.
     first = len(messages) - 1
-    last = messages[-1]
+    last: Any = messages[-1]
     if last.get("role") == "tool":
         while first > 0 and messages[first - 1].get("role") == "tool":
             first -= 1
@@ -203,69 +211,25 @@ def conversation_args(
         kwargs["system_message"] = system
     if history:
         kwargs["messages"] = history
-    if job.get("tools"):
-        kwargs["tools"] = _tools(job["tools"])
+    shape = job.shape
+    if shape.tools:
+        kwargs["tools"] = _tools(list(shape.tools))
         kwargs["automatic_tool_calling"] = False
-    if job.get("raw"):
+    if shape.raw:
         kwargs["chat_template"] = RAW_TEMPLATE
-    sampler = sampler_fields(job, defaults)
+    sampler = sampler_fields(job.options, defaults)
     if sampler:
         kwargs["sampler_config"] = litert_lm.SamplerConfig(**sampler)
-    if job.get("max_tokens"):
-        kwargs["max_output_tokens"] = int(job["max_tokens"])
+    kwargs.update(job.options.to("conversation"))
     send: dict[str, Any] = {}
-    penalties = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-    repetition = {k: float(job[k]) for k in penalties if job.get(k) is not None}
+    repetition = job.options.to("send")
     if repetition:
         send["repetition_penalty_config"] = litert_lm.RepetitionPenaltyConfig(**repetition)
-    constrained = job.get("format") == "json" or job.get("schema") is not None
-    if constrained:
+    if shape.constrained:
         kwargs["constrained_decoding_config"] = litert_lm.ConstrainedDecodingConfig(
             enable=True, provider=litert_lm.LiteRtLmConstraintProviderType.LL_GUIDANCE
         )
-    return kwargs, last, constrained, send
-
-
-def conversation_key(job: dict[str, Any]) -> tuple[Any, ...] | None:
-    """What ``conversation_args`` makes ``job``'s conversation from, when that can be made
-    before the job comes: one turn, no tools, no constrained decoding, no raw template.
-    Jobs with equal keys get equal conversations; None: made for the job alone."""
-    plain = not (job.get("tools") or job.get("raw") or job.get("schema") is not None)
-    if len(job.get("messages") or ()) != 1 or not plain or job.get("format") == "json":
-        return None
-    return tuple(job.get(k) for k in ("max_tokens", "top_k", "top_p", "temperature", "seed"))
-
-
-# Options ``send_message`` takes that a bare session has not.
-_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-
-
-def session_plain(job: dict[str, Any]) -> bool:
-    """Whether ``job`` is answered on a bare session (``PlainSession``): a reply, whole or
-    streamed, to one user turn of text without a NUL, with no tools, no raw template, no
-    constrained decoding and no penalties."""
-    messages = job.get("messages")
-    if not isinstance(messages, list) or len(messages) != 1 or not isinstance(messages[0], dict):
-        return False
-    turn = messages[0]
-    content = turn.get("content")
-    if isinstance(content, str):
-        texts = [content]
-    elif isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" for p in content
-    ):
-        texts = [str(p.get("text", "")) for p in content]
-    else:
-        return False
-    return (
-        turn.get("role") == "user"
-        # The rendered prompt comes back as a C string: a NUL would end it there.
-        and not any("\x00" in t for t in texts)
-        and not (job.get("tools") or job.get("raw"))
-        and job.get("schema") is None
-        and job.get("format") != "json"
-        and all(job.get(k) is None for k in _PENALTIES)
-    )
+    return kwargs, last, shape.constrained, send
 
 
 # The template conversation renders prompts on the generate thread and, for a job that
