@@ -71,7 +71,7 @@ def prepare_image(data: bytes, max_pixels: int) -> bytes:
     """Turn upright, downscale to at most 640 px on the long side, re-encode as JPEG 88.
 
     Pillow reads only the header on ``open``: the pixel count is checked there, before any
-    decoding (a 219 KB PNG can decode to 13000 x 13000, 0.9 GB). The EXIF orientation is
+    decoding (a small PNG can decode to gigabytes of pixels). The EXIF orientation is
     applied before the resize: a phone photo stored sideways reaches the model upright, and
     the 640 px bound applies to its upright long side. The output carries no EXIF, so
     nothing downstream turns it a second time.
@@ -179,7 +179,7 @@ def check_prompt(gen: Generation, model_id: str, max_tokens: int) -> None:
     """Refuse a prompt that cannot fit the engine's window, before the runtime tokenizes it.
 
     The runtime tokenizes the whole conversation before it checks the window: a prompt of
-    millions of tokens took 15 s and 3.5 GB first. Text averages about 4 bytes a token, so
+    millions of tokens costs seconds and gigabytes first. Text averages about 4 bytes a token, so
     ``PROMPT_BYTES_PER_TOKEN`` bytes a token of the window is a bound no prompt that fits
     comes near; the runtime still checks the exact count of what passes.
     """

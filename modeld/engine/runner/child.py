@@ -84,7 +84,7 @@ from modeld.proc import die_with_parent
 _HEADER = struct.Struct(">I")
 _RID = struct.Struct(">I")
 TOKEN_FLAG = 0x8000_0000
-# Images travel as base64 inside generate frames; the API caps bodies at 64 MiB.
+# Images travel as base64 inside generate frames: room for the largest body the API takes.
 MAX_FRAME = 80 * 1024 * 1024
 
 
@@ -214,12 +214,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 # Tokens that come within the window of the last token frame wait and leave together; the
 # first token of a reply goes at once. The window starts at ``TOKEN_WINDOW`` and grows
-# ``TOKEN_WINDOW_GROWTH`` times with each frame of the reply up to ``TOKEN_WINDOW_MAX``
-# (8, then 32 ms): a token waits 32 ms at most (two refreshes of a 60 Hz screen), and a
-# fast model's long reply leaves in a few frames instead of one every 2 ms. Every frame wakes
-# the daemon and its client, which on a small machine take the CPU the decode itself
-# needs; a real model's tokens are mostly further apart than the window, and those still
-# leave one by one, at once.
+# ``TOKEN_WINDOW_GROWTH`` times with each frame of the reply up to ``TOKEN_WINDOW_MAX``, short
+# enough that no reader sees a stall. Every frame wakes the daemon and its client, which on a
+# small machine take the CPU the decode itself needs; a real model's tokens are mostly
+# further apart than the window, and those still leave one by one, at once (see
+# docs/engines.md#the-runner-protocol).
 TOKEN_WINDOW = 0.008
 TOKEN_WINDOW_MAX = 0.032
 TOKEN_WINDOW_GROWTH = 4
@@ -298,12 +297,10 @@ def _ahead_during_decode(backend: str, threads: int | None) -> Ahead:
     ``"streamed"`` or ``"none"``.
 
     - ``"all"``: a CPU engine whose threads leave a core free.
-    - ``"streamed"``: a CPU engine whose threads fill the machine (2 cores, 2 threads).
-      Making a conversation then slows the running decode: on a quiet 2-core host it cut
-      16 clients' throughput by 4 % (336 against 351 req/s at 8 tokens) and brought the
-      first token after a request's turn from 4.04 to 3.60 ms (p99). A streamed client
+    - ``"streamed"``: a CPU engine whose threads fill the machine. Making a conversation
+      then slows the running decode, so it is done only for a streamed job, whose client
       waits on its first token; a client of a whole reply waits for the end, which the
-      queue's throughput decides. So only a streamed job's is made ahead.
+      queue's throughput decides (docs/engines.md#the-runner-protocol has the figures).
     - ``"none"``: GPU engines make it in line (their sessions are not made while another
       decodes)."""
     from modeld.config import default_cpu_threads
@@ -493,7 +490,7 @@ class _Child:
 
         A GPU engine compiles its shaders and a CPU engine packs its weights and touches
         their pages at the first prefill and decode, not at ``Engine()``: a pinned engine
-        that skips this makes its first user wait (~2 s against ~40 ms on an H200).
+        that skips this makes its first user wait for all of that (docs/engines.md#warm-up-at-load).
         """
         started = time.perf_counter()
         if self.kind == "embedding":
@@ -866,9 +863,8 @@ class _Child:
 
     def _prepare_next(self, key: tuple[Any, ...], job: GenerateJob) -> None:
         """Make the next job's conversation now, while the engine is idle: a client sends
-        its requests alike, and making one takes ~0.6 ms of the runtime's time on a small
-        machine (the tiny models' whole 8-token reply is ~3 ms). Not when a job already
-        waits (``prepare_queued`` made its own). Its arguments are made afresh: a job that
+        its requests alike, and making one is a noticeable part of a short reply's time.
+        Not when a job already waits (``prepare_queued`` made its own). Its arguments are made afresh: a job that
         names no seed drew a random one, which the next job must not get again."""
         from modeld.engine.runner.generate import conversation_args
 
@@ -877,10 +873,9 @@ class _Child:
 
     def prepare_queued(self) -> None:
         """While a job runs, make the conversation of the job waiting next, so that it
-        starts the moment this one ends (its first token comes ~0.5 ms sooner after its
-        turn: the runtime's time to make one), as ``_ahead_during_decode`` allows; for a
-        job answered on a bare session, its ``PlainSession`` with the prompt rendered
-        (~0.2 ms). On the reader thread when a job comes, and on the generate thread when
+        starts the moment this one ends (its first token comes sooner after its turn by the
+        runtime's time to make one), as ``_ahead_during_decode`` allows; for a job answered
+        on a bare session, its ``PlainSession`` with the prompt rendered. On the reader thread when a job comes, and on the generate thread when
         one starts: whichever sees it first. The look at the queue and the claim of the
         slot are one step under ``ready_lock``, which ``_open`` and ``_open_session`` take
         too: a job taken off the queue meanwhile finds what was made for it, never what
@@ -969,7 +964,7 @@ def child_main(fd: int, parent_pid: int) -> int:
     sock = socket.socket(fileno=fd)
     child = _Child(sock)
     started = time.perf_counter()
-    # Loading the 131 MB runtime now is what makes a spare runner worth keeping.
+    # Loading the runtime (a large library) now is what makes a spare runner worth keeping.
     import litert_lm  # noqa: F401
 
     child._bind_errors()

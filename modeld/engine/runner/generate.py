@@ -233,8 +233,8 @@ def conversation_args(
 
 
 # The template conversation renders prompts on the generate thread and, for a job that
-# waits, on the ``ahead`` thread: two renders at once on one conversation gave a wrong
-# prompt or raised UnicodeDecodeError (6 to 8 in 40,000 with two threads rendering in a loop).
+# waits, on the ``ahead`` thread: two renders at once on one conversation can give a wrong
+# prompt or raise UnicodeDecodeError (a test renders from two threads in a loop).
 _RENDER_LOCK = threading.Lock()
 
 
@@ -246,14 +246,13 @@ def render(template: Any, message: Any) -> str:
 
 
 class PlainSession:
-    """A reply to one plain user turn (``session_plain``) on a bare runtime session, where a
-    conversation would cost more than the reply's own decode.
+    """A reply to one plain user turn (``GenerateJob.session_plain``) on a bare runtime
+    session, where making a conversation costs far more than a session, enough to matter for a
+    short reply (docs/engines.md#the-runner-protocol).
 
-    Making a ``Conversation`` takes 0.3 to 0.5 ms of the runtime's time on the 2-core dev box
-    (a session 0.01 to 0.02 ms), a fifth of the tiny model's whole 8-token reply. The prompt
-    is the one a conversation prefills: the engine's template conversation (made once, never
-    sent to) renders the turn with the model's chat template (``render_message_to_string``,
-    0.06 to 0.14 ms), and the session, told to apply no template of its own, prefills it and
+    The prompt is the one a conversation prefills: the engine's template conversation (made
+    once, never sent to) renders the turn with the model's chat template
+    (``render_message_to_string``), and the session, told to apply no template of its own, prefills it and
     decodes, in one call (``send_message``) or chunk by chunk (``stream``). Same tokens in,
     same reply out: a test compares the two paths on the fixtures. It has the methods of a
     conversation that the runner calls.
@@ -367,8 +366,8 @@ _TEXT_TAIL = b'"}]}'
 
 def parse_chunk(raw: bytes) -> dict[str, Any]:
     """One streamed chunk's message. A chunk of plain text with nothing escaped in it is
-    read without ``json.loads``, which took 12 of the callback's 24 µs a token on the dev
-    box; any other chunk (escapes, tool calls, other parts) goes through ``json.loads``."""
+    read without ``json.loads``, which was half of the callback's time a token; any other
+    chunk (escapes, tool calls, other parts) goes through ``json.loads``."""
     if raw.startswith(_TEXT_HEAD) and raw.endswith(_TEXT_TAIL):
         body = raw[len(_TEXT_HEAD) : -len(_TEXT_TAIL)]
         if b"\\" not in body and b'"' not in body:
@@ -401,9 +400,8 @@ def keep_thread_state() -> None:
     the next ones.
 
     ctypes calls a callback on a thread Python did not start through PyGILState_Ensure and
-    PyGILState_Release, which make a thread state for the call and free it after. That cost
-    about 30 µs a token on the dev box: a 256-token streamed reply took 20 ms more than a
-    whole one, 12 ms with the state kept. One more PyGILState_Ensure, never released, keeps
+    PyGILState_Release, which make a thread state for the call and free it after: a cost
+    paid on every token of a streamed reply. One more PyGILState_Ensure, never released, keeps
     the state: ctypes' own Release then only lets the GIL go. One state per runtime thread
     is kept for the life of the process (the runner's).
     """
@@ -486,8 +484,8 @@ def stream_reply(
     """Stream one reply, calling ``on_message`` with each chunk; stop when it returns True.
 
     ``send_message_async`` hands every chunk from the runtime's thread to the caller's
-    through a queue, as a ``Message`` object: two thread switches and ~0.1 ms of Python
-    per token, which a tiny model's decode step does not even take. Here the runtime's
+    through a queue, as a ``Message`` object: two thread switches and a Python object per
+    token, more than a small model's decode step takes. Here the runtime's
     callback parses the chunk and calls ``on_message`` itself, on the runtime's thread,
     and this thread only waits for the end. The callback path is the runtime's private
     API (``Conversation._lib``, ``_create_optional_args``, ``STREAM_CALLBACK_TYPE``): a
