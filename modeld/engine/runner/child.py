@@ -864,8 +864,9 @@ class _Child:
     def _prepare_next(self, key: tuple[Any, ...], job: GenerateJob) -> None:
         """Make the next job's conversation now, while the engine is idle: a client sends
         its requests alike, and making one is a noticeable part of a short reply's time.
-        Not when a job already waits (``prepare_queued`` made its own). Its arguments are made afresh: a job that
-        names no seed drew a random one, which the next job must not get again."""
+        Not when a job already waits (``prepare_queued`` made its own). Its arguments are
+        made afresh: a job that names no seed drew a random one, which the next job must not
+        get again."""
         from modeld.engine.runner.generate import conversation_args
 
         if self.jobs.empty():
@@ -875,8 +876,9 @@ class _Child:
         """While a job runs, make the conversation of the job waiting next, so that it
         starts the moment this one ends (its first token comes sooner after its turn by the
         runtime's time to make one), as ``_ahead_during_decode`` allows; for a job answered
-        on a bare session, its ``PlainSession`` with the prompt rendered. On the reader thread when a job comes, and on the generate thread when
-        one starts: whichever sees it first. The look at the queue and the claim of the
+        on a bare session, its ``PlainSession`` with the prompt rendered. On the reader
+        thread when a job comes, and on the generate thread when one starts: whichever sees
+        it first. The look at the queue and the claim of the
         slot are one step under ``ready_lock``, which ``_open`` and ``_open_session`` take
         too: a job taken off the queue meanwhile finds what was made for it, never what
         was made for a job gone. One made ahead for other settings is closed."""

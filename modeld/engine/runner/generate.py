@@ -252,10 +252,10 @@ class PlainSession:
 
     The prompt is the one a conversation prefills: the engine's template conversation (made
     once, never sent to) renders the turn with the model's chat template
-    (``render_message_to_string``), and the session, told to apply no template of its own, prefills it and
-    decodes, in one call (``send_message``) or chunk by chunk (``stream``). Same tokens in,
-    same reply out: a test compares the two paths on the fixtures. It has the methods of a
-    conversation that the runner calls.
+    (``render_message_to_string``), and the session, told to apply no template of its own,
+    prefills it and decodes, in one call (``send_message``) or chunk by chunk (``stream``).
+    Same tokens in, same reply out: a test compares the two paths on the fixtures. It has
+    the methods of a conversation that the runner calls.
 
     A cancel that reaches the runtime's session before its decode starts (during the
     prefill) leaves it so that ``run_decode_async`` never calls back: the runner waited
