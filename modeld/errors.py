@@ -135,6 +135,13 @@ class RequestTimeout(ModeldError):
     status = 408
 
 
+class DeadlineExceeded(ModeldError):
+    """A request on a model ran past ``request_timeout``; its work was stopped there."""
+
+    code = "deadline_exceeded"
+    status = 504
+
+
 # --- client gone (499) ----------------------------------------------------------------
 
 

@@ -1,4 +1,10 @@
-"""Names on disk: which model ids are valid, and where the state dir keeps what.
+"""Names on disk: which model ids, file names and revisions are valid, and where the state dir
+keeps what.
+
+Every name that reaches an entry modeld writes (``pull hf://``, ``import``) or a path is
+checked here, once: ``MODEL_ID_RE`` (always with ``fullmatch``: ``$`` lets a trailing newline
+through ``match``), ``file_name_problem``, ``text_problem``, ``revision_problem`` and
+``repo_part_problem``. What passes is text TOML can hold and a name no path escapes with.
 
 Layout of ``MODELD_HOME``: ``blobs/sha256-<hex>`` (read-only model files), ``partial/<id>.partial``
 (downloads in progress), ``cache/<hex>/`` (the runtime's ``cache_dir`` per blob) and
@@ -22,6 +28,59 @@ PARTIAL_SUFFIX = ".partial"
 # (``blobs/.sha256-<hex>.install-<pid>``): the pid is the daemon's that writes it.
 _STAGING_RE = re.compile(r"\.(?:import|install)-(\d+)(?:-|$)")
 _NOT_IN_ID = re.compile(r"[^A-Za-z0-9._-]+")
+# Characters no name modeld writes may hold: C0 and C1 controls, and the line separators and
+# bidi controls that change how what follows them is shown.
+_CONTROL = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
+# A part of a repository's name (ORG, REPO) or of a file's path in it.
+_PART_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# A branch, tag or commit of a repository (``refs/pr/1`` included).
+_REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,254}")
+MAX_FILE_NAME_BYTES = 255
+
+
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be written into an entry (control characters, or a lone UTF-16
+    surrogate that no UTF-8 file holds), or None."""
+    found = _CONTROL.search(text)
+    if found is not None:
+        return f"holds the control character {ascii(found.group())[1:-1]}"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds {ascii(text[e.start])[1:-1]}, which is no character (not valid UTF-8)"
+    return None
+
+
+def file_name_problem(name: str) -> str | None:
+    """Why ``name`` is no file name an entry may hold, or None: a plain name, no separator,
+    no ``..``, at most 255 bytes, text an entry can hold."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or ".." in name:
+        return "must be a plain file name, without separators or '..'"
+    problem = text_problem(name)
+    if problem is not None:
+        return problem
+    if len(name.encode("utf-8")) > MAX_FILE_NAME_BYTES:
+        return f"is longer than {MAX_FILE_NAME_BYTES} bytes"
+    return None
+
+
+def revision_problem(revision: str) -> str | None:
+    """Why ``revision`` is no branch, tag or commit of a Hub repository, or None."""
+    if not _REVISION_RE.fullmatch(revision) or ".." in revision or revision.endswith("/"):
+        return (
+            "is not a revision: a branch, tag or commit of letters, digits, '.', '_', '-' "
+            "and '/' (at most 255)"
+        )
+    return None
+
+
+def repo_part_problem(part: str) -> str | None:
+    """Why ``part`` is no part of a repository's name or of a file's path in it, or None."""
+    if not _PART_RE.fullmatch(part) or ".." in part:
+        return "holds other characters than letters, digits, '.', '_' and '-', or '..'"
+    return None
 
 
 def model_id_from(name: str) -> str | None:

@@ -290,7 +290,7 @@ def test_hugging_face_conventions(clean_env: Path, monkeypatch: pytest.MonkeyPat
     assert settings.hf_token is not None
     assert settings.hf_token.get_secret_value() == "hf_from_env"
     assert settings.hf_endpoint == "http://127.0.0.1:8123"
-    assert settings.hub_hosts == ("127.0.0.1",)
+    assert settings.hub_hosts == ("127.0.0.1:8123",)
     assert settings.hf_hub_offline is True
     assert settings.hub_cache == clean_env / "cache"
     assert settings.effective()["hf_token"] == "set"

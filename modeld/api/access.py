@@ -9,11 +9,12 @@ A peer's role:
 
 ``ROUTES`` gives every route its role; ``tests/test_access.py`` fails when a registered route
 is missing from it, so a new route cannot be left open by mistake (and one that is missing
-anyway needs *admin*). A few *use* routes take fields that need *admin* (``pin`` and
-``allow_unverified`` on a load, ``allow_unverified`` on a generation): ``Rule.admin_fields``
-names them, and ``check_body`` refuses them once the body is parsed (``requests.read_body``
-calls it), so the body is parsed once. Refusals are 403 ``forbidden`` naming the role needed
-and how to get it. A *use* request's ``keep_alive`` may lengthen an engine's keep-alive, not
+anyway needs *admin*). Some *use* routes take fields that need *admin*: ``ADMIN_FIELDS``
+names them once, for every route (``pin``, ``allow_unverified``), and ``check_body`` refuses
+a body of a non-admin that sets one, before the body is validated (``requests.read_body``
+and the OpenAI routes call it); ``tests/api/test_access.py`` walks the route table to hold
+every *use* route to it. Refusals are 403 ``forbidden`` naming the role needed and how to
+get it. A *use* request's ``keep_alive`` may lengthen an engine's keep-alive, not
 shorten it (that would unload an engine others use): the routes pass ``administers`` on.
 
 CORS exists on TCP only: a preflight from an origin in ``MODELD_CORS_ORIGINS`` is answered
@@ -31,7 +32,6 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from aiohttp import web
-from pydantic import BaseModel
 
 from modeld import logs
 from modeld.api.connections import peer_of
@@ -60,11 +60,15 @@ class Role(StrEnum):
 
 @dataclass(frozen=True)
 class Rule:
-    """The role a route needs, the verb a refusal names, and fields that need *admin*."""
+    """The role a route needs, and the verb a refusal names."""
 
     role: Role
     what: str
-    admin_fields: tuple[str, ...] = ()
+
+
+# Body fields only admins may set, on any route: ``pin`` holds an engine's memory for good,
+# ``allow_unverified`` runs a file that no source vouched for.
+ADMIN_FIELDS = ("pin", "allow_unverified")
 
 
 ROUTES: dict[tuple[str, str], Rule] = {
@@ -75,12 +79,12 @@ ROUTES: dict[tuple[str, str], Rule] = {
     ("GET", "/api/models/{id}"): Rule(Role.USE, "show"),
     ("GET", "/api/downloads"): Rule(Role.USE, "list downloads"),
     ("GET", "/api/engines"): Rule(Role.USE, "ps"),
-    ("POST", "/api/engines"): Rule(Role.USE, "load", ("pin", "allow_unverified")),
-    ("POST", "/api/generate"): Rule(Role.USE, "generate", ("allow_unverified",)),
+    ("POST", "/api/engines"): Rule(Role.USE, "load"),
+    ("POST", "/api/generate"): Rule(Role.USE, "generate"),
     ("GET", "/v1/models"): Rule(Role.USE, "list models"),
     ("GET", "/v1/models/{model}"): Rule(Role.USE, "show a model"),
-    ("POST", "/v1/chat/completions"): Rule(Role.USE, "chat", ("allow_unverified",)),
-    ("POST", "/v1/completions"): Rule(Role.USE, "complete", ("allow_unverified",)),
+    ("POST", "/v1/chat/completions"): Rule(Role.USE, "chat"),
+    ("POST", "/v1/completions"): Rule(Role.USE, "complete"),
     ("POST", "/v1/embeddings"): Rule(Role.USE, "embed"),
     ("POST", "/api/models/{id}/pull"): Rule(Role.ADMIN, "pull"),
     ("POST", "/api/models/pull"): Rule(Role.ADMIN, "pull"),
@@ -248,19 +252,19 @@ def administers(request: web.Request) -> bool:
     return grant is not None and grant.role is Role.ADMIN
 
 
-def check_body(request: web.Request, body: BaseModel) -> None:
-    """Refuse (403) a parsed body that sets a field its route keeps for admins."""
-    rule = rule_of(request)
-    if rule is None or not rule.admin_fields:
-        return
+def check_body(request: web.Request, body: dict[str, Any]) -> None:
+    """Refuse (403) a body that sets a field of ``ADMIN_FIELDS`` (to anything but false or
+    null) unless the peer is an admin; called on the decoded body, before its validation."""
     grant: Grant | None = request.get(GRANT)
     if grant is not None and grant.role is Role.ADMIN:
         return
-    asked = [f for f in rule.admin_fields if getattr(body, f, False)]
-    if asked:
-        if grant is None:
-            raise Forbidden(f"{rule.what} with {', '.join(asked)} needs the admin role")
-        raise _refusal(grant, f"{rule.what} with {' and '.join(asked)}")
+    asked = [f for f in ADMIN_FIELDS if body.get(f) not in (None, False)]
+    if not asked:
+        return
+    rule = rule_of(request) or _UNLISTED
+    if grant is None:
+        raise Forbidden(f"{rule.what} with {', '.join(asked)} needs the admin role")
+    raise _refusal(grant, f"{rule.what} with {' and '.join(asked)}")
 
 
 def _origin_allowed(settings: Settings, origin: str) -> bool:

@@ -14,7 +14,7 @@ from aiohttp import web
 from modeld.api import access, requests
 from modeld.api.connections import cancelled_when_client_leaves
 from modeld.api.requests import GenerateBody, LoadBody
-from modeld.api.stream import ndjson
+from modeld.api.stream import Deadline, ndjson
 from modeld.config import parse_duration
 from modeld.errors import BadRequest
 from modeld.services.inference import Done, Final, Token
@@ -72,11 +72,14 @@ def add_routes(app: web.Application, services: Services) -> None:
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await requests.read_body(request, GenerateBody)
+        deadline = Deadline(request, services.settings.request_timeout)
         async with cancelled_when_client_leaves(request):
-            _, records = await inference.generate(
-                requests.from_native(body), may_shorten_keep_alive=access.administers(request)
-            )
-            return await ndjson(request, records, generation_json)
+            async with deadline.bound():
+                gen = await requests.off_loop(requests.from_native, body)
+                _, records = await inference.generate(
+                    gen, may_shorten_keep_alive=access.administers(request)
+                )
+            return await ndjson(request, records, generation_json, deadline)
 
     app.router.add_get("/api/engines", list_engines)
     app.router.add_post("/api/engines", load)

@@ -56,6 +56,7 @@ from modeld.api.bodies import read_json
 from modeld.api.connections import cancelled_when_client_leaves, client_left
 from modeld.api.guards import check_model_id
 from modeld.api.requests import INT32, Backends, Duration, ModelId, Number
+from modeld.api.stream import Deadline
 from modeld.errors import (
     BadRequest,
     Busy,
@@ -320,12 +321,11 @@ def refuse_unhonoured(data: dict[str, Any]) -> None:
 
 
 async def read_openai_body(request: web.Request, model: type[requests.B]) -> requests.B:
-    """The body as ``model``: unhonoured fields, then validation, then admin-only fields."""
+    """The body as ``model``: admin-only fields, then unhonoured fields, then validation."""
     data = await read_json(request)
+    access.check_body(request, data)
     refuse_unhonoured(data)
-    body = requests.parse(model, data)
-    access.check_body(request, body)
-    return body
+    return requests.parse(model, data)
 
 
 # --- errors in OpenAI's shape ------------------------------------------------------------------
@@ -663,8 +663,8 @@ async def collect(records: Records) -> tuple[str, Final[Done]]:
     return ("".join(parts) if text is None else text), final
 
 
-async def _collect(reply: _Reply, records: Records) -> dict[str, Any]:
-    text, final = await collect(records)
+async def _collect(reply: _Reply, records: Records, deadline: Deadline) -> dict[str, Any]:
+    text, final = await collect(deadline.records(records))
     return reply.completion(text, final)
 
 
@@ -673,20 +673,24 @@ async def _sse(
     reply: _Reply,
     records: Records,
     include_usage: bool,
+    deadline: Deadline,
 ) -> web.StreamResponse:
     """Stream chunks as server-sent events; refusals before the first token keep their status.
 
     A forced tool call's text is held back: it is the call, sent as ``tool_calls`` deltas.
     A client that leaves closes ``records`` (the generation is cancelled) and the request
-    ends with ``ClientLeft`` (499).
+    ends with ``ClientLeft`` (499); so does one that stops reading until the ``deadline``.
     """
-    async with contextlib.aclosing(records):
-        first = await anext(records, None)
+    async with contextlib.aclosing(deadline.records(records)) as recs:
+        first = await anext(recs, None)
         response = web.StreamResponse(headers={"Content-Type": SSE, "Cache-Control": "no-cache"})
         try:
             await response.prepare(request)
-            last = await _write_events(response, reply, first, records, include_usage)
-            await response.write_eof(last)
+            last = await _write_events(
+                response, reply, first, recs, include_usage, deadline=deadline
+            )
+            await deadline.write(response, last, last=True)
+            await response.write_eof()
         except ConnectionError as e:
             raise client_left(request) from e
     return response
@@ -698,6 +702,8 @@ async def _write_events(
     first: Token | Final[Done] | None,
     records: Records,
     include_usage: bool,
+    *,
+    deadline: Deadline,
 ) -> bytes:
     """Write the chunks as they come; return what ends the stream (sent with its end)."""
     held: list[str] = []
@@ -716,15 +722,15 @@ async def _write_events(
             else:
                 pending.append(reply.chunk({"content": rec.text}))
             if pending:
-                await response.write(b"".join(pending))
+                await deadline.write(response, b"".join(pending))
                 pending = []
             rec = await anext(records, None)
         return last + _DONE
+    except ConnectionError:
+        raise  # the client left (or stopped reading): nothing can reach it
     except ModeldError as e:
         body = error_body(e.status, e.code, e.message)
         return b"data: " + json.dumps(body).encode() + b"\n\n"
-    except ConnectionError:
-        raise  # the client left: nothing can reach it
     except Exception:
         logging.getLogger("modeld").exception("chat stream failed")
         body = error_body(500, "internal", "internal error; see the daemon's log")
@@ -794,38 +800,44 @@ def add_routes(app: web.Application, services: Services) -> None:
         inst = await services.models.servable_one(model_id)
         return web.json_response(_model_doc(inst.model_id, inst.installed_at))
 
+    def deadline(request: web.Request) -> Deadline:
+        return Deadline(request, services.settings.request_timeout)
+
     async def answer(
-        request: web.Request, reply: _Reply, gen: Generation, body: _Sampled
+        request: web.Request, reply: _Reply, gen: Generation, body: _Sampled, deadline: Deadline
     ) -> web.StreamResponse:
         async with cancelled_when_client_leaves(request):
-            _, records = await services.inference.generate(
-                gen, may_shorten_keep_alive=access.administers(request)
-            )
+            async with deadline.bound():
+                _, records = await services.inference.generate(
+                    gen, may_shorten_keep_alive=access.administers(request)
+                )
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
-                return await _sse(request, reply, records, usage)
-            doc = await _collect(reply, records)
+                return await _sse(request, reply, records, usage, deadline)
+            doc = await _collect(reply, records, deadline)
         return web.Response(body=_compact(doc), content_type="application/json")
 
     @openai_errors
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = await read_openai_body(request, ChatBody)
-        gen, forced = generation_of(body)
+        until = deadline(request)
+        async with until.bound():
+            gen, forced = await requests.off_loop(generation_of, body)
         parallel = body.parallel_tool_calls is not False
         reply = _Reply(body.model, chat=True, forced=forced, parallel=parallel)
-        return await answer(request, reply, gen, body)
+        return await answer(request, reply, gen, body, until)
 
     @openai_errors
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await read_openai_body(request, CompletionBody)
         gen = completion_generation(body)
-        return await answer(request, _Reply(body.model, chat=False), gen, body)
+        return await answer(request, _Reply(body.model, chat=False), gen, body, deadline(request))
 
     @openai_errors
     async def embeddings(request: web.Request) -> web.StreamResponse:
         body = await read_openai_body(request, EmbeddingBody)
         texts = embedding_texts(body)
-        async with cancelled_when_client_leaves(request):
+        async with cancelled_when_client_leaves(request), deadline(request).bound():
             rec = await services.inference.embed(
                 body.model,
                 texts,

@@ -8,17 +8,17 @@ OpenAI, becomes one ``Generation`` (turns with their images, sampling options) t
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import functools
+import logging
 import re
-import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from aiohttp import web
-from jsonschema.exceptions import SchemaError
-from jsonschema.validators import Draft202012Validator, validator_for
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -31,10 +31,11 @@ from pydantic import (
     model_validator,
 )
 
+from modeld import logs, schemacheck
 from modeld.api import access
 from modeld.api.bodies import read_json
 from modeld.catalog.catalog import ID_PATTERN
-from modeld.errors import BadRequest
+from modeld.errors import BadRequest, TooLarge
 from modeld.services.inference import Generation, Options, Shape, Turn
 
 # Bounds the runtime's C++ side takes without overflow (int32 fields).
@@ -61,6 +62,11 @@ Duration = StrictStr | StrictInt | StrictFloat
 Backend = Literal["cpu", "gpu"]
 
 B = TypeVar("B", bound=BaseModel)
+T = TypeVar("T")
+
+# What turning a request's content into a job (its schemas and their patterns, its images'
+# base64, its tools) may take in a worker thread, once its sizes passed their bounds.
+CONTENT_SECONDS = 10.0
 
 
 class Strict(BaseModel):
@@ -398,42 +404,41 @@ def parse(model: type[B], data: Any) -> B:
 
 async def read_body(request: web.Request, model: type[B], *, optional: bool = False) -> B:
     """The body as ``model``; a field the route keeps for admins is refused here (403)."""
-    body = parse(model, await read_json(request, optional=optional))
-    access.check_body(request, body)
-    return body
+    data = await read_json(request, optional=optional)
+    access.check_body(request, data)
+    return parse(model, data)
 
 
 # --- generation ------------------------------------------------------------------------------
 
 
 def check_json_schema(schema: dict[str, Any], where: str) -> None:
-    """A 400 naming ``where`` for a schema that is no JSON schema or refers outside itself.
+    """A 400 naming ``where`` for a schema modeld does not take (``schemacheck``: too large,
+    a pattern too long, a ``$ref`` outside it or in a loop, not a JSON schema).
 
-    What only the runtime finds (an unsatisfiable schema, a pattern its regex engine does not
-    take) is a 400 from the runner when it makes the constraint.
+    It compiles the schema's patterns: call it off the event loop (``off_loop``). What only
+    the runtime finds (an unsatisfiable schema, a pattern its regex engine does not take) is
+    a 400 from the runner when it makes the constraint.
     """
-    with warnings.catch_warnings():
-        # An unknown "$schema" is checked against the latest draft (jsonschema warns).
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            validator_for(schema, default=Draft202012Validator).check_schema(schema)
-        except SchemaError as e:
-            at = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.path)
-            raise BadRequest(f'"{where}{at}": is not a valid JSON schema: {e.message}') from None
-    stack: list[Any] = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and not ref.startswith("#"):
-                raise BadRequest(
-                    f'"{where}": $ref {ref!r} points outside the schema, and modeld fetches '
-                    'nothing; put what it names under "$defs" and refer to it as '
-                    '"#/$defs/NAME"'
-                )
-            stack.extend(node.values())
+    try:
+        schemacheck.check_schema(schema)
+    except schemacheck.SchemaRefused as e:
+        raise BadRequest(f'"{where}{e.at}": {e.message}') from None
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread, within ``CONTENT_SECONDS``: what parses, compiles or
+    checks a request's content never runs on the event loop (``/api/health`` answers
+    throughout), and each of its parts had its size bounded first."""
+    try:
+        async with asyncio.timeout(CONTENT_SECONDS):
+            return await asyncio.to_thread(fn, *args)
+    except TimeoutError:
+        logs.event("content_refused", logging.WARNING, reason="content_seconds")
+        raise TooLarge(
+            f"checking the request's content (schemas, images, tools) took over "
+            f"{CONTENT_SECONDS:g} s; send smaller schemas or images"
+        ) from None
 
 
 def decode_base64(item: str, where: str) -> bytes:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import tomllib
@@ -36,7 +35,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from modeld import logs
 from modeld.errors import ModelNotFound, RegistryError
 from modeld.hostinfo import VERSION_PATTERN
-from modeld.layout import MODEL_ID_PATTERN, MODEL_ID_RE
+from modeld.layout import MODEL_ID_PATTERN, MODEL_ID_RE, file_name_problem, text_problem
 
 # One pattern for the whole package (``modeld.layout``); these names are kept for callers.
 ID_PATTERN = MODEL_ID_PATTERN
@@ -111,16 +110,19 @@ class Entry(_Strict):
     @classmethod
     def _variant_ids(cls, v: list[str]) -> list[str]:
         for model_id in v:
-            if not ID_RE.match(model_id):
+            if not ID_RE.fullmatch(model_id):
                 raise ValueError(f"{model_id!r} is not a model id")
         return v
 
-    @field_validator("file_name")
+    @field_validator("file_name", "display_name")
     @classmethod
-    def _plain_name(cls, v: str) -> str:
-        # ``export`` writes the file under this name: it must never leave the target dir.
-        if "/" in v or "\\" in v or "\0" in v or v in (".", "..") or ".." in v:
-            raise ValueError("must be a plain file name without separators or '..'")
+    def _names(cls, v: str, info: ValidationInfo) -> str:
+        # ``export`` writes the file under its name: it must never leave the target dir; and
+        # both names are printed by the CLI and written into entries: text, no controls.
+        check = file_name_problem if info.field_name == "file_name" else text_problem
+        problem = check(v)
+        if problem is not None:
+            raise ValueError(problem)
         return v
 
     @field_validator("urls")
@@ -371,7 +373,20 @@ class Catalog:
             raise RegistryError("this catalog has no registry dir of its own to write to")
         self.own.mkdir(parents=True, exist_ok=True)
         path = self.own / f"{entry.id}.toml"
-        text = "".join(f"# {line}\n" for line in comment.splitlines()) + entry_toml(entry)
+        head = "".join(f"# {logs.escape(line)}\n" for line in comment.split("\n"))
+        text = head + entry_toml(entry)
+        # Written only when it reads back as the same entry: never a file the catalog refuses.
+        try:
+            back = Entry.model_validate(tomllib.loads(text))
+        except (tomllib.TOMLDecodeError, ValidationError) as e:
+            back, why = None, str(e).splitlines()[0]
+        else:
+            why = "it reads back as another entry"
+        if back != entry:
+            raise RegistryError(
+                f"the entry of {entry.id} would not read back as written ({why}); nothing was "
+                "written: choose another id or file name"
+            )
         atomic_write(path, text)
         self.reload()
         return path
@@ -471,13 +486,35 @@ class Catalog:
                 self.reload()
 
 
+# A TOML basic string's escapes: the short ones, and ``\uXXXX`` for other controls.
+_TOML_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+_TOML_ESCAPED = re.compile('["\\\\\x00-\x1f\x7f]')
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string. JSON's escapes are not TOML's: JSON writes a character
+    past U+FFFF as two surrogate escapes, which TOML refuses; here it is written as itself."""
+    escaped = _TOML_ESCAPED.sub(
+        lambda m: _TOML_ESCAPES.get(m.group(), f"\\u{ord(m.group()):04x}"), text
+    )
+    return f'"{escaped}"'
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
     if isinstance(value, str):
-        return json.dumps(value)  # a JSON string (ASCII, escaped) is a TOML basic string
+        return toml_string(value)
     if isinstance(value, list):
         if not value:
             return "[]"

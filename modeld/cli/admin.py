@@ -110,8 +110,8 @@ def rm(ctx: Ctx, model_id: str, force: bool, entry: bool, as_json: bool) -> None
         if d["cancelled_download"]:
             done.append("cancelled its download")
         if d["unloaded"]:
-            done.append("unloaded " + ", ".join(d["unloaded"]))
-        kinds = ", ".join(sorted({i["kind"] for i in d["removed"]})) or "nothing"
+            done.append("unloaded " + escape(", ".join(map(str, d["unloaded"]))))
+        kinds = escape(", ".join(sorted({str(i["kind"]) for i in d["removed"]}))) or "nothing"
         line = f"removed {escape(d['id'])} ({kinds}), freed {format_size(d['freed'])}"
         if d.get("entry_removed"):
             done.append(f"removed its entry {escape(d['entry_removed'])}")

@@ -196,11 +196,16 @@ _ESCAPE = re.compile(r"(\\*)(\[[a-z#/@][^[]*?])")
 _UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
+def defang(text: str) -> str:
+    """``text`` with each control character shown as its escape (``\\x1b``), not acted on."""
+    return _UNSAFE.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
 def escape(text: str) -> str:
     """Make ``text`` print as itself through markup (what ``rich.markup.escape`` does), with
     each control character shown as its escape (``\\x1b``, ``\\u202e``), not acted on:
     catalog entries, messages and paths come from others."""
-    text = _UNSAFE.sub(lambda m: ascii(m.group())[1:-1], text)
+    text = defang(text)
     text = _ESCAPE.sub(lambda m: f"{m.group(1)}{m.group(1)}\\{m.group(2)}", text)
     if text.endswith("\\") and not text.endswith("\\\\"):
         text += "\\"
@@ -236,7 +241,7 @@ class Table:
         self.show_header = show_header
 
     def add_row(self, *cells: str) -> None:
-        self.rows.append(cells)
+        self.rows.append(tuple(defang(c) for c in cells))
 
     def plain_lines(self) -> list[str]:
         rows = [tuple(plain(c) for c in r) for r in self.rows]
@@ -279,6 +284,10 @@ class Out:
         return self._rich
 
     def print(self, item: str | Table = "", **options: Any) -> None:
+        # Whatever a line holds that came from the daemon (or a daemon that only poses as
+        # one), a control character in it reaches no terminal but as its escape.
+        if isinstance(item, str):
+            item = defang(item)
         if self.is_terminal():
             self.rich.print(item.rich() if isinstance(item, Table) else item, **options)
             return

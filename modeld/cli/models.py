@@ -121,27 +121,27 @@ def _print_entry(m: dict[str, Any]) -> None:
     if not entry:
         console.print("  [yellow]not in the catalog[/]")
         return
-    console.print(f"  file      {entry['file_name']} ({format_size(entry['size'])})")
-    console.print(f"  sha256    {entry['sha256'] or '(none: the server vouches)'}")
+    console.print(f"  file      {escape(str(entry['file_name']))} ({format_size(entry['size'])})")
+    console.print(f"  sha256    {escape(str(entry['sha256'] or '(none: the server vouches)'))}")
     for url in entry["urls"]:
         console.print(f"  url       {escape(url)}", overflow="ignore", crop=False)
     limits = {k: v for k, v in entry["limits"].items() if v is not None}
     if limits:
-        console.print("  limits    " + " ".join(f"{k}={v}" for k, v in limits.items()))
+        console.print("  limits    " + escape(" ".join(f"{k}={v}" for k, v in limits.items())))
     if entry.get("min_runtime_version"):
-        console.print(f"  needs     litert-lm >= {entry['min_runtime_version']}")
+        console.print(f"  needs     litert-lm >= {escape(str(entry['min_runtime_version']))}")
     console.print(f"  registry  {escape(str(m['source']))}")
     if entry.get("variants"):
-        console.print(f"  variants  {', '.join(entry['variants'])}")
+        console.print(f"  variants  {escape(', '.join(map(str, entry['variants'])))}")
 
 
 def _print_show(m: dict[str, Any]) -> None:
-    console.print(f"[bold]{m['id']}[/] {escape(m['display_name'])}  {_state(m)}")
+    console.print(f"[bold]{escape(str(m['id']))}[/] {escape(m['display_name'])}  {_state(m)}")
     _print_entry(m)
     inst = m["installed"]
     if inst:
         console.print(f"  installed {escape(inst['path'])} ({format_size(inst['size'])})")
-        console.print(f"  digest    sha256:{inst['digest']}")
+        console.print(f"  digest    sha256:{escape(str(inst['digest']))}")
         console.print(f"  verified  {_verified(inst)}")
         console.print(f"  last used {_ago(inst['last_used'])}")
         if inst["outdated"]:
@@ -153,15 +153,18 @@ def _print_show(m: dict[str, Any]) -> None:
     if header:
         llm = header["llm_metadata"] or {}
         console.print(
-            f"  format    LiteRT-LM {header['version']}, model type "
-            f"{llm.get('model_type') or '?'}, max tokens {llm.get('max_num_tokens') or '?'}"
+            escape(
+                f"  format    LiteRT-LM {header['version']}, model type "
+                f"{llm.get('model_type') or '?'}, max tokens {llm.get('max_num_tokens') or '?'}"
+            )
         )
         console.print("  sections")
         for s in header["sections"]:
             kind = s["model_type"] or s["data_type"]
             constraint = s["backend_constraint"]
             where = f" backends={','.join(constraint)}" if constraint else ""
-            console.print(f"    {s['index']:>2} {kind:<28} {format_size(s['size']):>10}{where}")
+            line = f"    {s['index']:>2} {kind:<28} {format_size(s['size']):>10}{where}"
+            console.print(escape(line))
     elif m["header_error"]:
         console.print(f"  [red]header: {escape(m['header_error']['message'])}[/]")
     fit = m.get("fit")

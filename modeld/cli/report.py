@@ -21,28 +21,11 @@ from modeld.cli.common import (
 )
 from modeld.config import format_size
 from modeld.errors import ModeldError
+from modeld.logs import redact_url
 
 TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
     from typing import Any
-
-
-def redact_url(url: str) -> str:
-    """``url`` without what may be a secret: a user and password, a query (signed URLs carry
-    their token there) and a fragment. A report is meant to be posted."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "(a URL that does not parse)"
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    if parts.username is not None or parts.password is not None:
-        host = f"(credentials)@{host}"
-    query = "(query)" if parts.query else ""
-    return urlunsplit((parts.scheme, host, parts.path, query, ""))
 
 
 def _fence(text: str, lang: str = "") -> str:

@@ -21,6 +21,7 @@ from modeld.cli.common import (
     complete_model,
     completes,
     data_file,
+    defang,
     err_console,
     in_range,
     json_flag,
@@ -56,12 +57,15 @@ def _reply(records: Any, *, echo: bool) -> dict[str, Any]:
     """Stream the tokens to stdout (when ``echo``); the final record with the whole text."""
     text: list[str] = []
     final: dict[str, Any] = {}
+    # On a terminal, a control character of the reply shows as its escape (a reply is the
+    # daemon's bytes); into a pipe or file the reply goes as it is.
+    shown = defang if sys.stdout.isatty() else str
     try:
         for rec in records:
             if "token" in rec:
                 text.append(rec["token"])
                 if echo:
-                    sys.stdout.write(rec["token"])
+                    sys.stdout.write(shown(rec["token"]))
                     sys.stdout.flush()
             elif rec.get("done"):
                 final = rec

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import sys
@@ -15,7 +14,9 @@ from modeld.cli.common import (
     call,
     client_of,
     console,
+    defang,
     emit,
+    escape,
     in_range,
     json_flag,
 )
@@ -42,9 +43,11 @@ def serve_parser(verbs: Verbs) -> None:
 
 def _print_status(doc: dict[str, Any]) -> None:
     s = doc["settings"]
-    console.print(f"[bold]modeld {doc['version']}[/] up {format_duration(doc['uptime'])}")
-    console.print(f"  socket        {s['socket']}")
-    console.print(f"  state dir     {s['home']}")
+    console.print(
+        f"[bold]modeld {escape(str(doc['version']))}[/] up {format_duration(doc['uptime'])}"
+    )
+    console.print(f"  socket        {escape(str(s['socket']))}")
+    console.print(f"  state dir     {escape(str(s['home']))}")
     console.print(f"  memory budget {format_size(s['memory_budget'])}")
     console.print(f"  backends      main={s['main_backend']} vision={s['vision_backend']}")
     console.print(f"  keep alive    {format_duration(s['keep_alive'])}")
@@ -53,9 +56,9 @@ def _print_status(doc: dict[str, Any]) -> None:
             continue
         summary = section.get("summary")
         if summary:
-            console.print(f"  {key:<13} {summary}")
+            console.print(f"  {escape(key):<13} {escape(str(summary))}")
         for problem in section.get("problems", []):
-            console.print(f"  [yellow]! {key}: {problem}[/]")
+            console.print(f"  [yellow]! {escape(key)}: {escape(str(problem))}[/]")
 
 
 def status(ctx: Ctx, as_json: bool) -> None:
@@ -112,7 +115,8 @@ def log_command(pid: int, lines: int, follow: bool) -> list[str]:
 
 
 def logs(ctx: Ctx, follow: bool, lines: int) -> None:
-    """Show the daemon's log: its systemd unit's journal, or the file its stderr goes to.
+    """Show the daemon's log: its systemd unit's journal, or the file its stderr goes to,
+    with control characters escaped.
 
     The daemon is found as every verb finds it (--socket, MODELD_SOCKET...); it must run on
     this host, over its Unix socket.
@@ -121,13 +125,24 @@ def logs(ctx: Ctx, follow: bool, lines: int) -> None:
     if endpoint.socket is None:
         raise UsageError("`modeld logs` reads a daemon on this host: pass --socket")
     argv = log_command(_daemon_pid(endpoint.socket), lines, follow)
-    sys.stdout.flush()
+    import subprocess
+
     try:
-        os.execvp(argv[0], argv)  # noqa: S606 (a fixed program, arguments not from a shell)
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
     except OSError as e:
         raise NotFound(
             f"cannot run {argv[0]} ({e.strerror}); run it yourself: {' '.join(argv)}"
         ) from None
+    assert proc.stdout is not None
+    try:
+        # Line by line, each control character as its escape: a log line holds what peers
+        # sent (a path with ESC would retitle or clear this terminal), whoever wrote it.
+        for raw in proc.stdout:
+            sys.stdout.write(defang(raw.decode("utf-8", "replace").rstrip("\n")) + "\n")
+            sys.stdout.flush()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def logs_parser(verbs: Verbs) -> None:

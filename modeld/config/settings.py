@@ -11,6 +11,7 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
@@ -84,6 +85,7 @@ _TIMEOUTS = (
     "body_timeout",
     "header_timeout",
     "idle_timeout",
+    "request_timeout",
 )
 SizeSetting = Annotated[int, NoDecode]
 DurationSetting = Annotated[float, NoDecode]
@@ -144,6 +146,9 @@ class Settings(BaseSettings):
     max_connections: int = Field(default=256, ge=1, le=65536)
     header_timeout: DurationSetting = 10.0
     idle_timeout: DurationSetting = 30.0
+    # A request on a model, from its start to its last byte read by the client (queue,
+    # load, prefill, decode, checks, the client's reading); past it the request ends.
+    request_timeout: DurationSetting = 600.0
     max_image_pixels: int = Field(default=40_000_000, ge=1)
     # Model ids loaded once the daemon is ready (besides entries with `preload = true`).
     preload: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -295,10 +300,11 @@ class Settings(BaseSettings):
 
     @property
     def hub_hosts(self) -> tuple[str, ...]:
-        """The host of ``HF_ENDPOINT``: a hub (token, X-Linked-Etag) as huggingface.co is."""
-        host = self.hf_endpoint.split("://", 1)[1].rsplit("@", 1)[-1]
-        host = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        return (host.strip("[]").lower(),)
+        """``HOST:PORT`` of ``HF_ENDPOINT`` (the scheme's port when it names none): a hub
+        (token, X-Linked-Etag) as huggingface.co is, at that port only."""
+        parts = urlsplit(self.hf_endpoint)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return (f"{(parts.hostname or '').lower()}:{port}",)
 
     @property
     def hub_cache(self) -> Path:
@@ -385,6 +391,7 @@ class Settings(BaseSettings):
             "max_connections": self.max_connections,
             "header_timeout": self.header_timeout,
             "idle_timeout": self.idle_timeout,
+            "request_timeout": self.request_timeout,
             "max_image_pixels": self.max_image_pixels,
             "preload": list(self.preload),
             "config_file": str(p) if (p := config_file_path()) else None,
@@ -408,6 +415,7 @@ def _allowed(field: str) -> str:
         "body_timeout": DURATION_HELP,
         "header_timeout": DURATION_HELP,
         "idle_timeout": DURATION_HELP,
+        "request_timeout": DURATION_HELP,
         "max_connections": "a whole number from 1 to 65536",
         "max_image_pixels": "a whole number of pixels (width times height), 1 or more",
         "main_backend": "gpu or cpu",

@@ -70,8 +70,33 @@ def _claim_socket_path(path: Path) -> None:
     )
 
 
+def _check_ancestors(directory: Path) -> None:
+    """``directory`` and every directory above it must be this uid's or root's, and writable
+    by others only when sticky (``/tmp``): their owner, or anyone who may write there, could
+    otherwise rename the socket's directory away and put their own in its place."""
+    uid = os.geteuid()
+    real = directory.resolve()
+    for above in (real, *real.parents):
+        st = above.stat()
+        if st.st_uid not in (uid, 0):
+            raise SettingsError(
+                f"the socket's directory {directory} is under {above}, which belongs to uid "
+                f"{st.st_uid}, not to uid {uid} (this daemon) or root, so its owner could "
+                "replace the socket's directory; set MODELD_SOCKET to a path in a directory of "
+                "yours, such as $XDG_RUNTIME_DIR"
+            )
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise SettingsError(
+                f"the socket's directory {directory} is under {above}, which is writable by "
+                f"others (mode {stat.S_IMODE(st.st_mode):o}), so anyone could replace the "
+                f"socket's directory; run `chmod o-w {above}` or set MODELD_SOCKET to a path "
+                "in a private directory"
+            )
+
+
 def check_socket_dir(directory: Path) -> None:
-    """The socket's directory must be this uid's or root's, and not writable by others.
+    """The socket's directory must be this uid's or root's, and not writable by others; the
+    directories above it must be this uid's or root's too (``_check_ancestors``).
 
     Whoever can write to it can replace the socket with their own between two starts (and
     clients would talk to them), or swap it for a symlink while the daemon sets its mode.
@@ -92,6 +117,7 @@ def check_socket_dir(directory: Path) -> None:
             f"(mode {stat.S_IMODE(st.st_mode):o}), so anyone could replace the socket; "
             f"run `chmod o-w {directory}` or set MODELD_SOCKET to a path in a private directory"
         )
+    _check_ancestors(directory.parent)
 
 
 def _set_socket_mode(path: Path, mode: int) -> None:
@@ -121,6 +147,9 @@ def bind_socket(path: Path) -> socket.socket:
         raise SettingsError(
             f"MODELD_SOCKET={path}: longer than {_MAX_SOCKET_PATH} bytes; choose a shorter path"
         )
+    # Checked before a directory is made in it, then once it exists.
+    existing = next((d for d in path.parents if d.exists()), Path("/"))
+    _check_ancestors(existing)
     path.parent.mkdir(parents=True, exist_ok=True)
     check_socket_dir(path.parent)
     _claim_socket_path(path)
@@ -411,7 +440,8 @@ async def _serve_tcp(
 
 def serve(settings: Settings) -> int:
     """Run the daemon; return the process exit status."""
-    logs.setup(settings.log_level)
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    logs.setup(settings.log_level, secrets=(token,))
     # Everything the daemon creates in its state dir is its own: dirs 0700, files 0600. The
     # socket's mode is set apart (0660, at bind).
     os.umask(0o077)

@@ -13,6 +13,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import stat
 import time
 from collections import deque
@@ -51,7 +52,7 @@ from modeld.errors import (
     Offline,
     ShuttingDown,
 )
-from modeld.layout import MODEL_ID_RE, model_id_from
+from modeld.layout import MODEL_ID_RE, file_name_problem, model_id_from
 from modeld.metrics import Metrics
 from modeld.store.store import Store
 from modeld.store.vouches import MemoryVouches, VouchBook
@@ -409,6 +410,13 @@ class Downloads:
 
     def _local_target(self, path: Path, model_id: str | None, size: int) -> DownloadTarget:
         """The target of a file no entry names: its own size, no URL, an id from its name."""
+        problem = file_name_problem(path.name)
+        if problem is not None:
+            # Its local entry keeps the name (``file_name``): refused before a byte is copied.
+            raise BadRequest(
+                f"the file name {path.name!r} {problem}, so no entry can hold it; rename the "
+                "file, or import it under the id of an entry that names it"
+            )
         stem = path.name.removesuffix(".litertlm")
         made = model_id or model_id_from(stem)
         if made is None or not MODEL_ID_RE.fullmatch(made):
@@ -552,6 +560,8 @@ def daemon_downloads(
 
     async def local_entry(model_id: str, staged: Path, name: str, size: int, digest: str) -> None:
         kind = await asyncio.to_thread(_model_type, staged, model_id)
+        if kind is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", kind):
+            kind = None  # the file's own words: only a plain name goes into the entry
         stem = name.removesuffix(".litertlm")
         entry = Entry(
             id=model_id,

@@ -28,10 +28,9 @@ from modeld.download.mirrors import (
     proxy_for,
 )
 from modeld.errors import BadRequest, DownloadError, HubAccessDenied, HubFileNotFound
-from modeld.layout import model_id_from
+from modeld.layout import model_id_from, repo_part_problem, revision_problem
 
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
-_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 SUFFIX = ".litertlm"
 SCHEME = "hf://"
 HUB_TIMEOUT = 30.0
@@ -94,8 +93,11 @@ def parse_source(text: str, endpoint: str) -> HubRef:
     else:
         raise BadRequest(f"{text!r} is not a Hub file; {forms}")
     pieces = [*ref.repo.split("/"), *ref.file.split("/")]
-    if not all(_PART_RE.match(p) and ".." not in p for p in pieces) or not ref.revision:
+    if any(repo_part_problem(p) for p in pieces):
         raise BadRequest(f"{text!r}: a repository or file name is not valid; {forms}")
+    why = revision_problem(ref.revision)
+    if why is not None:
+        raise BadRequest(f"{text!r}: the revision {ref.revision!r} {why}; {forms}")
     if not ref.file.endswith(SUFFIX):
         raise BadRequest(f"{text!r} is not a {SUFFIX} file; modeld serves LiteRT-LM files only")
     return ref
@@ -194,7 +196,7 @@ async def _api_commit(session: aiohttp.ClientSession, ref: HubRef, tuning: Tunin
             raise _refused(ref, resp.status, bool(tuning.hf_token), sent, "")
         doc = await resp.json(content_type=None)
     sha = doc.get("sha") if isinstance(doc, dict) else None
-    if not isinstance(sha, str) or not COMMIT_RE.match(sha):
+    if not isinstance(sha, str) or not COMMIT_RE.fullmatch(sha):
         raise DownloadError(
             f"{ref.endpoint} gave no commit for {ref.repo}@{ref.revision}; is HF_ENDPOINT a Hub?"
         )
@@ -208,7 +210,7 @@ async def resolve(ref: HubRef, tuning: Tuning) -> HubFile:
         async with aiohttp.ClientSession(
             timeout=timeout, trust_env=False, auto_decompress=False
         ) as session:
-            pinned = ref.revision if COMMIT_RE.match(ref.revision) else None
+            pinned = ref.revision if COMMIT_RE.fullmatch(ref.revision) else None
             head = await _head(session, ref, ref.revision, tuning)
             commit = pinned or head.commit
             if commit is None:
@@ -221,7 +223,7 @@ async def resolve(ref: HubRef, tuning: Tuning) -> HubFile:
             f"cannot reach {ref.endpoint} to resolve {ref.shown} ({type(e).__name__}: {e}); "
             "check the network (and HTTPS_PROXY), or set HF_ENDPOINT to a reachable mirror"
         ) from e
-    if not COMMIT_RE.match(commit):
+    if not COMMIT_RE.fullmatch(commit):
         raise DownloadError(f"{ref.endpoint} named no commit for {ref.shown} ({commit!r})")
     if head.size is None or head.size <= 0:
         raise DownloadError(
@@ -254,6 +256,6 @@ def cached_copy(cache: Path, repo: str, commit: str, file: str, sha256: str | No
 def pinned_parts(url: str) -> tuple[str, str, str] | None:
     """(ORG/REPO, COMMIT, FILE) of a ``.../ORG/REPO/resolve/COMMIT/FILE`` URL, else None."""
     parts = [unquote(p) for p in urlsplit(url).path.split("/") if p]
-    if len(parts) < 5 or parts[2] != "resolve" or not COMMIT_RE.match(parts[3]):
+    if len(parts) < 5 or parts[2] != "resolve" or not COMMIT_RE.fullmatch(parts[3]):
         return None
     return "/".join(parts[:2]), parts[3], "/".join(parts[4:])

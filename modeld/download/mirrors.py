@@ -36,6 +36,7 @@ from tenacity import (
 from tenacity.wait import wait_base
 from yarl import URL
 
+from modeld import logs
 from modeld.errors import DiskFull, DownloadError
 
 if TYPE_CHECKING:
@@ -97,10 +98,17 @@ HF_HOSTS: tuple[str, ...] = ("huggingface.co",)
 
 
 def is_hf_host(url: URL, extra: tuple[str, ...] = ()) -> bool:
-    """huggingface.co itself (not its CDN hosts), or a hub named by ``HF_ENDPOINT``
-    (``extra``): the only places the HF token may go."""
+    """huggingface.co itself (not its CDN hosts), or the hub named by ``HF_ENDPOINT``
+    (``extra``, ``HOST:PORT``: that host at that port only; another port of the same host is
+    another server, maybe another user's): the only places the HF token may go."""
     host = (url.host or "").lower()
-    return any(host == h or host.endswith("." + h) for h in (*HF_HOSTS, *extra))
+    if any(host == h or host.endswith("." + h) for h in HF_HOSTS):
+        return True
+    for hub in extra:
+        name, _, port = hub.rpartition(":")
+        if name and port.isdigit() and host == name and url.port == int(port):
+            return True
+    return False
 
 
 def check_url(url: URL, came_from: URL | None = None) -> None:
@@ -132,7 +140,7 @@ def strong_etag(value: str | None) -> str | None:
 def linked_sha256(value: str | None) -> str | None:
     """Hugging Face's ``X-Linked-Etag`` is the file's sha256, quoted."""
     text = (value or "").strip().removeprefix("W/").strip('"').lower()
-    return text if _SHA256_RE.match(text) else None
+    return text if _SHA256_RE.fullmatch(text) else None
 
 
 def retry_after(value: str | None) -> float | None:
@@ -366,7 +374,8 @@ class Mirror:
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "url": self.url.human_repr(),
+            # Progress is for every peer: a URL's credentials or signature are not.
+            "url": logs.redact_url(self.url.human_repr()),
             "host": self.label,
             "state": self.state.value,
             "reason": self.reason,

@@ -766,7 +766,9 @@ class Pool:
         assert e.runner is not None
         sent = time.monotonic()
         first: float | None = None
-        async with contextlib.aclosing(e.runner.generate(job, turn.sent)) as records:
+        # The turn ends when the runner's last record arrives, read or not: a client that
+        # stops reading holds its own request, not the jobs behind it.
+        async with contextlib.aclosing(e.runner.generate(job, turn.sent, turn.end)) as records:
             async for rec in records:
                 if isinstance(rec, Token):
                     first = first or time.monotonic()

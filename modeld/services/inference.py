@@ -45,6 +45,7 @@ from modeld.engine.runner.job import (
 )
 from modeld.engine.views import Final
 from modeld.errors import BadRequest, Refused, TooLarge
+from modeld.schemacheck import json_size
 
 # The job's types, for the adapters that build a ``Generation`` and read its records.
 __all__ = [
@@ -175,28 +176,59 @@ class Generation:
         return GenerateJob(messages, self.options, self.shape)
 
 
+def _prompt_size(gen: Generation, limit: int) -> int:
+    """The bytes of ``gen``'s prompt: its texts, the tool calls its turns made and the tools
+    it describes (a template renders them into the prompt); counting stops past ``limit``."""
+    size = json_size(list(gen.shape.tools), limit)
+    for turn in gen.turns:
+        # A character is at least one byte: count bytes only while under the limit.
+        size += len(turn.text)
+        if size <= limit:
+            size += len(turn.text.encode("utf-8", "surrogatepass")) - len(turn.text)
+        size += json_size(turn.tool_calls, limit) if turn.tool_calls else 0
+        if size > limit:
+            break
+    return size
+
+
+def too_large(what: str, size: int, model_id: str, max_tokens: int, fix: str) -> TooLarge:
+    """The 413 of a prompt or input over ``PROMPT_BYTES_PER_TOKEN`` bytes a token."""
+    limit = max_tokens * PROMPT_BYTES_PER_TOKEN
+    logs.event("prompt_refused", logging.WARNING, model=model_id, size=size, limit=limit)
+    return TooLarge(
+        f"{what} is over {limit} bytes: model {model_id} takes {max_tokens} tokens "
+        f"at most, and modeld refuses prompts over {PROMPT_BYTES_PER_TOKEN} bytes a token "
+        f"before tokenizing them; {fix}"
+    )
+
+
 def check_prompt(gen: Generation, model_id: str, max_tokens: int) -> None:
     """Refuse a prompt that cannot fit the engine's window, before the runtime tokenizes it.
 
     The runtime tokenizes the whole conversation before it checks the window: a prompt of
     millions of tokens costs seconds and gigabytes first. Text averages about 4 bytes a token, so
     ``PROMPT_BYTES_PER_TOKEN`` bytes a token of the window is a bound no prompt that fits
-    comes near; the runtime still checks the exact count of what passes.
+    comes near; the runtime still checks the exact count of what passes. Tools and the
+    arguments of earlier tool calls count: a template renders them into the prompt.
     """
     limit = max_tokens * PROMPT_BYTES_PER_TOKEN
-    size = 0
-    for turn in gen.turns:
-        # A character is at least one byte: count bytes only while under the limit.
-        size += len(turn.text)
+    size = _prompt_size(gen, limit)
+    if size > limit:
+        fix = "send a shorter prompt, fewer earlier messages or fewer tools"
+        raise too_large("the prompt", size, model_id, max_tokens, fix)
+
+
+def check_inputs(inputs: list[str], model_id: str, max_tokens: int) -> None:
+    """Refuse an embedding input that cannot fit the model, before the runtime tokenizes it
+    (``check_prompt``'s bound: a huge input was tokenized whole, then took the runner down;
+    see docs/security.md)."""
+    limit = max_tokens * PROMPT_BYTES_PER_TOKEN
+    for i, text in enumerate(inputs):
+        size = len(text)
         if size <= limit:
-            size += len(turn.text.encode("utf-8", "surrogatepass")) - len(turn.text)
+            size = len(text.encode("utf-8", "surrogatepass"))
         if size > limit:
-            logs.event("prompt_refused", logging.WARNING, model=model_id, size=size, limit=limit)
-            raise TooLarge(
-                f"the prompt is over {limit} bytes: model {model_id} takes {max_tokens} tokens "
-                f"at most, and modeld refuses prompts over {PROMPT_BYTES_PER_TOKEN} bytes a token "
-                "before tokenizing them; send a shorter prompt or fewer earlier messages"
-            )
+            raise too_large(f"input[{i}]", size, model_id, max_tokens, "send shorter inputs")
 
 
 def keep_alive_of(value: Any, may_shorten: bool) -> KeepAlive | None:
@@ -345,6 +377,7 @@ class Inference:
         target = await self.engines.target(
             model, kind="embedding", backends=backends, allow_unverified=allow_unverified
         )
+        check_inputs(inputs, target.model_id, target.max_tokens)
         job = EmbedJob(tuple(inputs), dimensions)
         return await self.pool.embed(target, job, keep_alive=alive)
 

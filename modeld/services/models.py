@@ -332,6 +332,9 @@ class Models:
             )
         doc = self._summary(model_id, entry, inst, missing)
         doc["entry"] = entry.to_dict() if entry else None
+        if doc["entry"] is not None:
+            # Every peer may show a model: a URL's credentials or signature stay in its file.
+            doc["entry"]["urls"] = [logs.redact_url(u) for u in doc["entry"]["urls"]]
         doc["fit"] = (await self.fits.of(entry, inst)).to_dict() if entry else None
         doc["engine_settings"] = self._engine_settings(entry, model_id)
         doc["header"] = doc["header_error"] = None

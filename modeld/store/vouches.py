@@ -68,6 +68,6 @@ def pinned_revision(url: str) -> str | None:
     if "resolve" not in parts:
         return None
     i = parts.index("resolve")
-    if i == 0 or len(parts) < i + 3 or not _COMMIT_RE.match(parts[i + 1]):
+    if i == 0 or len(parts) < i + 3 or not _COMMIT_RE.fullmatch(parts[i + 1]):
         return None
     return f"{'/'.join(parts[:i])}@{parts[i + 1]}/{'/'.join(parts[i + 2 :])}"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from modeld.cli.report import redact_url
 from modeld.hostinfo import runtime_version
+from modeld.logs import redact_url
 from modeld.services.models import revision_of
 from modeld.store.store import sha256_file
 from tests.support.daemon import DaemonProcess, default_backend_env

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncGenerator, Callable
 
 from modeld.engine.runner.client import RunnerDied, RunnerError
@@ -60,7 +61,10 @@ class FakeRunner:
         return Created(0.0, None, self.pss, self.pss, {})
 
     async def generate(
-        self, job: Job, sent: Callable[[], None] | None = None
+        self,
+        job: Job,
+        sent: Callable[[], None] | None = None,
+        ended: Callable[[float], None] | None = None,
     ) -> AsyncGenerator[Record, None]:
         self.factory.sent.append(job)
         if sent is not None:
@@ -69,6 +73,8 @@ class FakeRunner:
         # caller leaves while it waits never begins.
         async with self._one_at_a_time:
             async for rec in self._generate(job):
+                if isinstance(rec, Done) and ended is not None:
+                    ended(time.monotonic())
                 yield rec
 
     async def _generate(self, job: Job) -> AsyncGenerator[Record, None]:

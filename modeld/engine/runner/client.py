@@ -19,6 +19,7 @@ import resource
 import signal
 import socket
 import sys
+import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -146,6 +147,8 @@ class Runner:
         self._writer: asyncio.StreamWriter | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Queue[dict[str, Any] | BaseException]] = {}
+        # Called when a generation's last record arrives, read or not (``generate``).
+        self._ended: dict[int, Callable[[float], None] | None] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._exited = asyncio.Event()
         self._hello: asyncio.Future[dict[str, Any]] | None = None
@@ -237,6 +240,10 @@ class Runner:
         q = self._pending.get(rid) if isinstance(rid, int) else None
         if q is not None:
             q.put_nowait(msg)
+            if "token" not in msg and ("done" in msg or "error" in msg):
+                ended = self._ended.pop(rid, None) if isinstance(rid, int) else None
+                if ended is not None:
+                    ended(time.monotonic())
 
     async def _read_stderr(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
@@ -339,18 +346,25 @@ class Runner:
         return Created.from_wire(await self.call("create", **spec.to_json()))
 
     async def generate(
-        self, job: Job, sent: Callable[[], None] | None = None
+        self,
+        job: Job,
+        sent: Callable[[], None] | None = None,
+        ended: Callable[[float], None] | None = None,
     ) -> AsyncGenerator[Record, None]:
         """``Token`` records, then the final ``Done`` (``Embedded`` for an ``EmbedJob``);
         leaving early cancels in the child.
 
         The child runs its jobs one at a time, in the order they were sent: one sent while
         another runs waits in the child, and starts the moment that one ends. ``sent`` is
-        called once the job is on its way, ahead of any job sent after it.
+        called once the job is on its way, ahead of any job sent after it; ``ended`` with
+        the time its last record (done or an error) arrives from the child, whether or not
+        the caller reads it: a caller that reads slowly (its client does not read) holds no
+        later job.
         """
         rid = next(self._ids)
         q: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
         self._pending[rid] = q
+        self._ended[rid] = ended
         finished = False
         held: dict[str, Any] | BaseException | None = None
         try:
@@ -390,6 +404,7 @@ class Runner:
                 # for its end, so the next request on this engine starts on a quiet engine.
                 await asyncio.shield(self._cancel_and_drain(rid, q))
             self._pending.pop(rid, None)
+            self._ended.pop(rid, None)
 
     async def _cancel_and_drain(
         self, rid: int, q: asyncio.Queue[dict[str, Any] | BaseException]

@@ -28,12 +28,14 @@ from modeld.engine.runner.job import (
 
 
 def classify_json(text: str, finish: Finish, schema: dict[str, Any] | None = None) -> JsonCheck:
-    """The JSON diagnostics: complete, empty, truncated, not_json or schema_mismatch.
+    """The JSON diagnostics: complete, empty, truncated, not_json, schema_mismatch or
+    schema_unchecked.
 
     "Max number of tokens reached" ends a reply silently in LiteRT-LM 0.18, so a reply that
     stops at the limit and does not parse is *truncated*, not a runtime failure. With a
     ``schema`` (a strict ``json_schema`` request), a reply that parses is also checked
-    against it: *schema_mismatch* is complete JSON that does not match.
+    against it (``modeld.schemacheck``, within its time bound): *schema_mismatch* is complete
+    JSON that does not match, *schema_unchecked* complete JSON whose check did not end in time.
     """
     raw = text.strip()
     if not raw:
@@ -46,14 +48,16 @@ def classify_json(text: str, finish: Finish, schema: dict[str, Any] | None = Non
         status = "truncated" if cut and raw[0] in '{["' else "not_json"
         return {"status": status, "raw": text, "error": f"{e.msg} at char {e.pos}"}
     if schema is not None:
-        import jsonschema
+        from modeld.schemacheck import CheckFailed, reply_problem
 
-        found = jsonschema.exceptions.best_match(
-            jsonschema.validators.validator_for(schema)(schema).iter_errors(doc)
-        )
-        if found is not None:
-            where = "/".join(str(p) for p in found.absolute_path) or "(root)"
-            error = f"complete but does not match the schema at {where}: {found.message}"
+        try:
+            problem = reply_problem(schema, doc)
+        except CheckFailed as e:
+            # Bounded (a pattern that backtracks): the reply is the client's to judge.
+            error = f"complete JSON, but it could not be checked against the schema: {e}"
+            return {"status": "schema_unchecked", "raw": text, "error": error[:500]}
+        if problem is not None:
+            error = f"complete but does not match the schema {problem}"
             return {"status": "schema_mismatch", "raw": text, "error": error[:500]}
     return {"status": "complete", "raw": text, "error": None}
 

@@ -280,7 +280,9 @@ FINISH_STOP: Finish = "stop"  # the model ended its reply (or a stop string matc
 FINISH_LENGTH: Finish = "length"  # max_tokens or the engine's token window ran out
 FINISH_CANCELLED: Finish = "cancelled"
 
-JsonStatus = Literal["complete", "empty", "truncated", "not_json", "schema_mismatch"]
+JsonStatus = Literal[
+    "complete", "empty", "truncated", "not_json", "schema_mismatch", "schema_unchecked"
+]
 
 
 class JsonCheck(TypedDict):
