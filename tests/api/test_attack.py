@@ -24,15 +24,19 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import http.client
 import io
 import json
 import os
+import re
 import resource
 import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +45,12 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from modeld.daemon.apikeys import KeysFile
 from modeld.store.store import sha256_file
 from tests.support.daemon import DaemonProcess, daemon_env, serve_to_exit
 from tests.support.faults import runner_pids
 from tests.support.hub import hub
-from tests.support.mirror import Faults, LoopThread, Mirror, SlowHeadMirror, pinned_path
+from tests.support.mirror import COMMIT, Faults, LoopThread, Mirror, SlowHeadMirror, pinned_path
 from tests.support.peer import PEER_GID, PEER_UID, as_peer, needs_root, peer_cli
 from tests.support.state import MODELS, REPO, install_fixture, write_entry
 from tests.support.unix import unix_request
@@ -71,6 +76,8 @@ TINY = MODELS / "tiny-text.litertlm"
 OTHER = MODELS / "tiny-text-b.litertlm"  # another real model of the same size
 PULLED = OTHER.read_bytes()  # what the mirrors serve
 HUGE = 2 * shutil.disk_usage("/tmp").free
+# MODELD_REQUEST_TIMEOUT of the attacked daemon: a request of a peer holds a model no longer.
+REQUEST_TIMEOUT = 10.0
 
 
 @dataclass
@@ -90,6 +97,9 @@ class Arena:
     # (attack, status, body[, Retry-After]) of every answer an attacker got.
     answers: list[tuple[Any, ...]] = field(default_factory=list)
     watched_from: int = 0
+    # The TCP listener and a key of the lowest role (``use``) on it.
+    tcp_port: int = 0
+    use_key: str = ""
 
     @property
     def sock(self) -> Path:
@@ -153,6 +163,34 @@ class Arena:
         """Send ``requests`` one after the other as the peer: ``(status, body)`` each."""
         return [(s, b) for s, b, _ in self.hostile("send", [list(r) for r in requests])]
 
+    def tcp(
+        self, method: str, target: str, body: Any = None, timeout: float = 120.0
+    ) -> tuple[int, Any]:
+        """One request over TCP with the ``use`` key: ``(status, decoded body)`` (NDJSON and
+        SSE as a list of their records); recorded as an attacker's answer."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.tcp_port, timeout=timeout)
+        try:
+            headers = {"Authorization": f"Bearer {self.use_key}"}
+            payload = None if body is None else json.dumps(body)
+            if payload is not None:
+                headers["Content-Type"] = "application/json"
+            conn.request(method, target, body=payload, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read().decode(errors="replace")
+        finally:
+            conn.close()
+        kind = resp.getheader("Content-Type") or ""
+        decoded: Any = raw
+        if "ndjson" in kind:
+            decoded = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        elif "event-stream" in kind:
+            lines = [x.removeprefix("data: ") for x in raw.split("\n\n") if x.strip()]
+            decoded = [json.loads(x) for x in lines if x != "[DONE]"]
+        elif raw:
+            decoded = json.loads(raw)
+        self.answers.append(("tcp", resp.status, decoded))
+        return resp.status, decoded
+
     def samples(self) -> list[dict[str, Any]]:
         lines = self.watch_log.read_text().splitlines()
         return [json.loads(line) for line in lines[self.watched_from :] if line.endswith("}")]
@@ -201,6 +239,9 @@ def arena() -> Iterator[Arena]:
 
     install_fixture(home, "tiny-text", TINY, registry=registry)
     install_fixture(home, "tiny-vision", MODELS / "tiny-vision.litertlm", registry=registry)
+    install_fixture(home, "tiny-embed", MODELS / "tiny-embed.litertlm", registry=registry)
+    keys = KeysFile(home / "api-keys")
+    _, use_key = keys.add("attacker")
     # Verified by a hub once; its entry has no sha256, so only the install says what it is.
     install_fixture(home, "vouched", TINY, verified_by="huggingface.co X-Linked-Etag")
     write_entry(registry, "vouched", size=TINY.stat().st_size)
@@ -210,17 +251,21 @@ def arena() -> Iterator[Arena]:
 
     loop = LoopThread()
     sha = hashlib.sha256(PULLED).hexdigest()
-    mirrors = {
+    the_hub = loop.run(hub(PULLED))
+    mirrors: dict[str, Mirror] = {
         # The issue's hostile mirror: a second mirror redirecting through a hub host that
         # vouches for another digest than the primary hub does.
-        "hub": loop.run(hub(PULLED)),
-        "lying_hub": loop.run(hub(PULLED, Faults(linked_sha256="0" * 64))),
+        "hub": the_hub,
         "good": loop.run(Mirror(PULLED, Faults()).start()),
         # Every non-loopback URL goes through this proxy: public-looking mirror addresses
         # that redirect wherever a test says, and no request ever leaves the host.
         "proxy": loop.run(Mirror(PULLED, Faults(), path=pinned_path()).start()),
     }
-    mirrors["liar"] = loop.run(Mirror(PULLED, Faults(redirect_to=mirrors["lying_hub"].url)).start())
+    # The hub (HF_ENDPOINT's host and port) vouches for another digest in another repository.
+    the_hub.add("org/lying", COMMIT, {"m.litertlm": PULLED})
+    the_hub.repos["org/lying"].linked_sha256 = "0" * 64
+    lying = f"{the_hub.endpoint}{pinned_path(repo='org/lying')}"
+    mirrors["liar"] = loop.run(Mirror(PULLED, Faults(redirect_to=lying)).start())
     # One more header line every 0.2 s, for as long as it is asked.
     trickler = loop.run(SlowHeadMirror(PULLED, interval=0.2).start())
     urls = {"trickler": trickler.url}
@@ -265,6 +310,8 @@ def arena() -> Iterator[Arena]:
         HTTP_PROXY=f"http://127.0.0.1:{mirrors['proxy'].port}",
         # The loopback hubs are hub hosts (token, X-Linked-Etag), as huggingface.co is.
         HF_ENDPOINT=f"http://localhost:{mirrors['hub'].port}",
+        MODELD_LISTEN="127.0.0.1:0",
+        MODELD_REQUEST_TIMEOUT=f"{REQUEST_TIMEOUT:g}s",
     )
     d = DaemonProcess(home=home, env=env)
     watch_log = root / "watch.jsonl"
@@ -280,6 +327,9 @@ def arena() -> Iterator[Arena]:
         arena = Arena(
             root, d, peer_home, bodies, tmpdir, daemon_home, watch_log, loop, mirrors, urls
         )
+        port = re.search(r"listening address=127\.0\.0\.1:(\d+)", d.log())
+        assert port, d.log()[-2000:]
+        arena.tcp_port, arena.use_key = int(port.group(1)), use_key
         wait_sync(lambda: watch_log.exists() and watch_log.stat().st_size > 0, 30, "a first sample")
         yield arena
         # SIGTERM still stops it, promptly, after everything (a FIFO once hung it for good).
@@ -725,11 +775,12 @@ def test_credentials_never_leave(arena: Arena) -> None:
     assert not [r for r in to_hub if "Authorization" in r], to_hub
     # Every request any mirror saw: no netrc (Basic) credentials anywhere; the token only to
     # the (loopback) hub hosts' own URLs, never to a mirror or a CDN URL they redirect to.
+    hub_paths = (pinned_path(), pinned_path(repo="org/lying"))
     for name, mirror in arena.mirrors.items():
         for r in mirror.requests:
             auth = r.get("Authorization")
             assert auth is None or auth == f"Bearer {TOKEN}", (name, r)
-            hub_url = name in ("hub", "lying_hub") and r["path"] == pinned_path()
+            hub_url = name == "hub" and r["path"] in hub_paths
             assert auth is None or hub_url, (name, r)
     assert [r for r in arena.mirrors["hub"].requests if r.get("Authorization")], (
         "hub never got the token"
@@ -779,3 +830,335 @@ def test_corrupt_database_at_start(arena: Arena) -> None:
     assert len(lines) == 1 and "is not an SQLite database" in lines[0], result.stderr
     assert db.read_bytes() == garbage and db.stat().st_mtime_ns == mtime
     shutil.rmtree(home)
+
+
+# --- second round: content bounds, deadlines, roles, logs, names --------------------------------
+
+
+def _chat(schema: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "tiny-text",
+        "messages": [{"role": "user", "content": "weather?"}],
+        "max_tokens": 120,
+        **extra,
+    }
+    if schema is not None:
+        fmt = {"name": "x", "schema": schema, "strict": True}
+        body["response_format"] = {"type": "json_schema", "json_schema": fmt}
+    return body
+
+
+def test_schema_pattern_of_millions_is_refused_off_the_loop(arena: Arena) -> None:
+    """A schema whose pattern holds millions of alternatives (in response_format, and as a
+    forced tool call's parameters) is a 400 naming the bound, refused before anything
+    compiles it; it was compiled on the event loop, which stopped answering /api/health."""
+    pattern = "a|" * (MAX_BODY // 3)
+    schema = {"type": "string", "pattern": pattern}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    forced = _chat(tools=[tool], tool_choice="required")
+    for body in (_chat(schema), forced):
+        status, answer = arena.tcp("POST", "/v1/chat/completions", body)
+        assert status == 400, (status, str(answer)[:300])
+        assert "the schema is over 256 KiB" in answer["error"]["message"], answer
+
+
+def test_backtracking_strict_schema_holds_no_model(arena: Arena) -> None:
+    """A strict schema whose patternProperties backtracks on the key the decoder is made to
+    write (``^(a+)+$`` against 40 a's and a '!'): the reply comes back unchecked once the
+    check's bound passes, and the model answers the next request; the check held it for
+    ever (each character doubled its time)."""
+    key = "a" * 40 + "!"
+    schema = {
+        "type": "object",
+        "properties": {key: {"type": "boolean"}},
+        "required": [key],
+        "additionalProperties": False,
+        "maxProperties": 1,
+        "patternProperties": {"^(a+)+$": {"type": "boolean"}},
+    }
+    status, answer = arena.tcp("POST", "/v1/chat/completions", _chat(schema), timeout=60)
+    assert status == 200, answer
+    assert answer["modeld"]["json"]["status"] == "schema_unchecked", answer["modeld"]["json"]
+    status, after = unix_request(
+        arena.sock, "POST", "/api/generate", {"model": "tiny-text", "prompt": "hi", "max_tokens": 3}
+    )
+    assert status == 200 and after[-1]["done"], after
+
+
+def test_recursive_ref_is_a_400(arena: Arena) -> None:
+    """A strict schema that refers to itself without reaching into the value (``{"$ref":
+    "#"}``, or through $defs and anyOf) is a 400 naming the loop; it was a 500 RecursionError
+    from the runner. A recursive schema that does reach into the value is taken."""
+    loops: list[dict[str, Any]] = [
+        {"$ref": "#"},
+        {
+            "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}},
+            "$ref": "#/$defs/a",
+        },
+    ]
+    for schema in loops:
+        status, answer = arena.tcp("POST", "/v1/chat/completions", _chat(schema))
+        assert status == 400, answer
+        assert "never ends" in answer["error"]["message"], answer
+    tree = {
+        "type": "object",
+        "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 0}},
+        "required": ["kids"],
+        "additionalProperties": False,
+    }
+    status, answer = arena.tcp("POST", "/v1/chat/completions", _chat(tree))
+    assert status == 200, answer
+
+
+def test_embeddings_allow_unverified_needs_admin(arena: Arena) -> None:
+    """``allow_unverified`` on /v1/embeddings from a ``use`` key is a 403, as on the other
+    routes (it was a 200)."""
+    body = {"model": "tiny-embed", "input": "hello", "allow_unverified": True}
+    status, answer = arena.tcp("POST", "/v1/embeddings", body)
+    assert status == 403 and "needs the admin role" in answer["error"]["message"], answer
+
+
+def test_huge_embedding_input_is_refused_unread(arena: Arena) -> None:
+    """One embedding input of megabytes is a 413 before the runtime tokenizes it (it was
+    tokenized whole; a larger one took the runner down)."""
+    body = {"model": "tiny-embed", "input": "word " * (MAX_BODY // 6)}
+    status, answer = arena.tcp("POST", "/v1/embeddings", body)
+    assert status == 413, str(answer)[:300]
+    assert "before tokenizing" in answer["error"]["message"], answer
+    status, ok = arena.tcp("POST", "/v1/embeddings", {"model": "tiny-embed", "input": "hello"})
+    assert status == 200 and ok["data"][0]["embedding"], ok
+
+
+def test_tools_count_against_the_prompt_bound(arena: Arena) -> None:
+    """Tools of a hundred kilobytes and a tool call's arguments count against the prompt's
+    byte bound: a 413 before the runtime renders them (they were not counted)."""
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "description": "d" * 1000}}
+        for i in range(100)
+    ]
+    status, answer = arena.tcp("POST", "/v1/chat/completions", _chat(tools=tools))
+    assert status == 413 and "the prompt is over" in answer["error"]["message"], answer
+    arguments = json.dumps({"x": "y" * 100_000})
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    body = {"model": "tiny-text", "messages": messages, "max_tokens": 3}
+    status, answer = arena.tcp("POST", "/v1/chat/completions", body)
+    assert status == 413 and "the prompt is over" in answer["error"]["message"], answer
+
+
+def test_keys_never_reach_the_log(arena: Arena) -> None:
+    """A key sent with a stray CR or control byte makes aiohttp's parser fail and log the
+    header line: the key is redacted there, as everywhere in the log (the whole working key
+    went to stderr through logging.lastResort)."""
+    assert arena.tcp("GET", "/api/health")[0] == 200  # the key works
+    for stray in (b"\r", b"\x01"):
+        with socket.create_connection(("127.0.0.1", arena.tcp_port), timeout=30) as s:
+            s.sendall(
+                b"GET /api/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                + arena.use_key.encode()
+                + stray
+                + b"\r\n\r\n"
+            )
+            assert s.recv(100).startswith(b"HTTP/1.1 400") or True
+    arena.daemon.wait_log("Error handling request", count=2)
+    log = arena.daemon.log()
+    assert arena.use_key not in log and arena.use_key[4:20] not in log
+    assert TOKEN not in log
+
+
+def test_control_characters_in_paths_are_escaped(arena: Arena) -> None:
+    """A path with ESC, BEL and CR is logged with each as its escape, and ``modeld logs``
+    prints no control character (it retitled and cleared the admin's terminal)."""
+    path = "/api/%1b%5d0;X%07%1b%5b2J%0dforged"
+    status, _ = arena.tcp("GET", path)
+    assert status == 404
+    log = arena.daemon.wait_log("forged")
+    assert "\x1b" not in log and "\x07" not in log, log[-500:]
+    assert "\\x1b]0;X\\x07\\x1b[2J\\rforged" in log, log[-500:]
+    shown = subprocess.run(
+        [sys.executable, "-m", "modeld", "logs", "-n", "50"],
+        env=arena.daemon.env,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert b"forged" in shown.stdout
+    assert not re.search(rb"[\x00-\x08\x0b-\x1f\x7f]", shown.stdout), shown.stdout[-300:]
+
+
+def test_hf_token_only_to_the_endpoints_port(arena: Arena) -> None:
+    """An entry URL on HF_ENDPOINT's host at another port gets no HF token (the host was
+    matched without its port)."""
+    good = arena.mirrors["good"]
+    registry = Path(arena.daemon.env["MODELD_REGISTRY"])
+    write_entry(registry, "otherport", size=len(PULLED), urls=[f"http://localhost:{good.port}/f"])
+    wait_sync(lambda: unix_request(arena.sock, "GET", "/api/models/otherport")[0] == 200, 10, "")
+    good.requests.clear()
+    _pull(arena, "otherport")
+    assert good.requests, "the mirror was never asked"
+    assert not [r for r in good.requests if "Authorization" in r], good.requests
+
+
+def test_entry_urls_are_redacted_for_peers(arena: Arena) -> None:
+    """An entry URL's user, password and signature are not shown to a ``use`` peer (they
+    were returned verbatim; the bug report already redacted them)."""
+    registry = Path(arena.daemon.env["MODELD_REGISTRY"])
+    url = "http://bob:S3cretPw@127.0.0.1:9/m.litertlm?X-Amz-Signature=QSECRET42"
+    write_entry(registry, "secreturl", size=1000, urls=[url])
+    wait_sync(lambda: unix_request(arena.sock, "GET", "/api/models/secreturl")[0] == 200, 10, "")
+    status, shown = arena.tcp("GET", "/api/models/secreturl")
+    assert status == 200, shown
+    text = json.dumps(shown)
+    assert "S3cretPw" not in text and "QSECRET42" not in text and "bob" not in text, text
+    assert shown["entry"]["urls"] == ["http://(credentials)@127.0.0.1:9/m.litertlm?(query)"]
+
+
+def _registry_files(arena: Arena) -> list[str]:
+    own = arena.daemon.home / "registry"
+    return sorted(p.name for p in own.iterdir()) if own.exists() else []
+
+
+def test_pull_of_a_bad_revision_or_name_writes_nothing(arena: Arena) -> None:
+    """``pull hf://`` with a control character in its revision, or a newline after a name
+    (``$`` let it through), is a 400 and leaves no entry (one was written that TOML
+    refuses, and that ``rm --entry`` could not remove)."""
+    before = _registry_files(arena)
+    for source in ("hf://org/repo/m.litertlm@ma\u0001in", "hf://org\n/repo/m.litertlm"):
+        body = arena.body("source.json", json.dumps({"source": source, "detach": True}).encode())
+        ((status, answer),) = arena.send(("POST", "/api/models/pull", body))
+        assert status == 400 and answer["error"]["code"] == "bad_request", answer
+    assert _registry_files(arena) == before
+
+
+def test_import_names_round_trip_or_are_refused(arena: Arena) -> None:
+    """An import of a file named with a character past U+FFFF writes an entry that reads
+    back as it was (TOML refused JSON's surrogate escapes); a name with ``..`` is a 400
+    before anything is copied (it was a 500 with a pydantic traceback)."""
+    emoji = arena.peer_home / "modelb\U0001f600.litertlm"
+    dots = arena.peer_home / "a..b.litertlm"
+    for p in (emoji, dots):
+        shutil.copyfile(OTHER, p)
+        os.chown(p, PEER_UID, PEER_GID)
+    status, body = arena.hostile("import_fd", {"path": str(emoji), "name": emoji.name, "id": None})
+    assert status == 200, body
+    entry = arena.daemon.home / "registry" / f"{body['id']}.toml"
+    doc = tomllib.loads(entry.read_text())
+    assert doc["file_name"] == emoji.name, doc
+    status, shown = arena.tcp("GET", f"/api/models/{body['id']}")
+    assert status == 200 and shown["entry"]["file_name"] == emoji.name, shown
+    before = _registry_files(arena)
+    status, body = arena.hostile("import_fd", {"path": str(dots), "name": dots.name, "id": None})
+    assert status == 400 and "'..'" in body["error"]["message"], body
+    assert _registry_files(arena) == before
+    assert not list((arena.daemon.home / "partial").glob("*.import-*"))
+    for p in (emoji, dots):
+        p.unlink()
+
+
+def test_socket_grandparent_of_another_user(arena: Arena) -> None:
+    """A socket dir of the daemon's own, inside a dir the attacker owns (who could swap
+    it): exit 2 naming that dir, no socket made (it was accepted)."""
+    outer = arena.peer_home / "outer"
+    outer.mkdir()
+    os.chown(outer, PEER_UID, PEER_GID)
+    inner = outer / "run"
+    inner.mkdir(mode=0o755)
+    home = arena.root / "third-home"
+    result = serve_to_exit(daemon_env(home, MODELD_SOCKET=str(inner / "modeld.sock")))
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"is under {outer}, which belongs to uid {PEER_UID}" in last, last
+    assert not os.listdir(inner)
+    shutil.rmtree(home, ignore_errors=True)
+    shutil.rmtree(outer)
+
+
+def _hostile_daemon(path: Path) -> Any:
+    """A daemon that answers status, show and rm with escape sequences in every string."""
+    from aiohttp import web
+
+    evil = "\x1b]0;pwned\x07\x1b[2J"
+
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "version": evil,
+                "uptime": 1,
+                "settings": {
+                    "socket": evil,
+                    "home": evil,
+                    "memory_budget": 1,
+                    "main_backend": evil,
+                    "vision_backend": evil,
+                    "keep_alive": 1,
+                },
+                "engines": {"summary": evil, "problems": [evil]},
+            }
+        )
+
+    async def remove(_: web.Request) -> web.Response:
+        removed = {"kind": evil, "path": evil, "size": 1}
+        return web.json_response(
+            {
+                "id": evil,
+                "removed": [removed],
+                "freed": 1,
+                "unloaded": [evil],
+                "cancelled_download": False,
+            }
+        )
+
+    app = web.Application()
+    app.router.add_get("/api/status", status)
+    app.router.add_delete("/api/models/{id}", remove)
+    return app, web, evil
+
+
+def test_cli_escapes_what_a_hostile_daemon_says(arena: Arena) -> None:
+    """``status`` prints a daemon's strings with their control characters escaped (it printed
+    them raw; ``list`` and ``ps`` already escaped)."""
+    del arena  # the invariants only: this daemon is a hostile stand-in
+    sock = Path(tempfile.mkdtemp(prefix="md-evil-", dir="/tmp")) / "evil.sock"
+    loop = LoopThread()
+    app, web, _ = _hostile_daemon(sock)
+    runner = web.AppRunner(app)
+
+    async def start() -> None:
+        await runner.setup()
+        await web.UnixSite(runner, str(sock)).start()
+
+    loop.run(start())
+    try:
+        for args in (["status"],):
+            done = subprocess.run(
+                [sys.executable, "-m", "modeld", "--socket", str(sock), *args],
+                capture_output=True,
+                timeout=60,
+                check=False,
+                cwd=REPO,
+            )
+            out = done.stdout + done.stderr
+            assert b"\\x1b]0;pwned\\x07" in out, (args, out)
+            assert not re.search(rb"[\x00-\x08\x0b-\x1f\x7f]", out), (args, out)
+    finally:
+        loop.run(runner.cleanup())
+        loop.close()
+        shutil.rmtree(sock.parent, ignore_errors=True)
+
+
+def test_admin_fields_walk_every_use_route(arena: Arena) -> None:
+    """Every POST route a ``use`` key may call refuses ``pin`` and ``allow_unverified``
+    with a 403, whatever else its body holds (one rule, walked over the route table)."""
+    from modeld.api.access import ADMIN_FIELDS, ROUTES, Role
+
+    routes = [(m, p) for (m, p), rule in ROUTES.items() if rule.role is Role.USE and m == "POST"]
+    assert routes
+    for method, path in routes:
+        for name in ADMIN_FIELDS:
+            status, answer = arena.tcp(method, path.replace("{id}", "tiny-text"), {name: True})
+            assert status == 403, (path, name, answer)

@@ -327,3 +327,25 @@ def test_non_utf8_file_is_a_problem_not_a_crash(tmp_path: Path) -> None:
     catalog = Catalog([tmp_path])
     assert catalog.get("good").size == 10
     assert any("UTF-8" in p.message for p in catalog.problems)
+
+
+def test_written_entries_read_back_or_are_refused(tmp_path: Path) -> None:
+    """An entry modeld writes is TOML that reads back as the same entry, a name past U+FFFF
+    included (JSON's surrogate escapes are no TOML); names with controls, '..' or no UTF-8
+    are refused as entries, and a comment line's controls are escaped."""
+
+    cat = Catalog([tmp_path / "own"], own=tmp_path / "own")
+    entry = Entry(
+        id="modelb",
+        display_name='modelb\U0001f600 "q" \\',
+        file_name="modelb\U0001f600.litertlm",
+        local=True,
+        size=10,
+        sha256="0" * 64,
+    )
+    path = cat.write_entry(entry, "pulled hf://o/r/f@ma\x01in\nsecond line")
+    assert cat.get("modelb") == entry
+    assert "\\x01" in path.read_text() and "\x01" not in path.read_text()
+    for bad in ("a..b.litertlm", "a\x1bb.litertlm", "x\udcff.litertlm", "a/b.litertlm"):
+        with pytest.raises(ValueError):
+            Entry(id="x", display_name="x", file_name=bad, local=True, size=1)

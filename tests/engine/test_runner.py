@@ -1031,3 +1031,38 @@ def test_a_requests_sampler_fields_go_over_the_files() -> None:
     seeds = {sampler_fields(Options(temperature=1.0), None)["seed"] for _ in range(8)}
     assert len(seeds) > 1
     assert sampler_defaults(str(TINY)) == {"top_k": None, "top_p": None, "temperature": 0.0}
+
+
+async def test_a_reader_that_stops_holds_no_later_request(short_tmp: Path) -> None:
+    """A request whose caller stops after its first record (a client that stops reading: its
+    handler waits in a write) holds nothing of the engine once the runner is done with it:
+    the requests after it are served, and the engine is ready again between them, since a
+    job's turn ends when the runner's last record arrives, read or not (the engine stayed
+    busy until the reader read, so its keep-alive and eviction waited on that client)."""
+    from modeld.engine.pool import Pool, PoolConfig, Target
+    from modeld.modelfile.plan import Plan
+
+    pool = Pool(PoolConfig(budget=8 * 1024**3, spare=False), Runner.start)
+    await pool.start()
+    t = Target(
+        model_id="tiny-text",
+        digest="ab" * 32,
+        plan=Plan(main="cpu"),
+        spec=spec(short_tmp, max_tokens=256),
+        estimate=100,
+        max_tokens=256,
+    )
+
+    async def whole(job: dict[str, Any]) -> list[dict[str, Any]]:
+        return [rec async for rec in pool.generate(t, job)]
+
+    try:
+        stalled = pool.generate(t, ask(max_tokens=40, seed=1))
+        assert "token" in await anext(stalled)
+        for n in range(2):
+            records = await asyncio.wait_for(whole(ask(max_tokens=3, seed=n)), 60)
+            assert records[-1]["done"], records
+        assert pool.list()[0]["state"] == "ready"
+        await stalled.aclose()
+    finally:
+        await pool.stop()

@@ -35,6 +35,7 @@ class HubRepo:
     files: dict[str, dict[str, bytes]] = field(default_factory=dict)
     refs: dict[str, str] = field(default_factory=dict)
     gated: bool = False
+    linked_sha256: str | None = None  # what its X-Linked-Etag claims (default: the truth)
 
     def commit(self, rev: str) -> str | None:
         if rev in self.refs:
@@ -128,10 +129,11 @@ class Hub(Mirror):
         if data is None:
             return _error(404, "EntryNotFound", "Entry not found")
         truth = hashlib.sha256(data).hexdigest()
+        claimed = repo.linked_sha256 or f.linked_sha256 or truth
         headers = {
-            "X-Linked-Etag": f'"{f.linked_sha256 or truth}"',
+            "X-Linked-Etag": f'"{claimed}"',
             "X-Linked-Size": str(len(data)),
-            "ETag": f'"{f.linked_sha256 or truth}"',
+            "ETag": f'"{claimed}"',
         }
         if self.repo_commit_header:
             headers["X-Repo-Commit"] = commit
