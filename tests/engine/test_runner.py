@@ -1053,15 +1053,20 @@ async def test_a_reader_that_stops_holds_no_later_request(short_tmp: Path) -> No
         max_tokens=256,
     )
 
-    async def whole(job: dict[str, Any]) -> list[dict[str, Any]]:
-        return [rec async for rec in pool.generate(t, job)]
+    def job(**extra: Any) -> GenerateJob:
+        made = typed(ask(**extra))
+        assert isinstance(made, GenerateJob)
+        return made
+
+    async def whole(**extra: Any) -> list[Any]:
+        return [rec async for rec in pool.generate(t, job(**extra))]
 
     try:
-        stalled = pool.generate(t, ask(max_tokens=40, seed=1))
-        assert "token" in await anext(stalled)
+        stalled = pool.generate(t, job(max_tokens=40, seed=1))
+        assert isinstance(await anext(stalled), Token)
         for n in range(2):
-            records = await asyncio.wait_for(whole(ask(max_tokens=3, seed=n)), 60)
-            assert records[-1]["done"], records
+            records = await asyncio.wait_for(whole(max_tokens=3, seed=n), 60)
+            assert not isinstance(records[-1], Token), records
         assert pool.list()[0]["state"] == "ready"
         await stalled.aclose()
     finally:
