@@ -147,10 +147,10 @@ def bind_socket(path: Path) -> socket.socket:
         raise SettingsError(
             f"MODELD_SOCKET={path}: longer than {_MAX_SOCKET_PATH} bytes; choose a shorter path"
         )
-    # Checked before a directory is made in it, then once it exists.
-    existing = next((d for d in path.parents if d.exists()), Path("/"))
-    _check_ancestors(existing)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.exists():
+        # Checked before a directory is made in it, then once it exists.
+        _check_ancestors(next((d for d in path.parents if d.exists()), Path("/")))
+        path.parent.mkdir(parents=True, exist_ok=True)
     check_socket_dir(path.parent)
     _claim_socket_path(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
