@@ -12,20 +12,18 @@ validated against it by the runner (``reply_problem``). Both are bounded:
 - a ``$ref`` that points outside the schema is refused (modeld fetches nothing), and so is a
   loop of references that comes back to a schema without reaching into the value
   (``{"$ref": "#"}``): validating it never ends (Python's RecursionError);
-- Python's ``re`` backtracks (``^(a+)+$`` doubles its time with each character of a key) and
-  holds the GIL while it does, so no thread can stop it: a reply is validated in a child
-  process, killed after ``CHECK_SECONDS``, whenever the schema has a pattern. Without one,
-  validation is linear in the reply and runs in place.
+- a pattern can backtrack (``^(a|a)*$`` doubles its time with each character of a key), and
+  Python's ``re`` can be stopped by nothing while it holds the GIL: a reply's patterns are
+  matched with the ``regex`` module instead, which gives the GIL up while it matches and stops
+  at a timeout, so that a whole check ends within ``CHECK_SECONDS`` (``CheckTimeout``). The
+  rest of validation is linear in the reply.
 
-It imports only the standard library at module level (the runner child imports it), and
-``python -m modeld.schemacheck`` is that child process.
+It imports only the standard library at module level (the runner child imports it).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -96,11 +94,6 @@ def json_size(value: Any, limit: int) -> int:
         if size > limit:
             break
     return size
-
-
-def has_patterns(schema: Any) -> bool:
-    """Whether validating against ``schema`` runs a regular expression."""
-    return next(_patterns(schema), None) is not None
 
 
 def check_size(schema: Any) -> None:
@@ -216,61 +209,66 @@ def check_schema(schema: Any) -> None:
             raise SchemaRefused(f"is not a valid JSON schema: {e.message}", at) from None
 
 
-def _problem(schema: Any, doc: Any) -> str | None:
-    """Where and why ``doc`` does not match ``schema`` (jsonschema's best match), or None;
-    ``CheckFailed`` when it cannot be told."""
+class _Clock:
+    """What is left of one check's time; ``TimeoutError`` once it is spent."""
+
+    def __init__(self, seconds: float) -> None:
+        self.ends = time.monotonic() + seconds
+
+    def left(self) -> float:
+        left = self.ends - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        return left
+
+
+def _bounded_validator(schema: Any, clock: _Clock) -> Any:
+    """jsonschema's validator for ``schema``'s draft, with ``pattern`` and
+    ``patternProperties`` matched by ``regex`` within ``clock``'s time."""
+    import jsonschema
+    import regex
+    from jsonschema import ValidationError
+
+    def search(pattern: str, text: str) -> bool:
+        return regex.search(pattern, text, timeout=clock.left(), concurrent=True) is not None
+
+    def pattern(validator: Any, patrn: str, instance: Any, _schema: Any) -> Iterator[Any]:
+        if validator.is_type(instance, "string") and not search(patrn, instance):
+            yield ValidationError(f"{instance!r} does not match {patrn!r}")
+
+    def pattern_properties(
+        validator: Any, patterns: dict[str, Any], instance: Any, _schema: Any
+    ) -> Iterator[Any]:
+        if not validator.is_type(instance, "object"):
+            return
+        for patrn, subschema in patterns.items():
+            for key, value in instance.items():
+                if search(patrn, key):
+                    yield from validator.descend(value, subschema, path=key, schema_path=patrn)
+
+    base = jsonschema.validators.validator_for(schema)
+    keywords = {"pattern": pattern, "patternProperties": pattern_properties}
+    extended = jsonschema.validators.extend(base, keywords)  # type: ignore[no-untyped-call]
+    return extended(schema)
+
+
+def reply_problem(schema: Any, doc: Any, seconds: float = CHECK_SECONDS) -> str | None:
+    """Where and why ``doc`` does not match ``schema`` (jsonschema's best match), or None
+    when it matches. Raises ``CheckFailed`` when that cannot be told: ``CheckTimeout`` when
+    the check took over ``seconds`` (a pattern that backtracks)."""
     import jsonschema
 
+    clock = _Clock(seconds)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        validator = jsonschema.validators.validator_for(schema)(schema)
+        validator = _bounded_validator(schema, clock)
         try:
             found = jsonschema.exceptions.best_match(validator.iter_errors(doc))
         except RecursionError:
             raise CheckFailed("the schema refers to itself too deeply to check a reply") from None
+        except TimeoutError:
+            raise CheckTimeout(f"the check took over {seconds:g} s") from None
     if found is None:
         return None
     where = "/".join(str(p) for p in found.absolute_path) or "(root)"
     return f"at {where}: {found.message}"
-
-
-def reply_problem(schema: Any, doc: Any, seconds: float = CHECK_SECONDS) -> str | None:
-    """Where and why ``doc`` does not match ``schema``, or None when it matches. Raises
-    ``CheckFailed`` when that cannot be told: ``CheckTimeout`` when the check took over
-    ``seconds`` (a schema with a pattern is checked in a child process, killed then)."""
-    if not has_patterns(schema):
-        return _problem(schema, doc)
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "modeld.schemacheck"],
-            input=json.dumps({"schema": schema, "doc": doc}).encode(),
-            capture_output=True,
-            timeout=seconds,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        raise CheckTimeout(f"the check took over {seconds:g} s") from None
-    try:
-        out = json.loads(done.stdout)
-    except ValueError:
-        said = done.stderr.decode(errors="replace")[-200:]
-        raise CheckFailed(f"the check failed ({said})") from None
-    if out.get("failed"):
-        raise CheckFailed(str(out["failed"]))
-    problem = out.get("problem")
-    return problem if isinstance(problem, str) else None
-
-
-def main() -> int:
-    """The child process of ``reply_problem``: ``{"schema", "doc"}`` in, ``{"problem"}`` out."""
-    job = json.loads(sys.stdin.buffer.read())
-    try:
-        out = {"problem": _problem(job["schema"], job["doc"])}
-    except CheckFailed as e:
-        out = {"failed": str(e)}
-    sys.stdout.write(json.dumps(out))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
