@@ -864,7 +864,7 @@ def test_schema_pattern_of_millions_is_refused_off_the_loop(arena: Arena) -> Non
 
 def test_backtracking_strict_schema_holds_no_model(arena: Arena) -> None:
     """A strict schema whose patternProperties backtracks on the key the decoder is made to
-    write (``^(a+)+$`` against 40 a's and a '!'): the reply comes back unchecked once the
+    write (``^(a|a)*$`` against 40 a's and a '!'): the reply comes back unchecked once the
     check's bound passes, and the model answers the next request; the check held it for
     ever (each character doubled its time)."""
     key = "a" * 40 + "!"
@@ -874,7 +874,7 @@ def test_backtracking_strict_schema_holds_no_model(arena: Arena) -> None:
         "required": [key],
         "additionalProperties": False,
         "maxProperties": 1,
-        "patternProperties": {"^(a+)+$": {"type": "boolean"}},
+        "patternProperties": {"^(a|a)*$": {"type": "boolean"}},
     }
     status, answer = arena.tcp("POST", "/v1/chat/completions", _chat(schema), timeout=60)
     assert status == 200, answer
