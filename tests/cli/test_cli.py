@@ -563,9 +563,10 @@ def test_a_pull_that_reaches_no_mirror_leaves_nothing_and_says_how_to_add_one(
 
 
 def test_control_characters_from_a_catalog_entry_are_shown_not_acted_on(short_tmp: Path) -> None:
-    """A display name holding a terminal escape sequence and a bidi override prints them as
-    escapes (``\\x1b``, ``\\u202e``): another user's catalog entry cannot retitle the
-    terminal, hide text or reorder what `modeld show` prints."""
+    """A display name holding a terminal escape sequence and a bidi override makes the entry
+    invalid (names are text without controls), and `modeld status` names the problem with
+    the characters as escapes (``\\x1b``, ``\\u202e``): another user's catalog entry cannot
+    retitle the terminal, hide text or reorder what the CLI prints."""
     home, registry = short_tmp / "h", short_tmp / "r"
     entry = write_entry(registry, "evil", size=1000)
     evil = 'display_name = "Evil\\u001b]0;pwned\\u0007 \\u009b2J \\u202eedoc"'
@@ -574,9 +575,10 @@ def test_control_characters_from_a_catalog_entry_are_shown_not_acted_on(short_tm
     d.start()
     try:
         shown = d.cli("show", "evil")
-        assert shown.returncode == 0, shown.stderr
-        out = shown.stdout
-        assert "Evil\\x1b]0;pwned\\x07 \\x9b2J \\u202eedoc" in out, out
+        assert shown.returncode == 1 and "no model 'evil'" in shown.stderr, shown.stderr
+        status = d.cli("status")
+        out = status.stdout + status.stderr
+        assert "evil.toml" in out and "control character" in out, out
         assert not any(c in out for c in "\x1b\x07\x9b\u202e")
     finally:
         d.stop()
