@@ -55,6 +55,17 @@ class SettingsError(ModeldError, ValueError):
     status = 400
 
 
+class ContextLengthExceeded(BadRequest):
+    """The prompt does not fit the engine's token window (the reply needs one token at least).
+
+    ``details`` carry ``window`` (tokens) and ``prompt_tokens`` (the runtime's count), or
+    ``prompt_bytes`` where the prompt was refused by its size before it was tokenized: each
+    API dialect words the refusal from them (OpenAI's and Anthropic's clients match words).
+    """
+
+    code = "context_length_exceeded"
+
+
 class RegistryError(ModeldError, ValueError):
     """A registry file is not a valid entry."""
 
@@ -70,6 +81,10 @@ class NotFound(ModeldError, LookupError):
 
     code = "not_found"
     status = 404
+
+
+class NoRoute(NotFound):
+    """No route has this path (``not_found``), so the request reached nothing."""
 
 
 class ModelNotFound(NotFound):
@@ -123,6 +138,16 @@ class ReplacesVerified(Conflict):
     """An unverified file would replace a verified install; it never does."""
 
     code = "replaces_verified"
+
+
+# --- method not allowed (405) ---------------------------------------------------------
+
+
+class MethodNotAllowed(ModeldError):
+    """The path has routes, none for this method."""
+
+    code = "method_not_allowed"
+    status = 405
 
 
 # --- too slow (408) -------------------------------------------------------------------
@@ -430,7 +455,8 @@ class Forbidden(ModeldError, PermissionError):
 
 
 class Unauthorized(ModeldError, PermissionError):
-    """A TCP request without a valid API key (``Authorization: Bearer <key>``)."""
+    """A TCP request without a valid API key (``Authorization: Bearer <key>`` or
+    ``x-api-key: <key>``)."""
 
     code = "unauthorized"
     status = 401

@@ -14,44 +14,72 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from modeld import logs
-from modeld.api import access, admin, downloads, engines, guards, models, openai, report, system
+from modeld.api import (
+    access,
+    admin,
+    anthropic,
+    downloads,
+    engines,
+    guards,
+    models,
+    openai,
+    report,
+    responses,
+    system,
+)
 from modeld.api.access import KeyVerifier, describe_peer
 from modeld.api.bodies import BODY_LIMITS, BodyLimits
 from modeld.api.connections import track_requests
+from modeld.api.dialects import Dialect, dialect_of
 from modeld.config import format_size
-from modeld.errors import Busy, ClientLeft, ModeldError, Unauthorized, disk_full
+from modeld.errors import (
+    BadRequest,
+    ClientLeft,
+    MethodNotAllowed,
+    ModeldError,
+    NoRoute,
+    TooLarge,
+    disk_full,
+)
 from modeld.services.parts import Services
 
 SERVICES: web.AppKey[Services] = web.AppKey("services", Services)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-ROUTE_MODULES = [system, models, downloads, engines, admin, openai, report, guards]
+ROUTE_MODULES = [
+    system,
+    models,
+    downloads,
+    engines,
+    admin,
+    openai,
+    responses,
+    anthropic,
+    report,
+    guards,
+]
 
 
-def _wants_openai_shape(request: web.Request) -> bool:
-    """Whether the request is on an OpenAI route (``/v1/...``), whose errors add ``type``."""
-    return request.path == "/v1" or request.path.startswith("/v1/")
+# Every dialect spoken besides the native one: a path that matched no route is answered in
+# the dialect it belongs to (``Dialect.prefixes``).
+DIALECTS: list[Dialect] = [openai.OPENAI, anthropic.ANTHROPIC]
 
 
-def error_response(err: ModeldError, openai_shape: bool = False) -> web.Response:
-    """The JSON error body with the error's status (and Retry-After when busy); with
-    ``openai_shape``, in OpenAI's shape (``type`` and ``param`` added)."""
-    headers = {}
-    if isinstance(err, Busy):
-        headers["Retry-After"] = str(max(1, round(err.retry_after)))
-    if isinstance(err, Unauthorized):
-        headers["WWW-Authenticate"] = 'Bearer realm="modeld"'
-    if openai_shape:
-        shaped = openai.error_body(err.status, err.code, err.message)
-        return web.json_response(shaped, status=err.status, headers=headers)
-    return web.json_response(err.to_dict(), status=err.status, headers=headers)
-
-
-def _plain_error(status: int, code: str, message: str, openai_shape: bool) -> web.Response:
-    if openai_shape:
-        return web.json_response(openai.error_body(status, code, message), status=status)
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+def _refusal(request: web.Request, e: web.HTTPException, max_body: int) -> ModeldError:
+    """aiohttp's own refusal (no route, no such method, a body over the limit) as an error."""
+    if e.status == 404:
+        return NoRoute(f"no route {request.method} {request.path}; see the README's API table")
+    if e.status == 405:
+        return MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
+    if e.status == 413:
+        return TooLarge(
+            f"request body over MODELD_MAX_BODY ({format_size(max_body)}); "
+            "send smaller images or fewer of them"
+        )
+    err = BadRequest(e.reason) if e.status < 500 else ModeldError(e.reason)
+    err.status = e.status  # type: ignore[misc]
+    return err
 
 
 @web.middleware
@@ -60,38 +88,28 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
     started = time.perf_counter()
     route = request.match_info.route.resource
     route_name = route.canonical if route is not None else "unmatched"
-    # Errors raised before an OpenAI route's handler (no key, a refused origin, no such
-    # route or method) reach OpenAI clients too: the same shape as the handlers' own.
-    shape = _wants_openai_shape(request)
+    # Errors raised before a route's handler (no key, a refused origin, no such route or
+    # method) are shaped in the route's dialect too: one place shapes them all.
+    dialect = dialect_of(request, DIALECTS)
     try:
         response = await handler(request)
     except ModeldError as e:
-        response = error_response(e, shape)
+        response = dialect.response(e)
     except web.HTTPException as e:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
-            e.status, "bad_request" if e.status < 500 else "internal"
-        )
-        message = {
-            404: f"no route {request.method} {request.path}; see the README's API table",
-            405: f"{request.method} is not allowed on {request.path}",
-            413: f"request body over MODELD_MAX_BODY ({format_size(services.settings.max_body)}); "
-            "send smaller images or fewer of them",
-        }.get(e.status, e.reason)
-        response = _plain_error(e.status, code, message, shape)
+        response = dialect.response(_refusal(request, e, services.settings.max_body))
     except (OSError, sqlite3.OperationalError) as e:
-        full = disk_full(e)
-        if full is None:
+        refusal: ModeldError | None = disk_full(e)
+        if refusal is None:
             logging.getLogger("modeld").exception(
                 "unhandled error on %s %s", request.method, request.path
             )
-            response = _plain_error(500, "internal", "internal error; see the daemon's log", shape)
-        else:
-            response = error_response(full, shape)
+            refusal = ModeldError("internal error; see the daemon's log")
+        response = dialect.response(refusal)
     except Exception:
         logging.getLogger("modeld").exception(
             "unhandled error on %s %s", request.method, request.path
         )
-        response = _plain_error(500, "internal", "internal error; see the daemon's log", shape)
+        response = dialect.response(ModeldError("internal error; see the daemon's log"))
     elapsed = time.perf_counter() - started
     metrics = services.metrics
     metrics.child(metrics.http_requests, route_name, str(response.status)).inc()

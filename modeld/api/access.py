@@ -5,7 +5,8 @@ A peer's role:
   its uid is in ``MODELD_ADMIN_UIDS`` (default: root and the daemon's own uid) or one of its
   groups is in ``MODELD_ADMIN_GIDS``, else *use*. The socket's group grants *use* alone.
 - on TCP (``MODELD_LISTEN``), from its API key: every request needs
-  ``Authorization: Bearer <key>``, else 401 ``unauthorized``; the key's role is the peer's.
+  ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as Anthropic's clients send it),
+  else 401 ``unauthorized``; the key's role is the peer's.
 
 ``ROUTES`` gives every route its role; ``tests/test_access.py`` fails when a registered route
 is missing from it, so a new route cannot be left open by mistake (and one that is missing
@@ -86,6 +87,9 @@ ROUTES: dict[tuple[str, str], Rule] = {
     ("POST", "/v1/chat/completions"): Rule(Role.USE, "chat"),
     ("POST", "/v1/completions"): Rule(Role.USE, "complete"),
     ("POST", "/v1/embeddings"): Rule(Role.USE, "embed"),
+    ("POST", "/v1/messages"): Rule(Role.USE, "messages"),
+    ("POST", "/v1/messages/count_tokens"): Rule(Role.USE, "count tokens"),
+    ("POST", "/v1/responses"): Rule(Role.USE, "responses"),
     ("POST", "/api/models/{id}/pull"): Rule(Role.ADMIN, "pull"),
     ("POST", "/api/models/pull"): Rule(Role.ADMIN, "pull"),
     ("POST", "/api/models/import"): Rule(Role.ADMIN, "import"),
@@ -197,16 +201,26 @@ def _unauthorized(request: web.Request, reason: str, message: str) -> Unauthoriz
 
 _HOW_TO_GET_A_KEY = (
     "create one on the daemon's host with `modeld key add NAME` and send it as "
-    "`Authorization: Bearer <key>`"
+    "`Authorization: Bearer <key>` (or `x-api-key: <key>`)"
 )
 
 
-def _key_grant(request: web.Request, keys: KeyVerifier | None) -> Grant:
+def _presented_key(request: web.Request) -> str:
+    """The key a TCP request presents: ``Authorization: Bearer <key>``, else ``x-api-key``
+    (how Anthropic's clients send it); 401 when neither holds one."""
     header = request.headers.get("Authorization")
     if header is None:
-        raise _unauthorized(
-            request, "missing", f"this listener needs an API key; {_HOW_TO_GET_A_KEY}"
-        )
+        api_key = request.headers.get("x-api-key")
+        if api_key is None:
+            raise _unauthorized(
+                request, "missing", f"this listener needs an API key; {_HOW_TO_GET_A_KEY}"
+            )
+        token = api_key.strip()
+        if not token or len(token) > _MAX_KEY_CHARS:
+            raise _unauthorized(
+                request, "malformed", f"the x-api-key header holds no key; {_HOW_TO_GET_A_KEY}"
+            )
+        return token
     scheme, _, token = header.strip().partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token or len(token) > _MAX_KEY_CHARS:
@@ -215,6 +229,11 @@ def _key_grant(request: web.Request, keys: KeyVerifier | None) -> Grant:
             "malformed",
             f"the Authorization header is not `Bearer <key>`; {_HOW_TO_GET_A_KEY}",
         )
+    return token
+
+
+def _key_grant(request: web.Request, keys: KeyVerifier | None) -> Grant:
+    token = _presented_key(request)
     key = keys.verify(token) if keys is not None else None
     if key is None and keys is not None and keys.refused:
         # Not the client's fault: a 401 would send it looking for another key.

@@ -36,7 +36,7 @@ import logging
 import secrets
 import struct
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
@@ -54,16 +54,11 @@ from pydantic import (
 from modeld.api import access, requests
 from modeld.api.bodies import read_json
 from modeld.api.connections import cancelled_when_client_leaves, client_left
+from modeld.api.dialects import Dialect, Shaped, route
 from modeld.api.guards import check_model_id
 from modeld.api.requests import INT32, Backends, Duration, ModelId, Number
 from modeld.api.stream import Deadline
-from modeld.errors import (
-    BadRequest,
-    Busy,
-    EngineError,
-    ModeldError,
-    TooLarge,
-)
+from modeld.errors import BadRequest, EngineError, ModeldError, NoRoute, Unauthorized
 from modeld.services.inference import (
     Done,
     Embedded,
@@ -75,6 +70,7 @@ from modeld.services.inference import (
     ToolCall,
     Turn,
 )
+from modeld.services.models import Capabilities
 from modeld.services.parts import Services
 
 SSE = "text/event-stream"
@@ -82,7 +78,6 @@ SSE = "text/event-stream"
 MAX_EMBEDDING_INPUTS = 2048
 _DONE = b"data: [DONE]\n\n"
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Records = AsyncGenerator[Token | Final[Done], None]
 
 
@@ -171,13 +166,16 @@ class NamedTool(_Loose):
     function: NamedFunction
 
 
+SchemaName = Annotated[
+    StrictStr,
+    requests.pattern(
+        r"^[A-Za-z0-9_-]{1,64}$", "is not a valid schema name (1 to 64 letters, digits, _ or -)"
+    ),
+]
+
+
 class JsonSchema(_Loose):
-    name: Annotated[
-        StrictStr,
-        requests.pattern(
-            r"^[A-Za-z0-9_-]{1,64}$", "is not a valid schema name (1 to 64 letters, digits, _ or -)"
-        ),
-    ] = "response"
+    name: SchemaName = "response"
     description: StrictStr | None = None
     schema_: Annotated[dict[str, Any], Field(alias="schema")] = {}
     strict: StrictBool | None = None
@@ -270,7 +268,8 @@ class EmbeddingBody(_Body):
 
 # Fields of OpenAI's bodies that modeld cannot honour, with why; each is a 400 when it asks for
 # something (a value that asks for nothing, such as ``logprobs: false``, passes).
-_CANNOT: dict[str, tuple[Callable[[Any], bool], str]] = {
+Cannot = dict[str, tuple[Callable[[Any], bool], str]]
+CANNOT: Cannot = {
     "logprobs": (
         lambda v: v not in (None, False, 0),
         "log probabilities are not available from the LiteRT-LM runtime",
@@ -303,28 +302,33 @@ _CANNOT: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def refuse_unhonoured(data: dict[str, Any]) -> None:
-    """A 400 naming each field that asks for what modeld cannot do (before validation)."""
+def refuse_unhonoured(data: dict[str, Any], cannot: Cannot) -> None:
+    """A 400 naming each field of ``cannot`` that asks for what modeld cannot do (before
+    validation); the others, which ask for nothing, are taken out."""
     found = [
         f'"{name}": {why}; leave it out'
-        for name, (asks, why) in _CANNOT.items()
+        for name, (asks, why) in cannot.items()
         if name in data and asks(data[name])
     ]
     if found:
         raise BadRequest("; ".join(found))
-    for name in ("n", "best_of", "echo", "suffix", "store", "service_tier", "modalities"):
-        data.pop(name, None)  # passed the check above: asks for nothing
-    for name in ("logprobs", "top_logprobs", "logit_bias", "functions", "function_call"):
-        data.pop(name, None)
-    for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
+    for name in cannot:
         data.pop(name, None)
 
 
-async def read_openai_body(request: web.Request, model: type[requests.B]) -> requests.B:
-    """The body as ``model``: admin-only fields, then unhonoured fields, then validation."""
+async def read_openai_body(
+    request: web.Request,
+    model: type[requests.B],
+    cannot: Cannot = CANNOT,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> requests.B:
+    """The body as ``model``: admin-only fields, ``check`` and unhonoured fields
+    (``cannot``), then validation."""
     data = await read_json(request)
     access.check_body(request, data)
-    refuse_unhonoured(data)
+    if check is not None:
+        check(data)
+    refuse_unhonoured(data, cannot)
     return requests.parse(model, data)
 
 
@@ -339,32 +343,29 @@ def error_body(status: int, code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, "type": kind, "param": None}}
 
 
-def openai_errors(handler: Handler) -> Handler:
-    """Answer a refusal in OpenAI's error shape (with ``Retry-After`` when busy)."""
+def openai_shape(err: ModeldError) -> Shaped:
+    """An error in OpenAI's shape; what OpenAI's clients match on is OpenAI's own word.
 
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except ModeldError as e:
-            headers = {}
-            if isinstance(e, Busy):
-                headers["Retry-After"] = str(max(1, round(e.retry_after)))
-            return web.json_response(
-                error_body(e.status, e.code, e.message), status=e.status, headers=headers
-            )
-        except web.HTTPRequestEntityTooLarge:
-            err = TooLarge(
-                "request body over the limit (64 MiB); send smaller images or fewer of them"
-            )
-            return web.json_response(error_body(err.status, err.code, err.message), status=413)
+    A bad key is ``invalid_api_key`` (older litellm takes any other 401 for a bad request).
+    A path that matched no route is a 400: LangChain and pydantic-ai report every 404 as an
+    unknown model, which would send the user looking for the wrong thing.
+    """
+    status, code = err.status, err.code
+    if isinstance(err, NoRoute):
+        status, code = 400, "unknown_route"
+    elif isinstance(err, Unauthorized):
+        code = "invalid_api_key"
+    return status, error_body(status, code, err.message)
 
-    return wrapped
+
+OPENAI = Dialect("openai", openai_shape, prefixes=("/v1",))
 
 
 # --- requests -----------------------------------------------------------------------------------
 
 
-def _image(url: str, where: str) -> bytes:
+def image_of_url(url: str, where: str) -> bytes:
+    """The bytes of an image sent as a data URL; any other URL is a 400 naming ``where``."""
     head, sep, data = url.partition(",")
     if not (url.startswith("data:") and sep and head.endswith(";base64")):
         raise BadRequest(
@@ -374,13 +375,14 @@ def _image(url: str, where: str) -> bytes:
     return requests.decode_base64(data, where)
 
 
-def _arguments(call: ToolCallIn, where: str) -> dict[str, Any]:
+def parse_arguments(text: str, where: str) -> dict[str, Any]:
+    """A tool call's ``arguments`` (a JSON text) as the object they must be."""
     try:
-        args = json.loads(call.function.arguments or "{}")
+        args = json.loads(text or "{}")
     except json.JSONDecodeError as e:
-        raise BadRequest(f'"{where}.function.arguments": not JSON ({e.msg})') from e
+        raise BadRequest(f'"{where}": not JSON ({e.msg})') from e
     if not isinstance(args, dict):
-        raise BadRequest(f'"{where}.function.arguments": must be a JSON object')
+        raise BadRequest(f'"{where}": must be a JSON object')
     return args
 
 
@@ -403,7 +405,9 @@ def _turn(i: int, m: ChatMessage, names: dict[str, str]) -> Turn:
         if role != "assistant":
             raise BadRequest(f'{where}.tool_calls": only assistant messages make tool calls')
         names[call.id] = call.function.name
-        args = _arguments(call, f"messages[{i}].tool_calls[{j}]")
+        args = parse_arguments(
+            call.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"
+        )
         calls.append({"name": call.function.name, "arguments": args})
     if m.content is None:
         if role != "assistant":
@@ -417,22 +421,44 @@ def _turn(i: int, m: ChatMessage, names: dict[str, str]) -> Turn:
             texts.append(part.text)
             continue
         url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-        images.append(_image(url, f'{where}.content[{j}].image_url"'))
+        images.append(image_of_url(url, f'{where}.content[{j}].image_url"'))
     if images and role != "user":
         raise BadRequest(f'{where}": only user messages may carry images')
     return Turn(role, "\n".join(texts), images, tool_calls=calls)
 
 
-def forced_call_schema(tools: list[ToolDef], name: str | None) -> dict[str, Any]:
-    """The JSON schema of one call to ``name`` (or to any of ``tools``)."""
+@dataclasses.dataclass(frozen=True)
+class Function:
+    """A tool the caller describes, whichever dialect it came in: its name, its parameters'
+    JSON schema (None: takes none) and the request's field that holds that schema."""
+
+    name: str
+    description: str | None
+    parameters: dict[str, Any] | None
+    where: str
+
+    def described(self) -> dict[str, Any]:
+        """The runtime's tool description (OpenAI's shape, which ``Shape.tools`` carries)."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            fn["description"] = self.description
+        if self.parameters is not None:
+            fn["parameters"] = self.parameters
+        return {"type": "function", "function": fn}
+
+
+def forced_call_schema(
+    functions: list[Function], name: str | None, choice: str = "tool_choice.function.name"
+) -> dict[str, Any]:
+    """The JSON schema of one call to ``name`` (or to any of ``functions``); ``choice`` names
+    the request's field that named it."""
     options = []
-    for i, tool in enumerate(tools):
-        fn = tool.function
+    for fn in functions:
         if name is not None and fn.name != name:
             continue
         params = fn.parameters or {"type": "object", "properties": {}}
         if fn.parameters is not None:
-            requests.check_json_schema(params, f"tools[{i}].function.parameters")
+            requests.check_json_schema(params, fn.where)
         options.append(
             {
                 "type": "object",
@@ -442,8 +468,37 @@ def forced_call_schema(tools: list[ToolDef], name: str | None) -> dict[str, Any]
             }
         )
     if not options:
-        raise BadRequest(f'"tool_choice.function.name": {name!r} is not one of the tools')
+        raise BadRequest(f'"{choice}": {name!r} is not one of the tools')
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def with_tools(
+    shape: Shape,
+    functions: list[Function],
+    *,
+    forced: bool,
+    name: str | None,
+    choice: str,
+    format_field: str,
+    parameters_field: str,
+) -> Shape:
+    """``shape`` with the tools offered, and with a forced call (``forced``: any tool, or
+    ``name``) as its constraint; a forced call cannot also have a response format. The
+    ``*_field`` arguments name the request's fields in refusals."""
+    shape = dataclasses.replace(shape, tools=tuple(f.described() for f in functions))
+    if not forced:
+        return shape
+    if shape.constrained:
+        raise BadRequest(
+            f'"{format_field}": cannot be combined with a required tool call; the reply is '
+            "then the call"
+        )
+    return dataclasses.replace(
+        shape,
+        schema=forced_call_schema(functions, name, choice),
+        strict=True,
+        schema_of=parameters_field,
+    )
 
 
 def _generation(body: _Sampled, turns: list[Turn], shape: Shape) -> Generation:
@@ -480,22 +535,25 @@ def generation_of(body: ChatBody) -> tuple[Generation, bool]:
         raise BadRequest('"tool_choice": needs "tools"')
     forced = False
     if body.tools and choice != "none":
-        tools = tuple(t.model_dump(exclude_none=True) for t in body.tools)
-        shape = dataclasses.replace(shape, tools=tools)
-        if choice == "required" or isinstance(choice, NamedTool):
-            if shape.constrained:
-                raise BadRequest(
-                    '"response_format": cannot be combined with a required tool call; '
-                    "the reply is then the call"
-                )
-            name = choice.function.name if isinstance(choice, NamedTool) else None
-            shape = dataclasses.replace(
-                shape,
-                schema=forced_call_schema(body.tools, name),
-                strict=True,
-                schema_of="tools[].function.parameters",
+        functions = [
+            Function(
+                t.function.name,
+                t.function.description,
+                t.function.parameters,
+                f"tools[{i}].function.parameters",
             )
-            forced = True
+            for i, t in enumerate(body.tools)
+        ]
+        forced = choice == "required" or isinstance(choice, NamedTool)
+        shape = with_tools(
+            shape,
+            functions,
+            forced=forced,
+            name=choice.function.name if isinstance(choice, NamedTool) else None,
+            choice="tool_choice.function.name",
+            format_field="response_format",
+            parameters_field="tools[].function.parameters",
+        )
     gen = _generation(body, turns, shape)
     # OpenAI's newer name wins over the older one.
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -527,24 +585,28 @@ def _extension(final: Final[Done]) -> dict[str, Any]:
     return {k: doc[k] for k in ("engine", "timings", "json") if k in doc}
 
 
-def tool_calls_of(final: Final[Done], text: str, forced: bool) -> list[dict[str, Any]]:
-    """The reply's tool calls in OpenAI's shape: the runtime's, or a forced reply as one call.
+def calls_made(final: Final[Done], text: str, forced: bool) -> list[ToolCall]:
+    """The reply's tool calls: the runtime's, or a forced reply as one call.
 
     A forced reply was constrained to the call's schema and validated against it; one cut
-    short (``max_tokens``) is no call, and its text is returned as content instead.
+    short (``max_tokens``) is no call, and its text is the reply instead.
     """
-    calls = list(final.result.tool_calls)
     check = final.result.json
     if forced and check is not None and check["status"] == "complete":
         doc = json.loads(text)
-        calls = [{"name": doc["name"], "arguments": doc["arguments"]}]
+        return [{"name": doc["name"], "arguments": doc["arguments"]}]
+    return list(final.result.tool_calls)
+
+
+def tool_calls_of(final: Final[Done], text: str, forced: bool) -> list[dict[str, Any]]:
+    """The reply's tool calls in OpenAI's shape (``calls_made``)."""
     return [
         {
             "id": "call_" + secrets.token_hex(12),
             "type": "function",
             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
         }
-        for c in calls
+        for c in calls_made(final, text, forced)
     ]
 
 
@@ -729,12 +791,10 @@ async def _write_events(
     except ConnectionError:
         raise  # the client left (or stopped reading): nothing can reach it
     except ModeldError as e:
-        body = error_body(e.status, e.code, e.message)
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
+        return _event(openai_shape(e)[1])
     except Exception:
         logging.getLogger("modeld").exception("chat stream failed")
-        body = error_body(500, "internal", "internal error; see the daemon's log")
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
+        return _event(openai_shape(ModeldError("internal error; see the daemon's log"))[1])
 
 
 def embedding_texts(body: EmbeddingBody) -> list[str]:
@@ -745,7 +805,8 @@ def embedding_texts(body: EmbeddingBody) -> list[str]:
     if not all(isinstance(t, str) for t in texts):
         raise BadRequest(
             "input: token ids are not taken (the LiteRT-LM embedding engine tokenizes the "
-            "text itself); send a string or a list of strings"
+            "text itself); send a string or a list of strings. LangChain's OpenAIEmbeddings "
+            "sends token ids unless made with check_embedding_ctx_length=False"
         )
     strings = [str(t) for t in texts]
     if "" in strings:
@@ -780,25 +841,34 @@ def embeddings_doc(body: EmbeddingBody, rec: Final[Embedded]) -> dict[str, Any]:
     }
 
 
-def _model_doc(model_id: str, created: float) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": int(created), "owned_by": "modeld"}
+def _model_doc(model_id: str, created: float, caps: Capabilities) -> dict[str, Any]:
+    """An OpenAI model object, with the context length under the names clients read it by
+    (OpenRouter's ``context_length``, vLLM's ``max_model_len``) and what the model can do."""
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": int(created),
+        "owned_by": "modeld",
+        "context_length": caps.context_length,
+        "max_model_len": caps.context_length,
+        "capabilities": caps.to_dict(),
+    }
 
 
 def add_routes(app: web.Application, services: Services) -> None:
-    async def installed() -> dict[str, dict[str, Any]]:
-        servable = await services.models.servable()
-        return {i.model_id: _model_doc(i.model_id, i.installed_at) for i in servable}
-
-    @openai_errors
     async def list_models(_: web.Request) -> web.Response:
-        models = sorted((await installed()).values(), key=lambda m: m["id"])
-        return web.json_response({"object": "list", "data": models})
+        docs = []
+        for inst in await services.models.servable():
+            caps = await services.models.capabilities(inst.model_id)
+            docs.append(_model_doc(inst.model_id, inst.installed_at, caps))
+        docs.sort(key=lambda m: str(m["id"]))
+        return web.json_response({"object": "list", "data": docs})
 
-    @openai_errors
     async def get_model(request: web.Request) -> web.Response:
         model_id = check_model_id(request.match_info["model"])
         inst = await services.models.servable_one(model_id)
-        return web.json_response(_model_doc(inst.model_id, inst.installed_at))
+        caps = await services.models.capabilities(model_id)
+        return web.json_response(_model_doc(inst.model_id, inst.installed_at, caps))
 
     def deadline(request: web.Request) -> Deadline:
         return Deadline(request, services.settings.request_timeout)
@@ -817,7 +887,6 @@ def add_routes(app: web.Application, services: Services) -> None:
             doc = await _collect(reply, records, deadline)
         return web.Response(body=_compact(doc), content_type="application/json")
 
-    @openai_errors
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = await read_openai_body(request, ChatBody)
         until = deadline(request)
@@ -827,13 +896,11 @@ def add_routes(app: web.Application, services: Services) -> None:
         reply = _Reply(body.model, chat=True, forced=forced, parallel=parallel)
         return await answer(request, reply, gen, body, until)
 
-    @openai_errors
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await read_openai_body(request, CompletionBody)
         gen = completion_generation(body)
         return await answer(request, _Reply(body.model, chat=False), gen, body, deadline(request))
 
-    @openai_errors
     async def embeddings(request: web.Request) -> web.StreamResponse:
         body = await read_openai_body(request, EmbeddingBody)
         texts = embedding_texts(body)
@@ -851,8 +918,8 @@ def add_routes(app: web.Application, services: Services) -> None:
             body=_compact(embeddings_doc(body, rec)), content_type="application/json"
         )
 
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", get_model)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/embeddings", embeddings)
+    route(app, "GET", "/v1/models", list_models, OPENAI)
+    route(app, "GET", "/v1/models/{model}", get_model, OPENAI)
+    route(app, "POST", "/v1/chat/completions", chat_completions, OPENAI)
+    route(app, "POST", "/v1/completions", completions, OPENAI)
+    route(app, "POST", "/v1/embeddings", embeddings, OPENAI)

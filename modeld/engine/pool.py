@@ -31,6 +31,8 @@ from modeld.engine.budget import Budget
 from modeld.engine.runner.client import RunnerDied, RunnerError
 from modeld.engine.runner.job import (
     FINISH_CANCELLED,
+    Counted,
+    CountJob,
     Done,
     Embedded,
     EmbedJob,
@@ -56,6 +58,7 @@ from modeld.engine.views import EngineView, Final, Moments, Phases, engine_view,
 from modeld.errors import (
     BadRequest,
     Busy,
+    ContextLengthExceeded,
     EngineCrashed,
     EngineError,
     EngineNotFound,
@@ -184,8 +187,13 @@ def input_too_long(target: Target, why: str) -> str:
 _RUNTIME_PREFIX = re.compile(r"^(?:\w+Error: )?(?:[A-Z][A-Z_]+: )?")
 
 
-def prompt_too_long(target: Target, why: str) -> str:
-    """The 413 for a prompt over the window of the engine made for ``target``.
+# The runtime's count in its refusal: "... tokens allowed: 1211 >= 256" (prompt >= window).
+_PROMPT_COUNT = re.compile(r"(\d+) >= (\d+)")
+
+
+def prompt_too_long(target: Target, why: str) -> ContextLengthExceeded:
+    """The refusal of a prompt over the window of the engine made for ``target``, in OpenAI's
+    words (its clients match them), with the runtime's own count where it gave one.
 
     The window is the entry's ``[limits] max_tokens`` (``vision_max_tokens`` with vision),
     else the file's own, and the runtime never goes past the file's: that entry key is the one
@@ -196,19 +204,30 @@ def prompt_too_long(target: Target, why: str) -> str:
     why = _RUNTIME_PREFIX.sub("", why)
     ceiling = target.file_max_tokens
     window = min(target.max_tokens, ceiling) if ceiling else target.max_tokens
+    counted = _PROMPT_COUNT.search(why)
+    tokens = int(counted.group(1)) if counted else None
+    if counted:
+        window = int(counted.group(2))
+        resulted = f"However, your messages resulted in {tokens} tokens"
+    else:
+        resulted = f"However, your messages do not fit it ({why})"
     said = (
-        f"model {model}: the prompt leaves no room for a reply in the engine's window of "
-        f"{window} tokens (the prompt and at least one reply token must fit; {why}); send a "
-        "shorter one"
+        f"This model's maximum context length is {window} tokens. {resulted}. Please reduce "
+        f"the length of the messages (model {model}: the prompt and at least one reply token "
+        "must fit the engine's window)"
     )
+    details = {"window": window, "prompt_tokens": tokens}
     if ceiling is not None and window >= ceiling:
-        return f"{said}: {window} tokens is the most the model's file allows"
+        return ContextLengthExceeded(
+            f"{said}; {window} tokens is the most the model's file allows.", **details
+        )
     key = "vision_max_tokens" if target.plan.vision else "max_tokens"
     most = f", up to the file's own {ceiling}" if ceiling else ""
-    return (
+    return ContextLengthExceeded(
         f"{said}, or raise `{key}` under `[limits]` in the model's catalog entry{most} "
         f"(`modeld show {model}` names the entry's file; a copy in a MODELD_REGISTRY dir "
-        f"overrides a bundled one), then `modeld unload {model}` so the next load takes it"
+        f"overrides a bundled one), then `modeld unload {model}` so the next load takes it.",
+        **details,
     )
 
 
@@ -661,6 +680,17 @@ class Pool:
                     return Final(result, rec.model, rec.engine, rec.timings)
         raise EngineError(f"model {target.model_id}: its runner answered no vectors")
 
+    async def count(
+        self, target: Target, job: CountJob, *, keep_alive: KeepAlive | None = None
+    ) -> Final[Counted]:
+        """The tokens a generation job's prompt takes, counted by its engine's runner."""
+        async with contextlib.aclosing(self._serve(target, job, keep_alive=keep_alive)) as recs:
+            async for rec in recs:
+                result = None if isinstance(rec, Token) else rec.result
+                if isinstance(result, Counted) and not isinstance(rec, Token):
+                    return Final(result, rec.model, rec.engine, rec.timings)
+        raise EngineError(f"model {target.model_id}: its runner answered no count")
+
     async def _serve(
         self,
         target: Target,
@@ -668,7 +698,7 @@ class Pool:
         *,
         keep_alive: KeepAlive | None = None,
         image_prepare: float = 0.0,
-    ) -> AsyncGenerator[Token | Final[Done] | Final[Embedded], None]:
+    ) -> AsyncGenerator[Token | Final[Done] | Final[Embedded] | Final[Counted], None]:
         arrived = time.monotonic()
         fresh_engine_once = True
         while True:
@@ -697,7 +727,7 @@ class Pool:
                 if err.code == "too_large" and target.spec.kind == "embedding":
                     raise TooLarge(input_too_long(target, err.message)) from err
                 if err.code == "too_large":
-                    raise TooLarge(prompt_too_long(e.target, err.message)) from err
+                    raise prompt_too_long(e.target, err.message) from err
                 cls = BadRequest if err.code == "bad_request" else EngineError
                 raise cls(f"model {target.model_id}: {err.message}") from err
             except RunnerDied as died:
@@ -762,7 +792,7 @@ class Pool:
         arrived: float,
         loaded_at: float,
         prepare: float,
-    ) -> AsyncIterator[Token | Final[Done] | Final[Embedded]]:
+    ) -> AsyncIterator[Token | Final[Done] | Final[Embedded] | Final[Counted]]:
         assert e.runner is not None
         sent = time.monotonic()
         first: float | None = None
@@ -786,7 +816,10 @@ class Pool:
                     # A non-streamed reply sends no token frames: the runner's own figure.
                     first = began + ttft
                 moments = Moments(arrived, loaded_at, began, first, prepare)
-                if isinstance(rec, Done):
+                # One branch per record type: ``final_record``'s type variable takes no union.
+                if isinstance(rec, Done):  # noqa: SIM114
+                    yield final_record(e, rec, self.phases, moments)
+                elif isinstance(rec, Embedded):
                     yield final_record(e, rec, self.phases, moments)
                 else:
                     yield final_record(e, rec, self.phases, moments)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypedDict, TypeVar
 
 from modeld import logs
-from modeld.engine.runner.job import Done, Embedded, WarmUp, record_to_wire
+from modeld.engine.runner.job import Counted, Done, Embedded, WarmUp, record_to_wire
 from modeld.engine.types import Engine, State
 from modeld.metrics import Metrics
 from modeld.modelfile.plan import Plan
@@ -128,7 +128,7 @@ class PhaseTimings(TypedDict):
     total: float
 
 
-R = TypeVar("R", Done, Embedded)
+R = TypeVar("R", Done, Embedded, Counted)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,8 @@ from modeld.config import Settings
 from modeld.engine.engines import Engines
 from modeld.engine.pool import KeepAlive, Pool, Target, validate_keep_alive
 from modeld.engine.runner.job import (
+    Counted,
+    CountJob,
     Done,
     Embedded,
     EmbedJob,
@@ -44,11 +46,12 @@ from modeld.engine.runner.job import (
     ToolResponsePart,
 )
 from modeld.engine.views import Final
-from modeld.errors import BadRequest, Refused, TooLarge
+from modeld.errors import BadRequest, ContextLengthExceeded, Refused, TooLarge
 from modeld.schemacheck import json_size
 
 # The job's types, for the adapters that build a ``Generation`` and read its records.
 __all__ = [
+    "Counted",
     "Done",
     "Embedded",
     "Final",
@@ -214,8 +217,17 @@ def check_prompt(gen: Generation, model_id: str, max_tokens: int) -> None:
     limit = max_tokens * PROMPT_BYTES_PER_TOKEN
     size = _prompt_size(gen, limit)
     if size > limit:
-        fix = "send a shorter prompt, fewer earlier messages or fewer tools"
-        raise too_large("the prompt", size, model_id, max_tokens, fix)
+        logs.event("prompt_refused", logging.WARNING, model=model_id, size=size, limit=limit)
+        # Only a bound is known (the prompt was not tokenized): said as a bound.
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_tokens} tokens. However, your "
+            f"messages are over {limit} bytes, more than {max_tokens} tokens hold (modeld "
+            f"refuses prompts over {PROMPT_BYTES_PER_TOKEN} bytes a token of model "
+            f"{model_id}'s window before tokenizing them). Please reduce the length of the "
+            "messages: send a shorter prompt, fewer earlier messages or fewer tools.",
+            window=max_tokens,
+            prompt_bytes=size,
+        )
 
 
 def check_inputs(inputs: list[str], model_id: str, max_tokens: int) -> None:
@@ -380,6 +392,16 @@ class Inference:
         check_inputs(inputs, target.model_id, target.max_tokens)
         job = EmbedJob(tuple(inputs), dimensions)
         return await self.pool.embed(target, job, keep_alive=alive)
+
+    async def count(self, gen: Generation, *, may_shorten_keep_alive: bool) -> Final[Counted]:
+        """The tokens ``gen``'s prompt takes on its model: what its generation would prefill,
+        counted by the model's own engine (loaded for it, as a generation would be), nothing
+        decoded. Refused as a generation would be, before any runner starts."""
+        seconds = self.check(gen)
+        keep_alive = None if seconds is None else KeepAlive(seconds, may_shorten_keep_alive)
+        target = await self.admit(gen)
+        prepared = await self.prepare(gen)
+        return await self.pool.count(target, CountJob(prepared.job), keep_alive=keep_alive)
 
     async def generate(
         self, gen: Generation, *, may_shorten_keep_alive: bool

@@ -22,7 +22,7 @@ from modeld.config import Settings
 from modeld.download.downloads import Downloads, result_dict
 from modeld.download.hub import cached_copy, pinned_parts
 from modeld.download.job import DownloadJob, DownloadTarget, OnRefused
-from modeld.engine.engines import Engines, error_brief
+from modeld.engine.engines import Engines, entry_max_tokens, error_brief
 from modeld.engine.pool import Pool
 from modeld.errors import (
     CorruptModel,
@@ -68,6 +68,27 @@ def _concerns(event: dict[str, Any], model_id: str, digest: str | None) -> bool:
 
 def _no_plans(e: ModeldError) -> dict[str, Any]:
     return {m: {"plan": None, "error": error_brief(e)} for m in ("text", "vision")}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a model can do, read from its file: the token window an engine of it gets (the
+    entry's ``[limits] max_tokens``, else the file's own), and what it takes and returns."""
+
+    context_length: int
+    vision: bool
+    tools: bool
+    embedding: bool
+    thinking: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "context_length": self.context_length,
+            "vision": self.vision,
+            "tools": self.tools,
+            "embedding": self.embedding,
+            "thinking": self.thinking,
+        }
 
 
 @dataclass
@@ -209,6 +230,20 @@ class Models:
         if inst is None:
             raise ModelNotInstalled.of(model_id)
         return inst
+
+    async def capabilities(self, model_id: str) -> Capabilities:
+        """What an installed model can do, from its file's header and its entry's limits;
+        refused as ``servable_one`` refuses."""
+        inst = await self.servable_one(model_id)
+        info = await self.engines.header(model_id, inst.digest, inst.path)
+        llm = info.llm_metadata
+        return Capabilities(
+            context_length=entry_max_tokens(self.catalog.find(model_id), info),
+            vision=info.section_for("tf_lite_vision_encoder") is not None,
+            tools=bool(llm and llm.supports_function_calling),
+            embedding=info.kind == "embedding",
+            thinking=bool(llm and llm.supports_thinking),
+        )
 
     async def current(self, model_id: str) -> dict[str, Any] | None:
         """The model's install when it still matches its entry (so a pull has nothing to do).

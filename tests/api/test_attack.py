@@ -490,9 +490,10 @@ def test_huge_prompt_teaches_nothing(arena: Arena) -> None:
         ("POST", "/api/generate", arena.body("millions.json", millions)),
         ("POST", "/api/generate", arena.body("window.json", window)),
     )
-    assert huge[0] == 413 and _error(huge)["code"] == "too_large", huge
-    # It answered 500 engine_error ("Input token ids are too long"): now a 413 too.
-    assert near[0] == 413 and "window of 256 tokens" in _error(near)["message"], near
+    assert huge[0] == 400 and _error(huge)["code"] == "context_length_exceeded", huge
+    # It answered 500 engine_error ("Input token ids are too long"): now the same refusal.
+    assert near[0] == 400 and _error(near)["code"] == "context_length_exceeded", near
+    assert "maximum context length is 256 tokens" in _error(near)["message"], near
     # Unload, then load again: a poisoned peak would make this over_budget, for good.
     engines = unix_request(arena.sock, "GET", "/api/engines")[1]["engines"]
     for engine in engines:

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import select
 import socket
 import subprocess
@@ -373,9 +374,10 @@ def test_slow_head_and_slow_body_are_dropped(daemon_with: Any) -> None:
 # --- the prompt, bounded by the engine's window ------------------------------------------------
 
 
-async def test_prompt_past_the_window_is_413_before_any_engine(clean_env: Path) -> None:
+async def test_prompt_past_the_window_is_refused_before_any_engine(clean_env: Path) -> None:
     """tiny-text's window is 256 tokens: a prompt over 256 x 32 bytes (in one message or
-    spread over several) is a 413 that says the bound, and no engine is loaded for it."""
+    spread over several) is a 400 context_length_exceeded in OpenAI's words that says the
+    bound (only a bound is known: it was not tokenized), and no engine is loaded for it."""
     import asyncio
 
     home, registry = clean_env / "home", clean_env / "registry"
@@ -395,17 +397,21 @@ async def test_prompt_past_the_window_is_413_before_any_engine(clean_env: Path) 
             status, _, raw = await asyncio.to_thread(
                 http, sock, "POST", target, json.dumps(body).encode()
             )
-            assert status == 413, raw[:300]
+            assert status == 400, raw[:300]
             err = error_of(raw)
-            assert err["code"] == "too_large"
-            assert "256 tokens" in err["message"] and "8192 bytes" in err["message"]
+            assert err["code"] == "context_length_exceeded"
+            assert err["message"].startswith("This model's maximum context length is 256 tokens")
+            assert "your messages are over 8192 bytes" in err["message"], err
         status, engines = await asyncio.to_thread(unix_request, sock, "GET", "/api/engines")
         assert status == 200 and engines["engines"] == []
 
 
-async def test_prompt_under_the_byte_bound_but_past_the_window_is_413(clean_env: Path) -> None:
+async def test_prompt_under_the_byte_bound_but_past_the_window_is_refused(
+    clean_env: Path,
+) -> None:
     """A prompt under 256 x 32 bytes that still holds more than 256 tokens reaches the
-    runtime, which refuses it: a 413 saying the window, not a 500 engine_error."""
+    runtime, which refuses it: a 400 context_length_exceeded with the window and the
+    runtime's own count in OpenAI's words, not a 500 engine_error."""
     import asyncio
 
     home, registry = clean_env / "home", clean_env / "registry"
@@ -415,9 +421,14 @@ async def test_prompt_under_the_byte_bound_but_past_the_window_is_413(clean_env:
         status, _, raw = await asyncio.to_thread(
             http, d.settings.socket_path, "POST", "/api/generate", body
         )
-        assert status == 413, raw[:300]
+        assert status == 400, raw[:300]
         err = error_of(raw)
-        assert err["code"] == "too_large" and "window of 256 tokens" in err["message"], err
+        assert err["code"] == "context_length_exceeded", err
+        assert re.match(
+            r"This model's maximum context length is 256 tokens\. However, your messages "
+            r"resulted in \d+ tokens\.",
+            err["message"],
+        ), err
         ok = json.dumps({"model": "tiny-text", "prompt": "hello", "max_tokens": 2}).encode()
         status, _, raw = await asyncio.to_thread(
             http, d.settings.socket_path, "POST", "/api/generate", ok

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import statistics
 import sys
 from collections.abc import AsyncIterator
@@ -24,11 +25,11 @@ from modeld.client import AsyncClient
 from modeld.config import load_settings
 from modeld.daemon.root import Root
 from modeld.errors import (
+    ContextLengthExceeded,
     CorruptModel,
     EngineError,
     ImageProbeFailed,
     ModelNotInstalled,
-    TooLarge,
 )
 from modeld.store.store import sha256_file
 from tests.support.daemon import InProcessDaemon, running_daemon
@@ -138,43 +139,40 @@ async def test_entry_limits_reach_the_runtime(limited: InProcessDaemon) -> None:
 
 
 async def test_a_prompt_over_the_window_names_the_entry_limit(limited: InProcessDaemon) -> None:
-    """A prompt over the engine's window (413) names the one control, the entry's `[limits]
-    max_tokens`, up to the file's own window; at the file's window only a shorter prompt helps."""
+    """A prompt over the engine's window (400 context_length_exceeded, in OpenAI's words with
+    the runtime's count) names the one control, the entry's `[limits] max_tokens`, up to the
+    file's own window; at the file's window only a shorter prompt helps."""
     prompt = "hello world " * 80  # about 410 tokens: over both windows, under the byte bound
     async with limited.client() as c:
-        with pytest.raises(TooLarge) as capped:
+        with pytest.raises(ContextLengthExceeded) as capped:
             async for _ in c.generate("spec-off", prompt, max_tokens=4):
                 pass
         message = capped.value.message
-        assert "the engine's window of 200 tokens" in message, message
+        assert message.startswith("This model's maximum context length is 200 tokens. "), message
+        assert re.search(r"However, your messages resulted in \d{3} tokens\.", message), message
         assert (
             "or raise `max_tokens` under `[limits]` in the model's catalog entry, up to the "
             "file's own 256 (`modeld show spec-off` names the entry's file" in message
         ), message
-        assert message.endswith("then `modeld unload spec-off` so the next load takes it")
+        assert message.endswith("then `modeld unload spec-off` so the next load takes it.")
         # A prompt of exactly the window (200 tokens) leaves no room for a reply: the message
-        # says so (it said "longer than the window"), and one token less gets one reply token.
-        with pytest.raises(TooLarge) as exact:
+        # says so, and one token less gets one reply token.
+        with pytest.raises(ContextLengthExceeded) as exact:
             async for _ in c.generate("spec-off", "a " * 189, max_tokens=4):
                 pass
-        assert "leaves no room for a reply in the engine's window of 200 tokens" in (
+        assert "However, your messages resulted in 200 tokens" in exact.value.message
+        assert "the prompt and at least one reply token must fit the engine's window" in (
             exact.value.message
         )
-        assert "200 >= 200" in exact.value.message
-        # The runtime's sentence, without "RuntimeError: INVALID_ARGUMENT: " before it.
-        assert "(the prompt and at least one reply token must fit; Input token ids" in (
-            exact.value.message
-        )
+        assert exact.value.details == {"window": 200, "prompt_tokens": 200}
         records = [r async for r in c.generate("spec-off", "a " * 188, max_tokens=4)]
         assert records[-1]["tokens"] == 1 and records[-1]["finish"] == "length"
-        with pytest.raises(TooLarge) as full:
+        with pytest.raises(ContextLengthExceeded) as full:
             async for _ in c.generate("spec-default", prompt, max_tokens=4):
                 pass
         message = full.value.message
-        assert "the engine's window of 256 tokens" in message, message
-        assert message.endswith(
-            "send a shorter one: 256 tokens is the most the model's file allows"
-        )
+        assert "maximum context length is 256 tokens" in message, message
+        assert message.endswith("256 tokens is the most the model's file allows."), message
 
 
 async def test_speculative_true_reaches_the_runtime(limited: InProcessDaemon) -> None:

@@ -17,6 +17,8 @@ JSON object. Parent -> child ops, each with an ``id``:
 - ``generate``: a ``GenerateJob`` (``modeld.engine.runner.job``: messages, options, shape)
   -> token frames... then its ``Done``; with ``shape.stream`` false no token frames, and
   ``Done.text`` carries the whole reply
+- ``count``: a ``CountJob`` (a ``GenerateJob`` whose prompt is counted, nothing decoded)
+  -> one ``Counted``: the tokens its generation would prefill
 - ``embed`` (an engine created with ``kind: "embedding"``): an ``EmbedJob`` -> one
   ``Embedded``, one vector per input in order (the runtime's ``compute_embedding_batch``:
   L2-normalised; ``dimensions`` truncates, then normalises)
@@ -65,6 +67,9 @@ from modeld.engine.runner.job import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
     FINISH_STOP,
+    Counted,
+    CountedBy,
+    CountJob,
     Created,
     Done,
     Embedded,
@@ -360,7 +365,7 @@ class _Child:
         self.tokens.flush()
         self._send_frame(frame)
 
-    def send_final(self, rid: int, record: Done | Embedded) -> None:
+    def send_final(self, rid: int, record: Done | Embedded | Counted) -> None:
         self.send({"id": rid, **record_to_wire(record)})
 
     def send_token(self, rid: int, text: str) -> None:
@@ -524,8 +529,8 @@ class _Child:
         return options
 
     def accept(self, op: str, rid: Any, msg: dict[str, Any]) -> None:
-        """On the reader thread: a ``generate`` or ``embed`` frame, queued as its job or
-        refused with the reason."""
+        """On the reader thread: a ``generate``, ``count`` or ``embed`` frame, queued as its
+        job or refused with the reason."""
         wanted = "embedding" if op == "embed" else "text"
         if self.engine is None:
             self.error(rid, "engine_error", f"{op} before create")
@@ -569,6 +574,8 @@ class _Child:
             try:
                 if isinstance(job, EmbedJob):
                     self._embed(rid, job)
+                elif isinstance(job, CountJob):
+                    self._count(rid, job)
                 else:
                     self._generate(rid, job)
             except (BrokenPipeError, ConnectionError):
@@ -701,6 +708,61 @@ class _Child:
         dimensions = len(vectors[0]) if vectors else size or self.dimension
         timings = RunnerTimings(prefill=seconds, embed=seconds)
         self.send_final(rid, Embedded(vectors, dimensions, timings))
+
+    def _count(self, rid: int, job: CountJob) -> None:
+        """The tokens the job's prompt takes, in one final record.
+
+        A prompt of text is rendered with the model's template by a conversation made as the
+        job's generation would make it (its system message, history and tools) and tokenized;
+        the runtime puts the start token before every prompt it prefills, so that is one more
+        (tests/engine/test_runner.py holds the count to the prefill's on the fixtures). A
+        prompt with images is prefilled: an image's tokens are the vision encoder's.
+        """
+        from modeld.engine.runner.generate import conversation_args
+
+        started = time.perf_counter()
+        self.clear_error()
+        kwargs, last, _, _ = conversation_args(job.job)
+        for name in ("constrained_decoding_config", "sampler_config", "max_output_tokens"):
+            kwargs.pop(name, None)
+        images = any(
+            isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
+            for m in job.job.messages
+        )
+        if images:
+            kwargs["max_output_tokens"] = 1
+        conversation = self._conversation_beside_ready(kwargs)
+        with self.current_lock:
+            self.current = (rid, conversation)
+        try:
+            if images:
+                conversation.send_message(last)
+                tokens = conversation.get_benchmark_info().last_prefill_token_count
+            else:
+                prompt = conversation.render_message_to_string(last)
+                if not prompt:
+                    raise RuntimeError("the model's template rendered no prompt")
+                start = 1 if self.engine.bos_token_id is not None else 0
+                tokens = len(self.engine.tokenize(prompt)) + start
+        finally:
+            self._close(conversation)
+        seconds = time.perf_counter() - started
+        by: CountedBy = "prefilled" if images else "rendered"
+        self.send_final(rid, Counted(int(tokens), by, RunnerTimings(generate=seconds)))
+
+    def _conversation_beside_ready(self, kwargs: dict[str, Any]) -> Any:
+        """A conversation made now; where the runtime refuses a second live one (a GPU
+        engine), the one made ahead for the next job is closed first (it is made again)."""
+        try:
+            return self.engine.create_conversation(**kwargs)
+        except RuntimeError:
+            with self.ready_lock:
+                ready, self.ready = self.ready, None
+            if ready is None:
+                raise
+            _close_made(ready[1])
+            self.clear_error()
+            return self.engine.create_conversation(**kwargs)
 
     def _generate(self, rid: int, job: GenerateJob) -> None:  # noqa: PLR0912, PLR0915
         """Stream one reply for ``job`` to the parent, then a final record with timings.
@@ -853,6 +915,7 @@ class _Child:
                     else None
                 ),
                 conversation=made,
+                stop_sequence=stops.matched if stops.hit else None,
             ),
         )
         # After the final record, not before: closing is the runner's business, not the
@@ -993,7 +1056,7 @@ def child_main(fd: int, parent_pid: int) -> int:
         rid = msg.get("id")
         if op == "create":
             child.create(msg)
-        elif op in ("generate", "embed"):
+        elif op in ("generate", "embed", "count"):
             child.accept(op, rid, msg)
         elif op == "cancel":
             child.cancel(int(msg.get("target", -1)))

@@ -124,13 +124,16 @@ class StopFilter:
         self.keep = max((len(s) for s in self.stops), default=1) - 1
         self.pending = ""
         self.hit = False
+        # The stop string the reply was cut at (the first to appear), once ``hit``.
+        self.matched: str | None = None
 
     def feed(self, text: str) -> str:
         if not self.stops:
             return text
         self.pending += text
-        cut = min((i for s in self.stops if (i := self.pending.find(s)) >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found)
             self.hit = True
             out, self.pending = self.pending[:cut], ""
             return out

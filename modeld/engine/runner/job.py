@@ -261,15 +261,34 @@ class EmbedJob:
         )
 
 
-Job = GenerateJob | EmbedJob
+@dataclass(frozen=True, slots=True)
+class CountJob:
+    """The tokens ``job``'s prompt takes: what its generation would prefill, none decoded."""
+
+    op: ClassVar[Literal["count"]] = "count"
+
+    job: GenerateJob
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.job.to_wire()
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> CountJob:
+        return cls(GenerateJob.from_wire(data))
+
+
+Job = GenerateJob | EmbedJob | CountJob
 
 
 def job_of(op: str, data: dict[str, Any]) -> Job:
-    """The job a ``generate`` or ``embed`` frame carries; ValueError for anything else."""
+    """The job a ``generate``, ``embed`` or ``count`` frame carries; ValueError for anything
+    else."""
     if op == GenerateJob.op:
         return GenerateJob.from_wire(data)
     if op == EmbedJob.op:
         return EmbedJob.from_wire(data)
+    if op == CountJob.op:
+        return CountJob.from_wire(data)
     raise ValueError(f"unknown job op {op!r}")
 
 
@@ -330,6 +349,8 @@ class Done:
     tool_calls: tuple[ToolCall, ...] = ()
     json: JsonCheck | None = None
     conversation: Made | None = None
+    # The stop string the reply was cut at (``finish`` is "stop"); None: none was met.
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,7 +362,21 @@ class Embedded:
     timings: RunnerTimings = RunnerTimings()
 
 
-Record = Token | Done | Embedded
+# How a ``Counted`` was had: "rendered" (the prompt rendered with the model's template, then
+# tokenized: no prefill), "prefilled" (the runtime prefilled it: a prompt with images).
+CountedBy = Literal["rendered", "prefilled"]
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """The runner's one record for a ``CountJob``."""
+
+    prompt_tokens: int
+    by: CountedBy
+    timings: RunnerTimings = RunnerTimings()
+
+
+Record = Token | Done | Embedded | Counted
 
 
 class WarmUp(TypedDict):
@@ -380,7 +415,7 @@ class Created:
         )
 
 
-def record_to_wire(rec: Done | Embedded) -> dict[str, Any]:
+def record_to_wire(rec: Done | Embedded | Counted) -> dict[str, Any]:
     """A final record as the runner sends it (a ``Token`` has frames of its own)."""
     out: dict[str, Any] = {"done": True}
     for f in dataclasses.fields(rec):
@@ -394,11 +429,16 @@ def record_to_wire(rec: Done | Embedded) -> dict[str, Any]:
     return out
 
 
-def record_of(data: dict[str, Any]) -> Done | Embedded:
+def record_of(data: dict[str, Any]) -> Done | Embedded | Counted:
     """A final record from its frame (``record_to_wire``)."""
     timings = RunnerTimings(**(data.get("timings") or {}))
     if "embeddings" in data:
         return Embedded(data["embeddings"], data.get("dimensions"), timings)
+    if "by" in data:
+        by = next((b for b in get_args(CountedBy) if b == data.get("by")), None)
+        if by is None:
+            raise ValueError(f"a count's record says it was had by {data.get('by')!r}")
+        return Counted(int(data.get("prompt_tokens") or 0), by, timings)
     finish = next((f for f in get_args(Finish) if f == data.get("finish")), None)
     if finish is None:
         raise ValueError(f"a final record's finish is {data.get('finish')!r}")
@@ -412,4 +452,5 @@ def record_of(data: dict[str, Any]) -> Done | Embedded:
         tool_calls=tuple(data.get("tool_calls") or ()),
         json=data.get("json"),
         conversation=data.get("conversation"),
+        stop_sequence=data.get("stop_sequence"),
     )
