@@ -31,8 +31,8 @@ here and are accepted.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -42,15 +42,17 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from modeld.api import access, requests
-from modeld.api.connections import cancelled_when_client_leaves, client_left
+from modeld.api.connections import cancelled_when_client_leaves
 from modeld.api.dialects import Dialect, Shaped, route
 from modeld.api.openai import (
-    SSE,
     Cannot,
+    Emit,
     FunctionName,
     Records,
     calls_made,
     collect,
+    event_stream,
+    generate_within,
     read_openai_body,
     with_tools,
 )
@@ -58,6 +60,7 @@ from modeld.api.openai import (
     Function as FunctionSpec,
 )
 from modeld.api.requests import INT32, Backends, Duration, ModelId, Number
+from modeld.api.stream import Deadline
 from modeld.errors import (
     BadRequest,
     Busy,
@@ -493,28 +496,16 @@ def _text_delta(index: int, text: str) -> bytes:
     return _event("content_block_delta", _delta(index, {"type": "text_delta", "text": text}))
 
 
-async def _stream(request: web.Request, reply: _Reply, records: Records) -> web.StreamResponse:
-    """The reply as Anthropic's event sequence; a refusal before the first record keeps its
-    status (and Anthropic's error shape), one after it ends the stream with an ``error``
-    event. A forced tool call's text is held back: it is sent as the call's block."""
-    async with contextlib.aclosing(records):
-        first = await anext(records, None)
-        response = web.StreamResponse(headers={"Content-Type": SSE, "Cache-Control": "no-cache"})
-        try:
-            await response.prepare(request)
-            await response.write_eof(await _write_events(response, reply, first, records))
-        except ConnectionError as e:
-            raise client_left(request) from e
-    return response
-
-
 async def _write_events(
-    response: web.StreamResponse,
-    reply: _Reply,
+    emit: Emit,
     first: Token | Final[Done] | None,
     records: Records,
+    *,
+    reply: _Reply,
 ) -> bytes:
-    """Write the events as they come; return the last ones (sent with the stream's end)."""
+    """Write Anthropic's events as the records come; return the last ones (sent with the
+    stream's end). A failure after the start ends the stream with an ``error`` event; a
+    forced tool call's text is held back: it is sent as the call's block."""
     held: list[str] = []
     pending = reply.opening()
     text_open = False
@@ -531,7 +522,7 @@ async def _write_events(
                     text_open = True
                 pending += _text_delta(0, rec.text)
             if pending:
-                await response.write(pending)
+                await emit(pending)
                 pending = b""
             rec = await anext(records, None)
         return pending
@@ -551,23 +542,26 @@ async def _write_events(
 def add_routes(app: web.Application, services: Services) -> None:
     async def messages(request: web.Request) -> web.StreamResponse:
         body = await _read(request, MessagesBody)
+        until = Deadline(request, services.settings.request_timeout)
         shape = Shape(stop=tuple(body.stop_sequences or ()), stream=body.stream)
-        gen, forced = generation_of(body, Options.picked(body), shape)
+        async with until.bound():
+            gen, forced = await requests.off_loop(generation_of, body, Options.picked(body), shape)
         parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
         reply = _Reply(body.model, forced=forced, parallel=parallel)
         async with cancelled_when_client_leaves(request):
-            _, records = await services.inference.generate(
-                gen, may_shorten_keep_alive=access.administers(request)
-            )
+            records = await generate_within(request, services, gen, until)
             if body.stream:
-                return await _stream(request, reply, records)
-            text, final = await collect(records)
+                write = functools.partial(_write_events, reply=reply)
+                return await event_stream(request, records, write, until)
+            text, final = await collect(until.records(records))
         return web.json_response(reply.message(text, final))
 
     async def count_tokens(request: web.Request) -> web.Response:
         body = await _read(request, CountBody)
-        gen, _ = generation_of(body, Options(), Shape(stream=False))
-        async with cancelled_when_client_leaves(request):
+        until = Deadline(request, services.settings.request_timeout)
+        async with until.bound():
+            gen, _ = await requests.off_loop(generation_of, body, Options(), Shape(stream=False))
+        async with cancelled_when_client_leaves(request), until.bound():
             counted = await services.inference.count(
                 gen, may_shorten_keep_alive=access.administers(request)
             )

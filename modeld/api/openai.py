@@ -31,12 +31,13 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import secrets
 import struct
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
@@ -87,7 +88,7 @@ class _Loose(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-class _Body(BaseModel):
+class OpenAIBody(BaseModel):
     """A top-level body: an unknown field is an error, never silently ignored."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -199,7 +200,7 @@ class StreamOptions(_Loose):
 Penalty = Annotated[Number, Field(ge=-2, le=2)]
 
 
-class _Sampled(_Body):
+class _Sampled(OpenAIBody):
     """Sampling fields of both completion bodies; ``top_k``, ``repetition_penalty``,
     ``keep_alive``, ``backends`` and ``allow_unverified`` are modeld's."""
 
@@ -248,7 +249,7 @@ class CompletionBody(_Sampled):
         return prompt
 
 
-class EmbeddingBody(_Body):
+class EmbeddingBody(OpenAIBody):
     """``POST /v1/embeddings``; ``keep_alive``, ``backends`` and ``allow_unverified`` are
     modeld's."""
 
@@ -730,17 +731,33 @@ async def _collect(reply: _Reply, records: Records, deadline: Deadline) -> dict[
     return reply.completion(text, final)
 
 
-async def _sse(
-    request: web.Request,
-    reply: _Reply,
-    records: Records,
-    include_usage: bool,
-    deadline: Deadline,
-) -> web.StreamResponse:
-    """Stream chunks as server-sent events; refusals before the first token keep their status.
+# What writes a stream's bytes, within the request's deadline (``Deadline.write``).
+Emit = Callable[[bytes], Awaitable[None]]
+# What writes a stream's events as its records come, and returns the last ones (sent with
+# the end of the body): (emit, the first record, the records after it).
+WriteEvents = Callable[[Emit, Token | Final[Done] | None, Records], Awaitable[bytes]]
 
-    A forced tool call's text is held back: it is the call, sent as ``tool_calls`` deltas.
-    A client that leaves closes ``records`` (the generation is cancelled) and the request
+
+async def generate_within(
+    request: web.Request, services: Services, gen: Generation, deadline: Deadline
+) -> Records:
+    """The records of ``gen`` from the ``Inference`` service, admitted within ``deadline``
+    (its records are read within it by ``event_stream`` or ``collect``)."""
+    async with deadline.bound():
+        _, records = await services.inference.generate(
+            gen, may_shorten_keep_alive=access.administers(request)
+        )
+    return records
+
+
+async def event_stream(
+    request: web.Request, records: Records, write: WriteEvents, deadline: Deadline
+) -> web.StreamResponse:
+    """A reply as server-sent events, whichever dialect words them (``write``).
+
+    The first record is awaited before the response starts, so a refusal before it (a busy
+    queue, a prompt over the window) keeps its status and its dialect's error shape. A
+    client that leaves closes ``records`` (the generation is cancelled) and the request
     ends with ``ClientLeft`` (499); so does one that stops reading until the ``deadline``.
     """
     async with contextlib.aclosing(deadline.records(records)) as recs:
@@ -748,9 +765,7 @@ async def _sse(
         response = web.StreamResponse(headers={"Content-Type": SSE, "Cache-Control": "no-cache"})
         try:
             await response.prepare(request)
-            last = await _write_events(
-                response, reply, first, recs, include_usage, deadline=deadline
-            )
+            last = await write(functools.partial(deadline.write, response), first, recs)
             await deadline.write(response, last, last=True)
             await response.write_eof()
         except ConnectionError as e:
@@ -759,15 +774,15 @@ async def _sse(
 
 
 async def _write_events(
-    response: web.StreamResponse,
-    reply: _Reply,
+    emit: Emit,
     first: Token | Final[Done] | None,
     records: Records,
-    include_usage: bool,
     *,
-    deadline: Deadline,
+    reply: _Reply,
+    include_usage: bool,
 ) -> bytes:
-    """Write the chunks as they come; return what ends the stream (sent with its end)."""
+    """Write the chunks as they come; return what ends the stream (sent with its end). A
+    forced tool call's text is held back: it is the call, sent as ``tool_calls`` deltas."""
     held: list[str] = []
     # What is ready goes out in one write: the opening with the first tokens, and the
     # ending, [DONE] and the end of the body together (one send each, not one per chunk).
@@ -784,7 +799,7 @@ async def _write_events(
             else:
                 pending.append(reply.chunk({"content": rec.text}))
             if pending:
-                await deadline.write(response, b"".join(pending))
+                await emit(b"".join(pending))
                 pending = []
             rec = await anext(records, None)
         return last + _DONE
@@ -877,13 +892,11 @@ def add_routes(app: web.Application, services: Services) -> None:
         request: web.Request, reply: _Reply, gen: Generation, body: _Sampled, deadline: Deadline
     ) -> web.StreamResponse:
         async with cancelled_when_client_leaves(request):
-            async with deadline.bound():
-                _, records = await services.inference.generate(
-                    gen, may_shorten_keep_alive=access.administers(request)
-                )
+            records = await generate_within(request, services, gen, deadline)
             if body.stream:
                 usage = bool(body.stream_options and body.stream_options.include_usage)
-                return await _sse(request, reply, records, usage, deadline)
+                write = functools.partial(_write_events, reply=reply, include_usage=usage)
+                return await event_stream(request, records, write, deadline)
             doc = await _collect(reply, records, deadline)
         return web.Response(body=_compact(doc), content_type="application/json")
 

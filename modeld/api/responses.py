@@ -26,8 +26,8 @@ conversation in ``input``. Hosted tools (web search, file search, code interpret
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -46,20 +46,23 @@ from pydantic import (
     Tag,
 )
 
-from modeld.api import access, requests
-from modeld.api.connections import cancelled_when_client_leaves, client_left
+from modeld.api import requests
+from modeld.api.connections import cancelled_when_client_leaves
 from modeld.api.dialects import route
 from modeld.api.openai import (
     OPENAI,
-    SSE,
     Cannot,
+    Emit,
     Function,
     FunctionName,
     ImageUrl,
+    OpenAIBody,
     Records,
     SchemaName,
     calls_made,
     collect,
+    event_stream,
+    generate_within,
     image_of_url,
     openai_shape,
     parse_arguments,
@@ -67,6 +70,7 @@ from modeld.api.openai import (
     with_tools,
 )
 from modeld.api.requests import INT32, Backends, Duration, ModelId, Number
+from modeld.api.stream import Deadline
 from modeld.errors import BadRequest, ModeldError
 from modeld.services.inference import (
     Done,
@@ -164,11 +168,9 @@ class TextConfig(_Loose):
     verbosity: Literal["medium"] | None = None
 
 
-class ResponsesBody(BaseModel):
+class ResponsesBody(OpenAIBody):
     """``POST /v1/responses``; ``top_k``, ``seed``, ``keep_alive``, ``backends`` and
     ``allow_unverified`` are modeld's."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: ModelId
     input: StrictStr | Annotated[list[Item], Field(min_length=1, max_length=1024)]
@@ -185,11 +187,6 @@ class ResponsesBody(BaseModel):
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     truncation: Literal["disabled"] | None = None
-    # They identify the caller and change no output.
-    user: StrictStr | None = None
-    metadata: dict[str, StrictStr] | None = None
-    safety_identifier: StrictStr | None = None
-    prompt_cache_key: StrictStr | None = None
     keep_alive: Duration | None = None
     allow_unverified: StrictBool = False
     backends: Backends | None = None
@@ -537,28 +534,16 @@ class _Events:
         return r.event("response.failed", response=doc)
 
 
-async def _stream(request: web.Request, reply: _Reply, records: Records) -> web.StreamResponse:
-    """The response as server-sent events; a refusal before the first record keeps its status
-    (and OpenAI's error shape), one after it ends with ``response.failed``. A forced call's
-    text is held back: it is sent as the call's item."""
-    async with contextlib.aclosing(records):
-        first = await anext(records, None)
-        response = web.StreamResponse(headers={"Content-Type": SSE, "Cache-Control": "no-cache"})
-        try:
-            await response.prepare(request)
-            await response.write_eof(await _write_events(response, _Events(reply), first, records))
-        except ConnectionError as e:
-            raise client_left(request) from e
-    return response
-
-
 async def _write_events(
-    response: web.StreamResponse,
-    events: _Events,
+    emit: Emit,
     first: Token | Final[Done] | None,
     records: Records,
+    *,
+    events: _Events,
 ) -> bytes:
-    """Write the events as they come; return the last ones (sent with the stream's end)."""
+    """Write the Responses events as the records come; return the last ones (sent with the
+    stream's end). A failure after the start ends with ``response.failed``; a forced call's
+    text is held back: it is sent as the call's item."""
     held: list[str] = []
     pending = events.opening()
     try:
@@ -571,7 +556,7 @@ async def _write_events(
             else:
                 pending += events.token(rec.text)
             if pending:
-                await response.write(pending)
+                await emit(pending)
                 pending = b""
             rec = await anext(records, None)
         return pending
@@ -587,15 +572,16 @@ async def _write_events(
 def add_routes(app: web.Application, services: Services) -> None:
     async def responses(request: web.Request) -> web.StreamResponse:
         body = await read_openai_body(request, ResponsesBody, CANNOT, check=_check_tools)
-        gen, forced = generation_of(body)
+        until = Deadline(request, services.settings.request_timeout)
+        async with until.bound():
+            gen, forced = await requests.off_loop(generation_of, body)
         reply = _Reply(body, forced=forced)
         async with cancelled_when_client_leaves(request):
-            _, records = await services.inference.generate(
-                gen, may_shorten_keep_alive=access.administers(request)
-            )
+            records = await generate_within(request, services, gen, until)
             if body.stream:
-                return await _stream(request, reply, records)
-            text, final = await collect(records)
+                write = functools.partial(_write_events, events=_Events(reply))
+                return await event_stream(request, records, write, until)
+            text, final = await collect(until.records(records))
         doc = reply.doc("completed", reply.output(text, final), final)
         return web.Response(body=_compact(doc), content_type="application/json")
 
