@@ -36,7 +36,7 @@ async def test_an_agent_with_a_function_tool_runs_on_the_responses_api(
     agents.set_tracing_disabled(True)  # tracing would export to OpenAI's servers
     client = openai.AsyncOpenAI(base_url=keyed_tcp.base_url + "/v1", api_key=keyed_tcp.key)
 
-    @agents.function_tool
+    @agents.function_tool  # type: ignore[untyped-decorator]
     def get_weather(city: str) -> str:
         """The weather in a city."""
         return f"sunny in {city}"
