@@ -534,15 +534,17 @@ def test_deep_json_and_long_integers(arena: Arena) -> None:
 
 def test_json_bomb_and_many_large_bodies_at_once(arena: Arena) -> None:
     """Sixteen bodies of MODELD_MAX_BODY at once: those past MODELD_BODY_MEMORY are 503 busy
-    with the rest refused as they are read (413); an 8 MiB body of ``[]`` is a 413. Peak RSS
-    stays under the bound (sixteen 63 MiB bodies took 1.1 GB)."""
+    with the rest refused as they are read (413) or, read whole, as a prompt over the model's
+    window (400 context_length_exceeded); an 8 MiB body of ``[]`` is a 413. Peak RSS stays
+    under the bound (sixteen 63 MiB bodies took 1.1 GB)."""
     big = json.dumps({"model": "tiny-text", "prompt": "a" * (MAX_BODY - 100)}).encode()
     big = big[:-1] + b" " * (MAX_BODY - len(big)) + b"}"
     assert len(big) == MAX_BODY
     path = arena.body("big.json", big)
     answers = arena.hostile("together", [["POST", "/api/generate", path]] * 16)
     statuses = sorted(status for status, _, _ in answers)
-    assert set(statuses) <= {413, 503}, answers
+    assert set(statuses) <= {400, 413, 503}, answers
+    assert all(_error(a)["code"] == "context_length_exceeded" for a in answers if a[0] == 400)
     assert 503 in statuses, statuses  # more than BODY_MEMORY was asked for at once
     busy = [a for a in answers if a[0] == 503]
     assert all(_bounded(("together", *a)) for a in busy), busy
@@ -932,13 +934,15 @@ def test_huge_embedding_input_is_refused_unread(arena: Arena) -> None:
 
 def test_tools_count_against_the_prompt_bound(arena: Arena) -> None:
     """Tools of a hundred kilobytes and a tool call's arguments count against the prompt's
-    byte bound: a 413 before the runtime renders them (they were not counted)."""
+    byte bound: a 400 context_length_exceeded before the runtime renders them (they were not
+    counted)."""
     tools = [
         {"type": "function", "function": {"name": f"f{i}", "description": "d" * 1000}}
         for i in range(100)
     ]
     status, answer = arena.tcp("POST", "/v1/chat/completions", _chat(tools=tools))
-    assert status == 413 and "the prompt is over" in answer["error"]["message"], answer
+    assert status == 400 and "messages are over" in answer["error"]["message"], answer
+    assert answer["error"]["code"] == "context_length_exceeded", answer
     arguments = json.dumps({"x": "y" * 100_000})
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
     messages = [
@@ -948,7 +952,8 @@ def test_tools_count_against_the_prompt_bound(arena: Arena) -> None:
     ]
     body = {"model": "tiny-text", "messages": messages, "max_tokens": 3}
     status, answer = arena.tcp("POST", "/v1/chat/completions", body)
-    assert status == 413 and "the prompt is over" in answer["error"]["message"], answer
+    assert status == 400 and "messages are over" in answer["error"]["message"], answer
+    assert answer["error"]["code"] == "context_length_exceeded", answer
 
 
 def test_keys_never_reach_the_log(arena: Arena) -> None:

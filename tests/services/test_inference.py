@@ -17,6 +17,7 @@ from modeld.daemon.root import Root
 from modeld.errors import (
     BackendConstraint,
     BadRequest,
+    ContextLengthExceeded,
     ModelNotInstalled,
     TooLarge,
 )
@@ -89,7 +90,7 @@ async def test_admit_refuses_before_any_runner_starts(started: Services) -> None
     text = Generation("tiny-text", [Turn("user", "hi")])
     window = (await started.inference.admit(text)).max_tokens
     huge = Generation("tiny-text", [Turn("user", "x" * (window * PROMPT_BYTES_PER_TOKEN + 1))])
-    with pytest.raises(TooLarge, match="over"):
+    with pytest.raises(ContextLengthExceeded, match="over"):
         await started.inference.admit(huge)
     assert started.pool.list() == []
 
