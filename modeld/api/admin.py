@@ -12,25 +12,15 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
-    ValidationError,
 )
 
+from modeld.api import requests
 from modeld.api.bodies import read_json
 from modeld.config import parse_duration
 from modeld.errors import BadRequest
 from modeld.services.parts import Services
 from modeld.services.prune import DEFAULT_SELECTION, Selection
 
-_BOOL = "true or false"
-_HINTS = {
-    "dry_run": _BOOL,
-    "orphans": _BOOL,
-    "to_budget": _BOOL,
-    "force": _BOOL,
-    "entry": _BOOL,
-    "partials": 'true (all), false, or an age such as "7d" (only partials older than that)',
-    "unused_for": 'a duration such as "30d", "12h" or a number of seconds',
-}
 _TRUE = {"1", "true", "yes"}
 _FALSE = {"0", "false", "no", ""}
 
@@ -57,25 +47,15 @@ class RmBody(BaseModel):
     entry: StrictBool = False
 
 
-def _validation_message(e: ValidationError, fields: list[str]) -> str:
-    problems = []
-    for err in e.errors():
-        name = str(err["loc"][0]) if err["loc"] else "body"
-        if err["type"] == "extra_forbidden":
-            problems.append(f"{name[:40]!r}: unknown field; allowed: {', '.join(fields)}")
-        else:
-            problems.append(f"{name}: must be {_HINTS.get(name, err['msg'])}")
-    # A union reports once per branch; say each field once.
-    return "; ".join(dict.fromkeys(problems))
-
-
 def _duration(name: str, value: str | int | float) -> float:
     try:
         seconds = parse_duration(value)
     except ValueError:
         seconds = -1.0
     if seconds < 0:
-        raise BadRequest(f"{name}: {str(value)[:40]!r} is not a duration; use {_HINTS[name]}")
+        raise BadRequest(
+            f"{name}: {str(value)[:40]!r} is not a duration; {name} {requests.UNION_HINTS[name]}"
+        )
     return seconds
 
 
@@ -109,10 +89,7 @@ def selection_of(body: PruneBody) -> Selection:
 
 def _flag(request: web.Request, body: dict[str, Any], name: str) -> bool:
     """``force`` or ``entry`` of a removal: in the body or the query (either one sets it)."""
-    try:
-        from_body = bool(getattr(RmBody.model_validate(body), name))
-    except ValidationError as e:
-        raise BadRequest(_validation_message(e, ["force", "entry"])) from None
+    from_body = bool(getattr(requests.parse(RmBody, body), name))
     raw = request.query.get(name)
     if raw is None:
         return from_body
@@ -136,10 +113,7 @@ def add_routes(app: web.Application, services: Services) -> None:
 
     async def prune(request: web.Request) -> web.Response:
         body = await read_json(request, optional=True)
-        try:
-            parsed = PruneBody.model_validate(body)
-        except ValidationError as e:
-            raise BadRequest(_validation_message(e, list(PruneBody.model_fields))) from None
+        parsed = requests.parse(PruneBody, body)
         sel = selection_of(parsed)
         return web.json_response(await remover.prune(sel, dry_run=parsed.dry_run))
 

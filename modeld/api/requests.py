@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import functools
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeVar
 
 from aiohttp import web
 from pydantic import (
@@ -183,13 +181,14 @@ class ImportBody(Strict):
 
 
 # --- validation messages -------------------------------------------------------------------
-# pydantic names each problem by its location, and in a union each branch it tried by a label
-# ("str", "list[str]", "list[tagged-union[TextPart,ImagePart]]", "literal['a']", a model's
-# class name), after a tagged union's branch its tag. The labels and tags are no field: they
-# are taken out of the names, and the branches' problems are narrowed to the branch the value
-# was meant for (``_meant``).
+# pydantic lists each problem with its location (``loc``), its ``type`` and its context
+# (``ctx``). In a union the location also names the branch tried, and after a tagged union's
+# branch, the tag; those parts are no field of the body. Which parts are fields is read off
+# the body itself: a part is a field where the value at that point has it (a key of an
+# object, an index of a list); any other part names a branch, whatever pydantic calls it
+# (``_problem``). The branches' problems are then narrowed to the branch the value was meant
+# for (``_meant``).
 
-_TYPE_LABELS = frozenset(("str", "int", "float", "bool", "list", "dict", "none", "bytes"))
 # Problems that say the value is not of a branch's type: that branch was not meant.
 _MISMATCH = frozenset(
     (
@@ -220,7 +219,7 @@ _SIMPLE = {
     "model_attributes_type": "must be an object",
 }
 # What a value that fits no branch of a union must be, by the field's name.
-_UNION_HINTS = {
+UNION_HINTS = {
     "keep_alive": 'must be a duration such as "30s", "5m", 0 or -1',
     "stop": "must be a string or a list of strings",
     "image_url": 'must be {"url": "data:image/png;base64,..."}',
@@ -230,6 +229,8 @@ _UNION_HINTS = {
     "prompt": "must be a string",
     "tool_choice": 'must be "none", "auto", "required" or {"type": "function", "function": '
     '{"name": ...}}',
+    "partials": 'must be true (all), false, or an age such as "7d" (only partials older than that)',
+    "unused_for": 'must be a duration such as "30d", "12h" or a number of seconds',
 }
 _BOUNDS = {
     "greater_than_equal": ("≥", "ge"),
@@ -237,6 +238,7 @@ _BOUNDS = {
     "less_than_equal": ("≤", "le"),
     "less_than": ("<", "lt"),
 }
+_ABSENT = object()
 
 
 @dataclass
@@ -249,30 +251,6 @@ class _Problem:
     unions: list[tuple[str, str]]
 
 
-@functools.cache
-def _model_names(model: type[BaseModel]) -> frozenset[str]:
-    """The class names of ``model`` and the models in its fields (a union's labels)."""
-    names = {model.__name__}
-    stack: list[Any] = [f.annotation for f in model.model_fields.values()]
-    while stack:
-        tp = stack.pop()
-        if isinstance(tp, type) and issubclass(tp, BaseModel):
-            if tp.__name__ not in names:
-                names.add(tp.__name__)
-                stack.extend(f.annotation for f in tp.model_fields.values())
-        else:
-            stack.extend(get_args(tp))
-    return frozenset(names)
-
-
-# Labels of a generic or a wrapped type: "list[str]", "tagged-union[A,B]", "constrained-str".
-_LABEL = re.compile(r"[a-z][a-z-]*\[.*\]|constrained-[a-z]+|function-[a-z]+")
-
-
-def _is_label(part: str, models: frozenset[str]) -> bool:
-    return part in _TYPE_LABELS or part in models or _LABEL.fullmatch(part) is not None
-
-
 def _path(parts: list[int | str]) -> str:
     out = ""
     for part in parts:
@@ -280,23 +258,39 @@ def _path(parts: list[int | str]) -> str:
     return out
 
 
-def _problem(err: Any, model: type[BaseModel]) -> _Problem:
-    loc, kind = tuple(err["loc"]), err["type"]
-    models = _model_names(model)
+def _step(node: Any, part: Any) -> Any:
+    """The value of ``node`` at ``part`` (a key or an index), or ``_ABSENT``."""
+    if isinstance(node, dict) and isinstance(part, str):
+        return node.get(part, _ABSENT)
+    if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+        return node[part]
+    return _ABSENT
+
+
+def _problem(err: Any, data: Any, model: type[BaseModel]) -> _Problem:
+    """One problem, its location read against the body ``data`` (see above)."""
+    loc, kind = list(err["loc"]), err["type"]
+    node = data
     parts: list[int | str] = []
     unions: list[tuple[str, str]] = []
-    tag_at = -1
     for i, part in enumerate(loc):
-        if i == tag_at:
-            continue  # a tagged union's tag: the value's own "type", not a field
-        # An unknown field's name is the client's, whatever it looks like.
-        key = kind == "extra_forbidden" and i == len(loc) - 1
-        if isinstance(part, str) and not key and _is_label(part, models):
-            unions.append((_path(parts), part))
-            if "tagged-union[" in part:
-                tag_at = i + (2 if part.startswith(("list[", "dict[")) else 1)
-            continue
-        parts.append(part)
+        last = i == len(loc) - 1
+        below = _step(node, part)
+        # A tagged union's tag is the value's own "type"; when the object also has a key of
+        # that name, the next part being one of its keys tells the tag apart.
+        tag = isinstance(node, dict) and node.get("type") == part and not last
+        if tag and _step(node, loc[i + 1]) is not _ABSENT:
+            below = _ABSENT
+        if below is not _ABSENT:
+            parts.append(part)
+            node = below
+        elif last and kind in ("missing", "extra_forbidden"):
+            parts.append(part)  # a field the body lacks, or one it should not have
+        elif isinstance(part, int):
+            parts.append(part)
+            node = _ABSENT
+        else:
+            unions.append((_path(parts), str(part)))
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         parts.append(str((err.get("ctx") or {}).get("discriminator", "type")).strip("'"))
     names = [p for p in parts if isinstance(p, str)]
@@ -362,8 +356,8 @@ def _why(err: Any, model: type[BaseModel]) -> str:  # noqa: PLR0911
         return f"must be {head + ' or ' if head else ''}{last}, not {ctx.get('tag')!r}"
     if kind == "union_tag_not_found":
         return "is required"
-    if kind == "value_error":
-        return str(err["msg"]).removeprefix("Value error, ")
+    if kind == "value_error" and isinstance(ctx.get("error"), ValueError):
+        return str(ctx["error"])  # modeld's own validators, worded for the client
     return str(err["msg"]).lower()
 
 
@@ -371,8 +365,8 @@ def _one(name: str, whys: list[str]) -> str:
     """What a field must be, once, from what each branch of its union said."""
     if len(whys) == 1:
         return whys[0]
-    if name in _UNION_HINTS:
-        return _UNION_HINTS[name]
+    if name in UNION_HINTS:
+        return UNION_HINTS[name]
     if set(whys) == {"must be an integer", "must be a number"}:
         return "must be a number"
     if all(w.startswith("must be ") for w in whys):
@@ -380,10 +374,11 @@ def _one(name: str, whys: list[str]) -> str:
     return " or ".join(whys[:2])
 
 
-def validation_message(e: ValidationError, model: type[BaseModel]) -> str:
-    """One line per problem: ``"field": why``; a union's branches collapse into one."""
+def validation_message(e: ValidationError, data: Any, model: type[BaseModel]) -> str:
+    """One line per problem of ``data`` as ``model``: ``"field": why``; a union's branches
+    collapse into one."""
     by_field: dict[str, tuple[str, list[str]]] = {}
-    for p in _meant([_problem(err, model) for err in e.errors()]):
+    for p in _meant([_problem(err, data, model) for err in e.errors()]):
         # A check of the whole body (a model validator) says its own field names.
         where = p.where or ("" if p.kind == "value_error" else "body")
         by_field.setdefault(where, (p.name, []))[1].append(p.why)
@@ -399,7 +394,7 @@ def parse(model: type[B], data: Any) -> B:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise BadRequest(validation_message(e, model)) from None
+        raise BadRequest(validation_message(e, data, model)) from None
 
 
 async def read_body(request: web.Request, model: type[B], *, optional: bool = False) -> B:

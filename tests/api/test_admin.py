@@ -100,7 +100,7 @@ async def test_rm_bad_ids_and_bodies_are_400(clean_env: Path) -> None:
                 await c.remove(bad)
         with pytest.raises(BadRequest, match="force=1 or force=0"):
             await c.request("DELETE", "/api/models/tiny?force=maybe")
-        with pytest.raises(BadRequest, match="force: must be true or false"):
+        with pytest.raises(BadRequest, match='"force": must be true or false'):
             await c.request("DELETE", "/api/models/tiny", {"force": "yes"})
         with pytest.raises(BadRequest, match="unknown field"):
             await c.request("DELETE", "/api/models/tiny", {"forc": True})
@@ -114,12 +114,12 @@ async def test_prune_body_validation(clean_env: Path) -> None:
     settings = load_settings(home=home, socket=home / "modeld.sock", main_backend="cpu")
     async with running_daemon(settings) as d, d.client() as c:
         cases: list[tuple[dict[str, Any], str]] = [
-            ({"dry_run": "yes"}, "dry_run: must be true or false"),
-            ({"partials": [1]}, "partials: must be true"),
+            ({"dry_run": "yes"}, '"dry_run": must be true or false'),
+            ({"partials": [1]}, '"partials": must be true'),
             ({"partials": "soon"}, "partials: 'soon' is not a duration"),
             ({"unused_for": "-5d"}, "unused_for: '-5d' is not a duration"),
-            ({"orphans": 1}, "orphans: must be true or false"),
-            ({"bogus": 1}, "'bogus': unknown field"),
+            ({"orphans": 1}, '"orphans": must be true or false'),
+            ({"bogus": 1}, '"bogus": unknown field'),
             ({"partials": False, "orphans": False}, "nothing selected"),
         ]
         for body, message in cases:

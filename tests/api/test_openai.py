@@ -406,6 +406,12 @@ CALL: Any = {"id": "c1", "type": "function", "function": {"name": "f", "argument
         ),
         (
             CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            400,
+            '"messages[0].content[0].text": must be a string',
+        ),
+        (
+            CHAT,
             {
                 "messages": [
                     {"role": "user", "content": "x"},
@@ -442,6 +448,7 @@ CALL: Any = {"id": "c1", "type": "function", "function": {"name": "f", "argument
         "content-type",
         "audio-part",
         "part-field",
+        "part-tag-is-a-key",
         "tool-arguments",
         "prompt-list",
         "no-prompt",
