@@ -835,8 +835,10 @@ def embedding_texts(body: EmbeddingBody) -> list[str]:
 def embeddings_doc(body: EmbeddingBody, rec: Final[Embedded]) -> dict[str, Any]:
     """OpenAI's ``list`` of ``embedding`` objects, floats or base64 (little-endian float32).
 
-    ``usage`` counts are null: LiteRT-LM 0.18.1's embedding API reports no token counts.
+    ``usage`` counts the tokens the engine consumed (the file's tokenizer, with the BOS and
+    EOS the runtime adds); null for a file whose tokenizer modeld does not read.
     """
+    tokens = rec.result.prompt_tokens
     data: list[dict[str, Any]] = []
     for index, vector in enumerate(rec.result.embeddings):
         value: Any = vector
@@ -847,7 +849,7 @@ def embeddings_doc(body: EmbeddingBody, rec: Final[Embedded]) -> dict[str, Any]:
         "object": "list",
         "data": data,
         "model": body.model,
-        "usage": {"prompt_tokens": None, "total_tokens": None},
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "modeld": {
             "engine": rec.engine,
             "dimensions": rec.result.dimensions,

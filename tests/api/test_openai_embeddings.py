@@ -15,9 +15,12 @@ import httpx
 import openai
 import pytest
 
+from modeld.modelfile.tokens import token_counter
 from tests.support.daemon import InProcessDaemon, daemon_with_models
+from tests.support.state import MODELS
 
 DIMENSION = 32  # tests/models/fixtures.json: tiny-embed's embedding.dimension
+LONGEST = 64  # tests/models/fixtures.json: tiny-embed's longest signature (embedding.lengths)
 TEXTS = ["Hello world", "The quick brown fox", "Hello world"]
 
 
@@ -66,8 +69,8 @@ async def test_float_and_base64_give_the_same_vectors(http: httpx.AsyncClient) -
         assert len(raw) == 4 * DIMENSION
         assert list(struct.unpack(f"<{DIMENSION}f", raw)) == f["embedding"]
     doc = floats.json()
-    # 0.18.1's embedding API reports no token counts: null, not a made-up number.
-    assert doc["usage"] == {"prompt_tokens": None, "total_tokens": None}
+    # Each text's tokens and the BOS and EOS the runtime adds (test_usage_counts_...).
+    assert doc["usage"] == {"prompt_tokens": 10, "total_tokens": 10}
     assert doc["modeld"]["engine"] == "tiny-embed:cpu"
     assert doc["modeld"]["dimensions"] == DIMENSION
 
@@ -124,6 +127,69 @@ async def test_inputs_it_cannot_take_are_clear_errors(http: httpx.AsyncClient) -
         r"\(\d+\) exceeds maximum supported signature length \(64\)\); send shorter inputs",
         err["message"],
     ), err["message"]
+
+
+def runtime_length(refused: httpx.Response) -> int:
+    """The input's length in tokens as the runtime counted it, from its refusal (a 413)."""
+    assert refused.status_code == 413, refused.text
+    message = refused.json()["error"]["message"]
+    found = re.search(
+        r"Input sequence length \((\d+)\) exceeds maximum supported signature "
+        rf"length \({LONGEST}\)",
+        message,
+    )
+    assert found, message
+    return int(found.group(1))
+
+
+async def test_usage_crosses_the_longest_signature_where_the_runtime_refuses(
+    http: httpx.AsyncClient,
+) -> None:
+    """``usage.prompt_tokens`` is what the engine consumes: one word more each time, the
+    count of the last input the runtime takes is its longest signature exactly, and the
+    first it refuses is one token more by the runtime's own count."""
+    counts: list[int] = []
+    for words in range(1, 2 * LONGEST):
+        r = await embed(http, input=" ".join(["a"] * words))
+        if r.status_code != 200:
+            refused = runtime_length(r)
+            break
+        counts.append(r.json()["usage"]["prompt_tokens"])
+    else:
+        pytest.fail("the runtime took every input")
+    assert counts[-1] == LONGEST
+    assert refused == LONGEST + 1
+    # One word, one token: the count moves with the input, BOS and EOS on top of it.
+    assert counts == list(range(counts[0], LONGEST + 1))
+    assert counts[0] == 3
+
+
+async def test_usage_counts_tokens_the_engine_consumes(http: httpx.AsyncClient) -> None:
+    """For any text, the count modeld gives (the file's tokenizer, BOS and EOS) is the
+    runtime's: a taken input's ``usage`` and a refused input's length in the runtime's 413
+    both equal it; a batch's usage is the sum of its inputs', ``total_tokens`` the same."""
+    counter = token_counter(MODELS / "tiny-embed.litertlm")
+    texts = [
+        "Hello world",
+        "  spaces\tand\nnewlines  ",
+        "émigré naïve 日本語 🙂, punctuation!?",
+        "The quick brown fox jumps over the lazy dog. " * 3,
+        "zebra-lorem_ipsum/42 " * 6,
+        "The quick brown fox jumps over the lazy dog. " * 5,
+    ]
+    taken = refused = 0
+    for text, expected in zip(texts, counter.count(texts), strict=True):
+        r = await embed(http, input=text)
+        if r.status_code == 200:
+            taken += 1
+            assert r.json()["usage"]["prompt_tokens"] == expected, text
+        else:
+            refused += 1
+            assert runtime_length(r) == expected, text
+    assert taken >= 3 and refused >= 1
+    batch = (await embed(http, input=texts[:3])).json()["usage"]
+    total = sum(counter.count(texts[:3]))
+    assert batch == {"prompt_tokens": total, "total_tokens": total}
 
 
 async def test_each_kind_of_model_refuses_the_other_kinds_request(

@@ -21,7 +21,8 @@ JSON object. Parent -> child ops, each with an ``id``:
   -> one ``Counted``: the tokens its generation would prefill
 - ``embed`` (an engine created with ``kind: "embedding"``): an ``EmbedJob`` -> one
   ``Embedded``, one vector per input in order (the runtime's ``compute_embedding_batch``:
-  L2-normalised; ``dimensions`` truncates, then normalises)
+  L2-normalised; ``dimensions`` truncates, then normalises) and each input's tokens, counted
+  with the file's tokenizer (``modeld.modelfile.tokens``; absent where it cannot be read)
 - ``cancel``: ``target`` (a generate id) -> no reply of its own; the generation ends
   with ``finish: "cancelled"``
 - ``stats`` -> ``{"id", "ok": true, "pss", "rss", "ready"}`` (``ready``: a conversation
@@ -293,6 +294,19 @@ class _TokenBatcher:
                     self._flush_locked(time.monotonic())
 
 
+def _token_counter(path: str) -> Any:
+    """The embedding model's token counter, or None when its tokenizer cannot be read (the
+    reason goes to stderr, which a bug report quotes): its counts are then absent, never
+    guessed."""
+    try:
+        from modeld.modelfile.tokens import token_counter
+
+        return token_counter(path)
+    except Exception as e:
+        sys.stderr.write(f"runner: no token counts for {path}: {type(e).__name__}: {e}\n")
+        return None
+
+
 # Which waiting jobs get their conversation made during a decode (``_ahead_during_decode``).
 Ahead = Literal["all", "streamed", "none"]
 
@@ -330,6 +344,9 @@ class _Child:
         self.engine: Any = None
         self.kind = "text"  # or "embedding": the ``create`` spec's kind
         self.dimension: int | None = None  # an embedding model's vector length
+        # An embedding model's token counter (``modeld.modelfile.tokens``); None: its
+        # tokenizer cannot be read here, and its records carry no counts.
+        self.counter: Any = None
         self.max_tokens: int | None = None
         self.jobs: queue.Queue[Queued | None] = queue.Queue()
         self.cancelled: set[int] = set()
@@ -436,6 +453,7 @@ class _Child:
 
                 embedding = litert_lm.ModelInfo(spec.path).embedding
                 self.dimension = embedding.dimension if embedding is not None else None
+                self.counter = _token_counter(spec.path)
         except Exception as e:
             reason = self.runtime_reason(e)
             if speculative:
@@ -704,10 +722,11 @@ class _Child:
         batch = self.engine.compute_embedding_batch(list(job.inputs), options)
         vectors = [r.embedding for r in batch]
         seconds = time.perf_counter() - started
-        # No token counts: 0.18.1's embedding API reports none.
+        # 0.18.1's embedding API reports no token counts: the file's tokenizer counts them.
+        tokens = None if self.counter is None else self.counter.count(job.inputs)
         dimensions = len(vectors[0]) if vectors else size or self.dimension
         timings = RunnerTimings(prefill=seconds, embed=seconds)
-        self.send_final(rid, Embedded(vectors, dimensions, timings))
+        self.send_final(rid, Embedded(vectors, dimensions, timings, tokens))
 
     def _count(self, rid: int, job: CountJob) -> None:
         """The tokens the job's prompt takes, in one final record.

@@ -355,11 +355,19 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class Embedded:
-    """The runner's one record for an ``EmbedJob``: one vector per input, in order."""
+    """The runner's one record for an ``EmbedJob``: one vector per input, in order, and the
+    tokens the engine consumed for each (None: the file's tokenizer is not one modeld reads,
+    ``modeld.modelfile.tokens``)."""
 
     embeddings: tuple[tuple[float, ...], ...] | list[list[float]]
     dimensions: int | None
     timings: RunnerTimings = RunnerTimings()
+    tokens: tuple[int, ...] | None = None
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """All inputs' tokens together, or None where they were not counted."""
+        return None if self.tokens is None else sum(self.tokens)
 
 
 # How a ``Counted`` was had: "rendered" (the prompt rendered with the model's template, then
@@ -433,7 +441,9 @@ def record_of(data: dict[str, Any]) -> Done | Embedded | Counted:
     """A final record from its frame (``record_to_wire``)."""
     timings = RunnerTimings(**(data.get("timings") or {}))
     if "embeddings" in data:
-        return Embedded(data["embeddings"], data.get("dimensions"), timings)
+        tokens = data.get("tokens")
+        counts = None if tokens is None else tuple(int(n) for n in tokens)
+        return Embedded(data["embeddings"], data.get("dimensions"), timings, counts)
     if "by" in data:
         by = next((b for b in get_args(CountedBy) if b == data.get("by")), None)
         if by is None:
