@@ -150,6 +150,9 @@ def test_records_survive_the_wire() -> None:
     assert record_of(record_to_wire(done)) == done
     embedded = Embedded([[0.5, 0.25]], 2, RunnerTimings(prefill=0.125, embed=0.125))
     assert record_of(record_to_wire(embedded)) == embedded
+    counted = Embedded([[0.5], [0.25]], 1, RunnerTimings(embed=0.125), tokens=(3, 4))
+    assert record_of(record_to_wire(counted)) == counted
+    assert counted.prompt_tokens == 7 and embedded.prompt_tokens is None
     job = EmbedJob(("a", "b"), 2)
     assert job_of("embed", job.to_wire()) == job
 
