@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from modeld.daemon.root import Root
-from modeld.errors import ModelNotFound
+from modeld.errors import ModelNotFound, ModelNotInstalled
 from modeld.modelfile.header import read_header
 from modeld.services.parts import Services
 from modeld.store.store import sha256_file
@@ -106,6 +106,38 @@ async def test_show_of_a_model_not_installed_says_how_to_install(started: Servic
         assert "modeld pull absent" in doc["plans"][name]["error"]["message"]
     with pytest.raises(ModelNotFound):
         await started.models.show("nope")
+
+
+async def test_capabilities_are_read_from_the_file(clean_env: Path) -> None:
+    """A text model's window is its file's unless its entry sets one; vision, embedding, tools
+    and thinking come from the header; an id not installed or unknown is refused."""
+    home, registry = clean_env / "home", clean_env / "registry"
+    install_fixture(home, "tiny-text", TINY, registry=registry)
+    install_fixture(home, "gemma3n-like", GEMMA3N, registry=registry)
+    install_fixture(home, "tiny-embed", MODELS / "tiny-embed.litertlm", registry=registry)
+    install_fixture(home, "short", TINY)
+    digest, size = sha256_file(TINY)
+    write_entry(registry, "short", size=size, sha256=digest, extra="[limits]\nmax_tokens = 128\n")
+    write_entry(registry, "absent", size=123, sha256="a" * 64)
+    async with Root(registry_settings(home, registry), spare=False) as services:
+        models = services.models
+        text = await models.capabilities("tiny-text")
+        assert text.to_dict() == {
+            "context_length": 256,
+            "vision": False,
+            "tools": False,
+            "embedding": False,
+            "thinking": False,
+        }
+        assert (await models.capabilities("short")).context_length == 128
+        vision = await models.capabilities("gemma3n-like")
+        assert vision.vision and not vision.embedding
+        embed = await models.capabilities("tiny-embed")
+        assert embed.embedding and not embed.vision
+        with pytest.raises(ModelNotInstalled):
+            await models.capabilities("absent")
+        with pytest.raises(ModelNotFound):
+            await models.capabilities("nope")
 
 
 async def test_verify_rehashes_and_keeps_the_registry_verdict(started: Services) -> None:
