@@ -21,6 +21,9 @@ from pathlib import Path
 # A registry entry's id: it names a partial file, so no "/" and no leading dot.
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 MODEL_ID_RE = re.compile(MODEL_ID_PATTERN)
+# Ollama's clients name a model ``name:tag``. modeld keeps one file per id, and that file is
+# the id's only tag: ``tiny-text:latest`` is ``tiny-text``, any other tag names nothing.
+LATEST_TAG = "latest"
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 BLOB_RE = re.compile(r"^sha256-([0-9a-f]{64})$")
 PARTIAL_SUFFIX = ".partial"
@@ -81,6 +84,25 @@ def repo_part_problem(part: str) -> str | None:
     if not _PART_RE.fullmatch(part) or ".." in part:
         return "holds other characters than letters, digits, '.', '_' and '-', or '..'"
     return None
+
+
+def untagged(text: str) -> str:
+    """``text`` without a ``:latest`` tag; any other text as it is."""
+    name, sep, tag = text.rpartition(":")
+    return name if sep and tag == LATEST_TAG else text
+
+
+def tag_refusal(text: str) -> str | None:
+    """What is wrong with ``text`` when it is a valid id with a tag other than ``:latest``
+    (``tiny-text:q4``); None for anything else."""
+    name, sep, tag = text.rpartition(":")
+    if not sep or tag == LATEST_TAG or not MODEL_ID_RE.fullmatch(name):
+        return None
+    return (
+        f"{text[:160]!r} asks for tag {tag[:40]!r}, and modeld has one file per model id, "
+        f"tagged only :{LATEST_TAG}; send {name!r} (or '{name}:{LATEST_TAG}'), or a variant's "
+        "own id from `modeld list`"
+    )
 
 
 def model_id_from(name: str) -> str | None:

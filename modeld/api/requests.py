@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from aiohttp import web
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -34,6 +35,7 @@ from modeld.api import access
 from modeld.api.bodies import read_json
 from modeld.catalog.catalog import ID_PATTERN
 from modeld.errors import BadRequest, TooLarge
+from modeld.layout import tag_refusal, untagged
 from modeld.services.inference import Generation, Options, Shape, Turn
 
 # Bounds the runtime's C++ side takes without overflow (int32 fields).
@@ -49,8 +51,20 @@ def pattern(regex: str, says: str) -> Any:
     return Field(pattern=regex)
 
 
+def _untagged(value: Any) -> Any:
+    """A model id without its ``:latest`` tag; another tag is refused saying why."""
+    if not isinstance(value, str):
+        return value
+    value = untagged(value)
+    refusal = tag_refusal(value)
+    if refusal is not None:
+        raise ValueError(refusal)
+    return value
+
+
 ModelId = Annotated[
     StrictStr,
+    BeforeValidator(_untagged),
     pattern(
         ID_PATTERN, "is not a valid model id (letters, digits, . _ -; at most 128; no / or ..)"
     ),
