@@ -172,7 +172,9 @@ def warm_up_rows(socket: Path, tokens: int, steady: int) -> dict[str, float]:
         assert status == 200, view
         firsts = []
         for _ in range(steady + 1):
-            status, records = unix_request(socket, "POST", "/api/generate", body, timeout=300)
+            status, records = unix_request(
+                socket, "POST", "/api/modeld/generate", body, timeout=300
+            )
             assert status == 200, records
             firsts.append(float(records[-1]["timings"]["first_token"]))
         out[f"{mode}_first"] = firsts[0]

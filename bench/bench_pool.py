@@ -123,7 +123,7 @@ async def daemon_runs(d: DaemonProcess, direct: Direct, args: argparse.Namespace
 
         async def once() -> float:
             t = time.perf_counter()
-            async for _ in c.stream("POST", "/api/generate", body):
+            async for _ in c.stream("POST", "/api/modeld/generate", body):
                 pass
             return time.perf_counter() - t
 
@@ -145,7 +145,9 @@ async def daemon_runs(d: DaemonProcess, direct: Direct, args: argparse.Namespace
         if LARGE.is_file():
             await c.request("DELETE", "/api/engines/tiny-text")
             await c.request("POST", "/api/engines", {"model": "large-text"})
-            async for _ in c.stream("POST", "/api/generate", {**body, "model": "large-text"}):
+            async for _ in c.stream(
+                "POST", "/api/modeld/generate", {**body, "model": "large-text"}
+            ):
                 pass
             await asyncio.sleep(1.5)
             got["large"] = (await c.request("GET", "/api/engines"))["engines"][0]

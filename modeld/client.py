@@ -178,7 +178,7 @@ def generation_body(
     keep_alive: str | float | None = None,
     allow_unverified: bool = False,
 ) -> dict[str, Any]:
-    """The body of ``POST /api/generate``; unset fields are left to the daemon."""
+    """The body of ``POST /api/modeld/generate``; unset fields are left to the daemon."""
     import base64  # here: only a generation needs it
 
     body: dict[str, Any] = {"model": model}
@@ -639,7 +639,7 @@ class Client:
         ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
         ``keep_alive``, ``allow_unverified``."""
         return self.stream(
-            "POST", "/api/generate", generation_body(model, prompt=prompt, **options)
+            "POST", "/api/modeld/generate", generation_body(model, prompt=prompt, **options)
         )
 
     def chat(
@@ -649,7 +649,7 @@ class Client:
         if not messages:
             raise BadRequest("chat needs at least one message")
         body = generation_body(model, messages=messages, **options)
-        return self.stream("POST", "/api/generate", body)
+        return self.stream("POST", "/api/modeld/generate", body)
 
     def embed(self, model: str, inputs: str | list[str], **options: Any) -> list[list[float]]:
         """One vector per input, in order, from an embedding model (``/v1/embeddings``).
@@ -855,7 +855,7 @@ class AsyncClient:
 
     def generate(self, model: str, prompt: str, **options: Any) -> AsyncIterator[dict[str, Any]]:
         return self.stream(
-            "POST", "/api/generate", generation_body(model, prompt=prompt, **options)
+            "POST", "/api/modeld/generate", generation_body(model, prompt=prompt, **options)
         )
 
     def chat(
@@ -864,7 +864,7 @@ class AsyncClient:
         if not messages:
             raise BadRequest("chat needs at least one message")
         return self.stream(
-            "POST", "/api/generate", generation_body(model, messages=messages, **options)
+            "POST", "/api/modeld/generate", generation_body(model, messages=messages, **options)
         )
 
     async def embed(self, model: str, inputs: str | list[str], **options: Any) -> list[list[float]]:

@@ -120,7 +120,9 @@ def test_startup_after_kill9_recovers_partial_and_leaves_no_runner(rig: Rig) -> 
     assert records[-1]["state"] == "installed", records[-1]
     assert records[-1]["resumed"] >= 512 * 1024
     assert (rig.home / "blobs" / f"sha256-{PULL_SHA}").read_bytes() == PULL_DATA
-    out = unix_request(d.socket, "POST", "/api/generate", {"model": "tiny-text", "prompt": "x"})[1]
+    out = unix_request(
+        d.socket, "POST", "/api/modeld/generate", {"model": "tiny-text", "prompt": "x"}
+    )[1]
     assert out[-1].get("done"), out[-1]
     assert d.stop() == 0
     assert check_state(rig.home).journals == {}
@@ -204,7 +206,9 @@ def test_enospc_mid_pull_is_one_disk_full_error_and_daemon_serves_on(short_tmp: 
         assert unix_request(d.socket, "GET", "/api/downloads")[1]["downloads"] == []
         status_doc = unix_request(d.socket, "GET", "/api/status")[1]
         assert any("disk full" in p for p in status_doc["downloads"]["problems"]), status_doc
-        out = unix_request(d.socket, "POST", "/api/generate", {"model": "tiny-text", "prompt": "x"})
+        out = unix_request(
+            d.socket, "POST", "/api/modeld/generate", {"model": "tiny-text", "prompt": "x"}
+        )
         assert out[0] == 200 and out[1][-1].get("done"), out
         assert (d.home / "partial" / "m1.partial").is_file()
         # Space again: the pull resumes from the kept partial and installs the right bytes.
@@ -297,7 +301,7 @@ async def _segv_mid_stream(c: AsyncClient, pid: int) -> tuple[int, EngineCrashed
     async def read() -> None:
         # A reader task, so waiting with a timeout never cancels the stream itself.
         try:
-            async for rec in c.stream("POST", "/api/generate", body):
+            async for rec in c.stream("POST", "/api/modeld/generate", body):
                 records.put_nowait(rec)
             records.put_nowait(None)
         except Exception as e:
@@ -361,7 +365,7 @@ async def test_runner_sigsegv_mid_generation(short_tmp: Path) -> None:
                 r
                 async for r in c.stream(
                     "POST",
-                    "/api/generate",
+                    "/api/modeld/generate",
                     {"model": "tiny-text", "prompt": "again", "max_tokens": 5},
                 )
             ][-1]

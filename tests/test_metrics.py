@@ -58,7 +58,7 @@ async def until(socket: Path, check: Any, within: float = 10.0) -> Samples:
 async def generate(c: AsyncClient, **body: Any) -> dict[str, Any]:
     body = {"model": "tiny-text", "prompt": "hi", "max_tokens": 8, **body}
     final: dict[str, Any] = {}
-    async for rec in c.stream("POST", "/api/generate", body):
+    async for rec in c.stream("POST", "/api/modeld/generate", body):
         if "token" not in rec:
             final = rec
     return final
@@ -127,8 +127,10 @@ async def test_generate_feeds_pool_and_request_metrics(pulled: Any) -> None:
         for phase in ("load", "queue", "prefill", "first_token", "total"):
             assert value(samples, "modeld_generate_phase_seconds_count", phase=phase) >= 1, phase
         assert value(samples, "modeld_generated_tokens_total", model="tiny-text") >= 1
-        assert value(samples, "modeld_http_request_seconds_count", route="/api/generate") == 1
-        assert total(samples, "modeld_http_requests_total", route="/api/generate") == 1
+        assert (
+            value(samples, "modeld_http_request_seconds_count", route="/api/modeld/generate") == 1
+        )
+        assert total(samples, "modeld_http_requests_total", route="/api/modeld/generate") == 1
 
         # A runner killed from outside is a crash, counted by model and signal.
         pid = (await c.request("GET", "/api/engines"))["engines"][0]["pid"]

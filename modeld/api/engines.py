@@ -1,4 +1,4 @@
-"""``GET/POST /api/engines``, ``DELETE /api/engines/{id}``, ``POST /api/generate`` and
+"""``GET/POST /api/engines``, ``DELETE /api/engines/{id}``, ``POST /api/modeld/generate`` and
 ``DELETE /api/models/{id}/memory`` (forget the peaks learned for a model's file).
 
 Bodies are validated by the pydantic models in ``modeld.api.requests``; loads and
@@ -84,5 +84,5 @@ def add_routes(app: web.Application, services: Services) -> None:
     app.router.add_get("/api/engines", list_engines)
     app.router.add_post("/api/engines", load)
     app.router.add_delete("/api/engines/{id}", unload)
-    app.router.add_post("/api/generate", generate)
+    app.router.add_post("/api/modeld/generate", generate)
     app.router.add_delete("/api/models/{id}/memory", forget_memory)

@@ -112,7 +112,7 @@ class NativeMessage(Strict):
 
 
 class GenerateBody(Sampling):
-    """``POST /api/generate``."""
+    """``POST /api/modeld/generate``."""
 
     model: ModelId
     prompt: StrictStr | None = None
@@ -464,7 +464,8 @@ def stops(value: str | list[str] | None) -> list[str]:
 
 
 def from_native(body: GenerateBody) -> Generation:
-    """A ``POST /api/generate`` body as a ``Generation`` (images go with the last message)."""
+    """A ``POST /api/modeld/generate`` body as a ``Generation`` (images go with the last
+    message)."""
     if body.prompt is not None:
         turns = [Turn("user", body.prompt)]
         if body.system is not None:

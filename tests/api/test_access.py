@@ -119,7 +119,11 @@ def test_socket_group_grants_use_not_admin(shared_daemon: tuple[DaemonProcess, P
     ]
     fields = [
         ("POST", "/api/engines", {"model": "tiny-text", "pin": True}),
-        ("POST", "/api/generate", {"model": "tiny-text", "prompt": "x", "allow_unverified": True}),
+        (
+            "POST",
+            "/api/modeld/generate",
+            {"model": "tiny-text", "prompt": "x", "allow_unverified": True},
+        ),
         (
             "POST",
             "/v1/chat/completions",
@@ -173,7 +177,7 @@ def test_a_use_peer_keep_alive_lengthens_an_engine_never_shortens_it(
         [
             (
                 "POST",
-                "/api/generate",
+                "/api/modeld/generate",
                 {"model": "tiny-text", "prompt": "hi", "max_tokens": 3, "keep_alive": 0},
             ),
             ("POST", "/v1/chat/completions", {**chat, "max_tokens": 3, "keep_alive": "0"}),

@@ -487,8 +487,8 @@ def test_huge_prompt_teaches_nothing(arena: Arena) -> None:
     millions = json.dumps({"model": "tiny-text", "prompt": "word " * (MAX_BODY // 6)}).encode()
     window = json.dumps({"model": "tiny-text", "prompt": "zq " * 2700}).encode()  # < 8192 B
     huge, near = arena.send(
-        ("POST", "/api/generate", arena.body("millions.json", millions)),
-        ("POST", "/api/generate", arena.body("window.json", window)),
+        ("POST", "/api/modeld/generate", arena.body("millions.json", millions)),
+        ("POST", "/api/modeld/generate", arena.body("window.json", window)),
     )
     assert huge[0] == 400 and _error(huge)["code"] == "context_length_exceeded", huge
     # It answered 500 engine_error ("Input token ids are too long"): now the same refusal.
@@ -499,7 +499,7 @@ def test_huge_prompt_teaches_nothing(arena: Arena) -> None:
     for engine in engines:
         assert unix_request(arena.sock, "DELETE", f"/api/engines/{engine['id']}")[0] == 200
     hello = json.dumps({"model": "tiny-text", "prompt": "hello", "max_tokens": 3}).encode()
-    again = arena.send(("POST", "/api/generate", arena.body("hello.json", hello)))
+    again = arena.send(("POST", "/api/modeld/generate", arena.body("hello.json", hello)))
     assert again[0][0] == 200 and again[0][1][-1].get("done"), again
     with sqlite3.connect(f"file:{arena.daemon.home / 'modeld.db'}?mode=ro", uri=True) as db:
         learned = [row[0] for row in db.execute("SELECT pss FROM memory")]
@@ -522,7 +522,7 @@ def test_deep_json_and_long_integers(arena: Arena) -> None:
     targets = [
         ("POST", "/api/prune"),
         ("DELETE", "/api/models/tiny-text"),
-        ("POST", "/api/generate"),
+        ("POST", "/api/modeld/generate"),
         ("POST", "/v1/chat/completions"),
         ("POST", "/api/models/tiny-text/pull"),
     ]
@@ -541,7 +541,7 @@ def test_json_bomb_and_many_large_bodies_at_once(arena: Arena) -> None:
     big = big[:-1] + b" " * (MAX_BODY - len(big)) + b"}"
     assert len(big) == MAX_BODY
     path = arena.body("big.json", big)
-    answers = arena.hostile("together", [["POST", "/api/generate", path]] * 16)
+    answers = arena.hostile("together", [["POST", "/api/modeld/generate", path]] * 16)
     statuses = sorted(status for status, _, _ in answers)
     assert set(statuses) <= {400, 413, 503}, answers
     assert all(_error(a)["code"] == "context_length_exceeded" for a in answers if a[0] == 400)
@@ -567,7 +567,11 @@ def test_image_bomb(arena: Arena) -> None:
     for model in ("absent", "tiny-text", "tiny-vision"):
         body = {"model": model, "prompt": "what is this?", "images": [image]}
         requests.append(
-            ("POST", "/api/generate", arena.body(f"bomb-{model}.json", json.dumps(body).encode()))
+            (
+                "POST",
+                "/api/modeld/generate",
+                arena.body(f"bomb-{model}.json", json.dumps(body).encode()),
+            )
         )
     chat = {
         "model": "tiny-vision",

@@ -134,7 +134,7 @@ LONG_INT = b'{"force": ' + b"7" * 5000 + b"}"
     [
         ("POST", "/api/prune"),
         ("DELETE", "/api/models/tiny-text"),
-        ("POST", "/api/generate"),
+        ("POST", "/api/modeld/generate"),
         ("POST", "/v1/chat/completions"),
     ],
 )
@@ -163,7 +163,7 @@ async def test_too_many_json_values_is_413(daemon: InProcessDaemon) -> None:
     import asyncio
 
     body = b'{"stop": [' + b",".join([b"0"] * 150_000) + b"]}"
-    for method, target in (("POST", "/api/generate"), ("POST", "/api/prune")):
+    for method, target in (("POST", "/api/modeld/generate"), ("POST", "/api/prune")):
         status, _, raw = await asyncio.to_thread(
             http, daemon.settings.socket_path, method, target, body
         )
@@ -213,7 +213,7 @@ def test_body_over_max_body_is_413_unread(daemon_with: Any) -> None:
     body that grows past it is refused too."""
     d = daemon_with(MODELD_MAX_BODY="1MiB", MODELD_BODY_MEMORY="2MiB")
     with _connect(d.socket) as s:
-        s.sendall(_head("POST", "/api/generate", 2 * MiB) + b'{"model": ')
+        s.sendall(_head("POST", "/api/modeld/generate", 2 * MiB) + b'{"model": ')
         status, _, raw = _read_response(s)
     assert status == 413
     err = error_of(raw)
@@ -221,7 +221,7 @@ def test_body_over_max_body_is_413_unread(daemon_with: Any) -> None:
 
     chunk = b"x" * 65536
     with _connect(d.socket) as s:
-        s.sendall(_head("POST", "/api/generate", None, "Transfer-Encoding: chunked"))
+        s.sendall(_head("POST", "/api/modeld/generate", None, "Transfer-Encoding: chunked"))
         try:
             for _ in range(24):  # 1.5 MiB
                 s.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
@@ -242,13 +242,13 @@ def test_bodies_read_at_once_are_bounded(daemon_with: Any) -> None:
     assert len(body) == MiB
 
     def third() -> tuple[int, dict[str, str], bytes]:
-        return http(d.socket, "POST", "/api/generate", body)
+        return http(d.socket, "POST", "/api/modeld/generate", body)
 
     held = [_connect(d.socket) for _ in range(2)]
     try:
         for s in held:
             # Expect: 100-continue: the daemon says "continue" once the handler reads the body.
-            s.sendall(_head("POST", "/api/generate", MiB, "Expect: 100-continue"))
+            s.sendall(_head("POST", "/api/modeld/generate", MiB, "Expect: 100-continue"))
             assert s.recv(64).startswith(b"HTTP/1.1 100")
             s.sendall(body[: MiB // 2])
         status, headers, raw = third()
@@ -256,7 +256,9 @@ def test_bodies_read_at_once_are_bounded(daemon_with: Any) -> None:
         assert error_of(raw)["code"] == "busy" and "MODELD_BODY_MEMORY" in error_of(raw)["message"]
         assert headers.get("retry-after") == "1"
         # Small bodies do not count against the bound.
-        small = http(d.socket, "POST", "/api/generate", b'{"model": "tiny-text", "prompt": "hi"}')
+        small = http(
+            d.socket, "POST", "/api/modeld/generate", b'{"model": "tiny-text", "prompt": "hi"}'
+        )
         assert small[0] == 404, small
         held[0].sendall(body[MiB // 2 :])
         assert _read_response(held[0])[0] == 404
@@ -306,7 +308,7 @@ def test_connections_all_running_get_503_busy(daemon_with: Any) -> None:
     busy = [_connect(d.socket) for _ in range(4)]
     try:
         for s in busy:
-            s.sendall(_head("POST", "/api/generate", len(body), "Expect: 100-continue"))
+            s.sendall(_head("POST", "/api/modeld/generate", len(body), "Expect: 100-continue"))
             assert s.recv(64).startswith(b"HTTP/1.1 100")
         status, headers, raw = http(d.socket, "GET", "/api/health")
         assert status == 503 and headers.get("retry-after") == "1"
@@ -364,7 +366,7 @@ def test_slow_head_and_slow_body_are_dropped(daemon_with: Any) -> None:
     assert "header_timeout" in d.wait_log("header_timeout", count=2)
 
     with _connect(d.socket) as s:
-        s.sendall(_head("POST", "/api/generate", 100) + b'{"model": "tiny')
+        s.sendall(_head("POST", "/api/modeld/generate", 100) + b'{"model": "tiny')
         status, _, raw = _read_response(s)
     assert status == 408 and error_of(raw)["code"] == "request_timeout"
     assert "MODELD_BODY_TIMEOUT" in error_of(raw)["message"]
@@ -393,7 +395,7 @@ async def test_prompt_past_the_window_is_refused_before_any_engine(clean_env: Pa
                 {"role": "user", "content": "u" * 3000},
             ],
         }
-        for target, body in (("/api/generate", native), ("/v1/chat/completions", chat)):
+        for target, body in (("/api/modeld/generate", native), ("/v1/chat/completions", chat)):
             status, _, raw = await asyncio.to_thread(
                 http, sock, "POST", target, json.dumps(body).encode()
             )
@@ -419,7 +421,7 @@ async def test_prompt_under_the_byte_bound_but_past_the_window_is_refused(
     async with running_daemon(registry_settings(home, registry)) as d:
         body = json.dumps({"model": "tiny-text", "prompt": "zq " * 2700}).encode()  # 8,100 B
         status, _, raw = await asyncio.to_thread(
-            http, d.settings.socket_path, "POST", "/api/generate", body
+            http, d.settings.socket_path, "POST", "/api/modeld/generate", body
         )
         assert status == 400, raw[:300]
         err = error_of(raw)
@@ -431,7 +433,7 @@ async def test_prompt_under_the_byte_bound_but_past_the_window_is_refused(
         ), err
         ok = json.dumps({"model": "tiny-text", "prompt": "hello", "max_tokens": 2}).encode()
         status, _, raw = await asyncio.to_thread(
-            http, d.settings.socket_path, "POST", "/api/generate", ok
+            http, d.settings.socket_path, "POST", "/api/modeld/generate", ok
         )
         assert status == 200, raw[:300]
 
@@ -466,7 +468,7 @@ def test_image_bomb_is_refused_from_its_header(short_tmp: Path) -> None:
             ("tiny-vision", 413, "too_large"),
         ):
             body = {"model": model, "prompt": "what is this?", "images": [bomb]}
-            got, _, raw = http(d.socket, "POST", "/api/generate", json.dumps(body).encode())
+            got, _, raw = http(d.socket, "POST", "/api/modeld/generate", json.dumps(body).encode())
             grown = _peak_rss(d.proc.pid) - peak
             assert grown < 100 * MiB, f"{model}: peak RSS grew {grown / MiB:.0f} MiB"
             assert (got, error_of(raw)["code"]) == (status, code), raw[:300]

@@ -61,7 +61,7 @@ def settings_for(root: Path, **kw: Any) -> Any:
 async def generate(client: AsyncClient, **body: Any) -> tuple[str, dict[str, Any]]:
     body.setdefault("max_tokens", 8)
     text, final = [], {}
-    async for rec in client.stream("POST", "/api/generate", body):
+    async for rec in client.stream("POST", "/api/modeld/generate", body):
         if "token" in rec:
             text.append(rec["token"])
         else:
@@ -200,7 +200,7 @@ async def test_a_long_streamed_reply_comes_in_few_frames_with_the_whole_text(
         began = time.monotonic()
         pieces = [
             rec["token"]
-            async for rec in c.stream("POST", "/api/generate", {"prompt": prompt, **body})
+            async for rec in c.stream("POST", "/api/modeld/generate", {"prompt": prompt, **body})
             if "token" in rec
         ]
         native_seconds = time.monotonic() - began
@@ -557,7 +557,7 @@ def test_a_load_that_only_pinned_engines_block_is_refused_at_once(short_tmp: Pat
         assert "pinned engines (tiny-text:cpu)" in out.stderr, out.stderr
         assert "waiting frees none of it; unload one (`modeld unload tiny-text`)" in out.stderr
         status, body = unix_request(
-            d.socket, "POST", "/api/generate", {"model": "tiny-text-b", "prompt": "hi"}
+            d.socket, "POST", "/api/modeld/generate", {"model": "tiny-text-b", "prompt": "hi"}
         )
         assert status == 422 and body["error"]["code"] == "pinned_memory", body
         d.cli_json("unload", "tiny-text")
@@ -627,13 +627,13 @@ def test_clients_that_leave_are_client_left_and_their_generation_is_cancelled(
         d.wait_log("client_left", 1)
 
         # Clients that leave while they wait behind one that stays.
-        keeper = _sent(d.socket, "/api/generate", native)
+        keeper = _sent(d.socket, "/api/modeld/generate", native)
         wait_sync(lambda: _engine(d)["requests"] > served + 1, 30, "the keeper running")
         arrived = _engine(d)["requests"] + _engine(d)["queued"]
         leavers = [
             _sent(d.socket, target, body)
             for target, body in [
-                ("/api/generate", native),
+                ("/api/modeld/generate", native),
                 ("/v1/chat/completions", chat),
                 ("/v1/chat/completions", {**chat, "stream": True}),
             ]
@@ -663,5 +663,5 @@ def test_clients_that_leave_are_client_left_and_their_generation_is_cancelled(
         d.stop()
     assert "unhandled error" not in log and "Traceback" not in log, log[-4000:]
     assert 'status="500"' not in metrics
-    assert 'modeld_http_requests_total{route="/api/generate",status="499"} 2.0' in metrics
+    assert 'modeld_http_requests_total{route="/api/modeld/generate",status="499"} 2.0' in metrics
     assert 'modeld_http_requests_total{route="/v1/chat/completions",status="499"} 5.0' in metrics

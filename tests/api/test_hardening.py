@@ -31,7 +31,7 @@ ROUTE_TEMPLATES = [
     ("GET", "/api/engines"),
     ("POST", "/api/engines"),
     ("DELETE", "/api/engines/{id}"),
-    ("POST", "/api/generate"),
+    ("POST", "/api/modeld/generate"),
     ("GET", "/v1/models"),
     ("POST", "/v1/chat/completions"),
 ]
@@ -200,7 +200,7 @@ def test_huge_body_is_413_and_daemon_survives(hostile_target: DaemonProcess) -> 
         status, body = _send(
             hostile_target.socket,
             "POST",
-            "/api/generate",
+            "/api/modeld/generate",
             big,
             {"Content-Type": "application/json"},
         )
@@ -214,7 +214,7 @@ def test_huge_body_is_413_and_daemon_survives(hostile_target: DaemonProcess) -> 
 def test_client_disconnects_mid_request(hostile_target: DaemonProcess) -> None:
     """Clients that vanish mid-body or mid-headers leave the daemon serving."""
     for payload in (
-        b"POST /api/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{",
+        b"POST /api/modeld/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{",
         b"GET /api/sta",
         b"\x00\xff garbage \r\n\r\n",
     ):

@@ -225,7 +225,7 @@ async def test_image_data_url_takes_the_image_path(
         json={"model": "vision-cpu-ok", "messages": [message], "max_tokens": 3},
     )
     native = await http.post(
-        "/api/generate",
+        "/api/modeld/generate",
         json={
             "model": "vision-cpu-ok",
             "prompt": "what is this?",
@@ -339,17 +339,37 @@ async def test_openai_client_raises_typed_errors(oa: openai.AsyncOpenAI) -> None
 @pytest.mark.parametrize(
     ("method", "path", "body", "needle"),
     [
-        ("POST", "/api/generate", {"model": "tiny-text", "prompt": "x", "max_tokens": 0}, "≥ 1"),
-        ("POST", "/api/generate", {"model": "tiny-text", "prompt": "x", "tokens": 3}, "unknown"),
         (
             "POST",
-            "/api/generate",
+            "/api/modeld/generate",
+            {"model": "tiny-text", "prompt": "x", "max_tokens": 0},
+            "≥ 1",
+        ),
+        (
+            "POST",
+            "/api/modeld/generate",
+            {"model": "tiny-text", "prompt": "x", "tokens": 3},
+            "unknown",
+        ),
+        (
+            "POST",
+            "/api/modeld/generate",
             {"model": "tiny-text", "prompt": "x", "messages": [{"role": "user", "content": "x"}]},
             'either "prompt" (a string) or "messages" (a list), not both',
         ),
-        ("POST", "/api/generate", {"model": "tiny-text", "prompt": 5}, '"prompt": must be'),
-        ("POST", "/api/generate", {"model": "tiny-text", "prompt": "x", "images": ["*"]}, "base64"),
-        ("POST", "/api/generate", {"model": "tiny-text", "prompt": "x", "keep_alive": []}, "30s"),
+        ("POST", "/api/modeld/generate", {"model": "tiny-text", "prompt": 5}, '"prompt": must be'),
+        (
+            "POST",
+            "/api/modeld/generate",
+            {"model": "tiny-text", "prompt": "x", "images": ["*"]},
+            "base64",
+        ),
+        (
+            "POST",
+            "/api/modeld/generate",
+            {"model": "tiny-text", "prompt": "x", "keep_alive": []},
+            "30s",
+        ),
         ("POST", "/api/engines", {"model": "tiny-text", "pin": "yes"}, '"pin": must be true'),
         ("POST", "/api/engines", {"model": "tiny-text", "backends": {"main": "tpu"}}, "main"),
         ("POST", "/api/models/import", {"path": "relative.litertlm"}, "absolute path"),
@@ -358,7 +378,7 @@ async def test_openai_client_raises_typed_errors(oa: openai.AsyncOpenAI) -> None
         ("GET", "/api/models/..%2f..%2fetc", None, "not a valid model id"),
         ("DELETE", "/api/downloads/" + "x" * 300, None, "not a valid model id"),
         ("DELETE", "/api/engines/a%00b", None, "not an engine or model id"),
-        ("POST", "/api/generate", None, "body is empty"),
+        ("POST", "/api/modeld/generate", None, "body is empty"),
     ],
 )
 async def test_native_bodies_and_ids_are_validated(
@@ -430,7 +450,7 @@ CALL: Any = {"id": "c1", "type": "function", "function": {"name": "f", "argument
             '"prompt": takes one prompt per request (got 2); send a string',
         ),
         (
-            "/api/generate",
+            "/api/modeld/generate",
             {"prompt": None},
             400,
             '"prompt" (a string) or "messages" (a list) is required; send one',
@@ -469,7 +489,7 @@ async def test_validation_messages_name_the_field_in_the_clients_terms(
     assert r.json()["error"]["message"] == message
 
 
-@pytest.mark.parametrize("path", ["/api/generate", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/api/modeld/generate", "/v1/chat/completions"])
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
 async def test_a_temperature_that_is_not_finite_says_so_once(
     http: httpx.AsyncClient, path: str, value: str
@@ -492,9 +512,13 @@ PAIRED = '"a\\ud83d\\ude00b"'  # the JSON escapes of one emoji
 @pytest.mark.parametrize(
     ("path", "body", "field"),
     [
-        ("/api/generate", '{"model": "tiny-text", "prompt": TEXT, "max_tokens": 2}', '"prompt"'),
         (
-            "/api/generate",
+            "/api/modeld/generate",
+            '{"model": "tiny-text", "prompt": TEXT, "max_tokens": 2}',
+            '"prompt"',
+        ),
+        (
+            "/api/modeld/generate",
             '{"model": "tiny-text", "prompt": "x", "system": TEXT, "max_tokens": 2}',
             '"system"',
         ),

@@ -216,8 +216,8 @@ async def test_each_kind_of_model_refuses_the_other_kinds_request(
 async def test_native_generation_on_an_embedding_model_is_refused(
     http: httpx.AsyncClient,
 ) -> None:
-    """``/api/generate`` on an embedding model is the same 422 before any runner starts."""
-    r = await http.post("/api/generate", json={"model": "tiny-embed", "prompt": "hi"})
+    """``/api/modeld/generate`` on an embedding model is the same 422 before any runner starts."""
+    r = await http.post("/api/modeld/generate", json={"model": "tiny-embed", "prompt": "hi"})
     assert r.status_code == 422, r.text
     assert r.json()["error"]["code"] == "not_text_model"
     assert (await http.get("/api/engines")).json()["engines"] == []

@@ -52,7 +52,7 @@ async def test_long_requests_first_check_that_the_daemon_answers(silent_socket: 
         with pytest.raises(DaemonUnavailable, match="sent no answer"):
             await client.request("POST", "/api/engines", {"model": "tiny-text"})
         with pytest.raises(DaemonUnavailable, match="sent no answer"):
-            async for _ in client.stream("POST", "/api/generate", {"model": "tiny-text"}):
+            async for _ in client.stream("POST", "/api/modeld/generate", {"model": "tiny-text"}):
                 pass
 
 

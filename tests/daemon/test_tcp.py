@@ -142,7 +142,7 @@ def test_a_keys_role_is_the_peers_role(tcp: Tcp) -> None:
     assert status == 200 and "tiny-text" in [m["id"] for m in body["models"]]
     status, _, records = tcp.request(
         "POST",
-        "/api/generate",
+        "/api/modeld/generate",
         key=tcp.use_key,
         body={"model": "tiny-text", "prompt": "hi", "max_tokens": 2},
     )

@@ -196,7 +196,7 @@ def _png(width: int = 300, height: int = 200) -> str:
 async def _generate(c: AsyncClient, **body: Any) -> dict[str, Any]:
     body.setdefault("max_tokens", 4)
     final: dict[str, Any] = {}
-    async for rec in c.stream("POST", "/api/generate", body):
+    async for rec in c.stream("POST", "/api/modeld/generate", body):
         if "token" not in rec:
             final = rec
     return final
@@ -420,7 +420,7 @@ async def test_first_request_after_a_warmed_load_is_steady(tuned: InProcessDaemo
 
 async def _final(c: AsyncClient, model: str) -> dict[str, Any]:
     body = {"model": model, "prompt": "hello there", "max_tokens": 4}
-    records = [r async for r in c.stream("POST", "/api/generate", body)]
+    records = [r async for r in c.stream("POST", "/api/modeld/generate", body)]
     final: dict[str, Any] = records[-1]
     return final
 

@@ -157,7 +157,7 @@ def test_an_image_runs_through_vision_on_the_gpu(gpu_daemon: DaemonProcess) -> N
         "max_tokens": 3,
         "backends": {"main": "gpu", "vision": "gpu"},
     }
-    status, records = unix_request(d.socket, "POST", "/api/generate", body, timeout=300)
+    status, records = unix_request(d.socket, "POST", "/api/modeld/generate", body, timeout=300)
     final = records[-1] if isinstance(records, list) else records
     assert status == 200, final
     assert "error" not in final, final

@@ -243,7 +243,9 @@ def kill_cycle(rig: Rig, rng: random.Random, stats: CycleStats) -> None:
             opened.append(unix_fire(d.socket, "POST", "/api/engines", {"model": model}))
         else:
             opened.append(
-                unix_fire(d.socket, "POST", "/api/generate", {"model": model, "prompt": "hi"})
+                unix_fire(
+                    d.socket, "POST", "/api/modeld/generate", {"model": model, "prompt": "hi"}
+                )
             )
         time.sleep(rng.uniform(0.0, 1.0))
         phase = _phase(d) if rng.random() < 0.5 else "unobserved"
@@ -269,7 +271,10 @@ def finish_and_check(rig: Rig) -> list[dict[str, Any]]:
     assert records[-1]["state"] == "installed", records[-1]
     assert (rig.home / "blobs" / f"sha256-{PULL_SHA}").read_bytes() == PULL_DATA
     status, out = unix_request(
-        d.socket, "POST", "/api/generate", {"model": "tiny-text", "prompt": "x", "max_tokens": 4}
+        d.socket,
+        "POST",
+        "/api/modeld/generate",
+        {"model": "tiny-text", "prompt": "x", "max_tokens": 4},
     )
     assert status == 200 and out[-1].get("done"), out[-1]
     assert d.stop() == 0
