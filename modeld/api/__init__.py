@@ -22,6 +22,7 @@ from modeld.api import (
     engines,
     guards,
     models,
+    ollama,
     openai,
     report,
     responses,
@@ -56,6 +57,7 @@ ROUTE_MODULES = [
     openai,
     responses,
     anthropic,
+    ollama,
     report,
     guards,
 ]
@@ -63,7 +65,7 @@ ROUTE_MODULES = [
 
 # Every dialect spoken besides the native one: a path that matched no route is answered in
 # the dialect it belongs to (``Dialect.prefixes``).
-DIALECTS: list[Dialect] = [openai.OPENAI, anthropic.ANTHROPIC]
+DIALECTS: list[Dialect] = [openai.OPENAI, anthropic.ANTHROPIC, ollama.OLLAMA]
 
 
 def _refusal(request: web.Request, e: web.HTTPException, max_body: int) -> ModeldError:

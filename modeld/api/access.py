@@ -90,6 +90,17 @@ ROUTES: dict[tuple[str, str], Rule] = {
     ("POST", "/v1/messages"): Rule(Role.USE, "messages"),
     ("POST", "/v1/messages/count_tokens"): Rule(Role.USE, "count tokens"),
     ("POST", "/v1/responses"): Rule(Role.USE, "responses"),
+    # Ollama's API (``modeld.api.ollama``).
+    ("GET", "/api/version"): Rule(Role.USE, "version"),
+    ("GET", "/api/tags"): Rule(Role.USE, "list models"),
+    ("POST", "/api/show"): Rule(Role.USE, "show a model"),
+    ("GET", "/api/ps"): Rule(Role.USE, "ps"),
+    ("POST", "/api/chat"): Rule(Role.USE, "chat"),
+    ("POST", "/api/generate"): Rule(Role.USE, "generate"),
+    ("POST", "/api/embed"): Rule(Role.USE, "embed"),
+    ("POST", "/api/embeddings"): Rule(Role.USE, "embed"),
+    ("POST", "/api/pull"): Rule(Role.ADMIN, "pull"),
+    ("DELETE", "/api/delete"): Rule(Role.ADMIN, "delete a model"),
     ("POST", "/api/models/{id}/pull"): Rule(Role.ADMIN, "pull"),
     ("POST", "/api/models/pull"): Rule(Role.ADMIN, "pull"),
     ("POST", "/api/models/import"): Rule(Role.ADMIN, "import"),
@@ -269,6 +280,15 @@ def administers(request: web.Request) -> bool:
     """Whether the request's peer has the *admin* role (False when none was granted)."""
     grant: Grant | None = request.get(GRANT)
     return grant is not None and grant.role is Role.ADMIN
+
+
+def require_admin(request: web.Request, what: str) -> None:
+    """Refuse (403) ``what`` to a peer without the *admin* role, as a route's rule would."""
+    grant: Grant | None = request.get(GRANT)
+    if grant is None:
+        raise Forbidden(f"{what} needs the admin role")
+    if grant.role is not Role.ADMIN:
+        raise _refusal(grant, what)
 
 
 def check_body(request: web.Request, body: dict[str, Any]) -> None:

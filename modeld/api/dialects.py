@@ -8,8 +8,8 @@ dialect whose ``prefixes`` it starts with. A stream that fails after it started 
 last event with the same ``Dialect.shape``.
 
 Each adapter module defines its own dialect next to its routes (``openai.OPENAI``,
-``anthropic.ANTHROPIC``); the native one is here. Another dialect (Ollama's) is one more
-``Dialect``: its shape, its unmatched-path prefixes, and its routes registered with it.
+``anthropic.ANTHROPIC``, ``ollama.OLLAMA``); the native one is here. Another dialect is one
+more ``Dialect``: its shape, its unmatched-path prefixes, and its routes registered with it.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from modeld import logs
 from modeld.api.connections import client_left
+from modeld.api.dialects import NATIVE, Dialect
 from modeld.config import format_duration
 from modeld.errors import DeadlineExceeded, ModeldError
 
@@ -103,15 +104,16 @@ async def ndjson(
     records: AsyncGenerator[T, None],
     as_json: Callable[[T], dict[str, Any]],
     deadline: Deadline | None = None,
+    dialect: Dialect = NATIVE,
 ) -> web.StreamResponse:
     """Stream ``records`` as NDJSON, each as ``as_json`` makes it a JSON object (within
     ``deadline``, when given).
 
     An error before the first record becomes a plain error response with its status (the
-    middleware maps it); an error after the stream started ends it with one
-    ``{"error": {...}}`` record (the API's contract). A client that leaves closes the
-    iterator, so the producer sees ``GeneratorExit`` / cancellation and can clean up, and
-    the request ends with ``ClientLeft`` (499, logged as ``client_left``).
+    middleware maps it); an error after the stream started ends it with one record, the
+    error in ``dialect``'s shape (the native API's ``{"error": {...}}`` by default). A client
+    that leaves closes the iterator, so the producer sees ``GeneratorExit`` / cancellation
+    and can clean up, and the request ends with ``ClientLeft`` (499, logged as ``client_left``).
     """
     if deadline is not None:
         records = deadline.records(records)
@@ -123,20 +125,30 @@ async def ndjson(
         response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
         try:
             await response.prepare(request)
-            await _write_records(request, response, first, records, as_json, deadline)
+            await _write_records(
+                request,
+                response,
+                first,
+                records,
+                as_json=as_json,
+                deadline=deadline,
+                dialect=dialect,
+            )
             await response.write_eof()
         except ConnectionError as e:
             raise client_left(request) from e
     return response
 
 
-async def _write_records(  # noqa: PLR0917 (one call site, the stream's parts in order)
+async def _write_records(
     request: web.Request,
     response: web.StreamResponse,
     first: T | None,
     records: AsyncGenerator[T, None],
+    *,
     as_json: Callable[[T], dict[str, Any]],
     deadline: Deadline | None,
+    dialect: Dialect,
 ) -> None:
     async def write(data: bytes, last: bool = False) -> None:
         if deadline is None:
@@ -152,9 +164,8 @@ async def _write_records(  # noqa: PLR0917 (one call site, the stream's parts in
     except ConnectionError:
         raise  # the client left (or stopped reading): no record can reach it
     except ModeldError as e:
-        await write(_line(e.to_dict()), last=True)
+        await write(_line(dialect.shape(e)[1]), last=True)
     except Exception:
         logging.getLogger("modeld").exception("stream failed on %s", request.path)
-        message = "internal error; see the daemon's log"
-        internal = {"error": {"code": "internal", "message": message}}
-        await write(_line(internal), last=True)
+        internal = ModeldError("internal error; see the daemon's log")
+        await write(_line(dialect.shape(internal)[1]), last=True)

@@ -168,6 +168,8 @@ class Generation:
     keep_alive: Any = None
     allow_unverified: bool = False
     backends: dict[str, Any] | None = None
+    # The token window the client needs (Ollama's ``num_ctx``); None: the engine's own.
+    context: int | None = None
 
     @property
     def image_count(self) -> int:
@@ -344,7 +346,7 @@ class Inference:
         The install and the plan come first, resolved with the vision modality when images
         came: a model that is not installed, or whose plan cannot take images (a vision
         encoder that needs gpu when vision=cpu), is refused before an image is decoded. Then
-        the prompt's size is held against the engine's window.
+        the prompt's size, and the window the client needs, are held against the engine's.
         """
         target = await self.engines.target(
             gen.model,
@@ -354,6 +356,12 @@ class Inference:
             images=gen.image_count > 0,
         )
         check_prompt(gen, target.model_id, target.max_tokens)
+        if gen.context is not None and gen.context > target.max_tokens:
+            raise BadRequest(
+                f"a context window of {gen.context} tokens was asked for; model "
+                f"{target.model_id}'s engine has {target.max_tokens} (its entry's [limits] "
+                "max_tokens, else its file's own): ask for that many or fewer, or leave it out"
+            )
         return target
 
     async def prepare(self, gen: Generation) -> Prepared:

@@ -134,13 +134,27 @@ def test_socket_group_grants_use_not_admin(shared_daemon: tuple[DaemonProcess, P
             },
         ),
     ]
-    use = [("GET", "/api/status", None), ("GET", "/api/health", None), ("GET", "/v1/models", None)]
+    # Ollama's way to unload (keep_alive 0 and nothing to answer) is an admin's too.
+    fields += [
+        ("POST", "/api/generate", {"model": "tiny-text", "keep_alive": 0}),
+        ("POST", "/api/chat", {"model": "tiny-text", "messages": [], "keep_alive": "0s"}),
+    ]
+    use = [
+        ("GET", "/api/status", None),
+        ("GET", "/api/health", None),
+        ("GET", "/v1/models", None),
+        ("GET", "/api/tags", None),
+        ("GET", "/api/version", None),
+        ("GET", "/api/ps", None),
+    ]
     answers = requests_as_peer(d.socket, admin_routes + fields + use)
     for (method, target, _), (status, body) in zip(admin_routes + fields, answers, strict=False):
         assert status == 403, (method, target, status, body)
-        assert body["error"]["code"] == "forbidden"
-        assert "needs the admin role" in body["error"]["message"]
-    assert [status for status, _ in answers[-len(use) :]] == [200, 200, 200]
+        # Ollama's routes answer in Ollama's shape: the message alone.
+        error = body["error"] if isinstance(body["error"], dict) else {"message": body["error"]}
+        assert error.get("code", "forbidden") == "forbidden"
+        assert "needs the admin role" in error["message"], (target, error)
+    assert [status for status, _ in answers[-len(use) :]] == [200] * len(use)
     # Still installed: nothing the peer asked for was done.
     status, body = unix_request(d.socket, "GET", "/api/models/tiny-text")
     assert status == 200 and body["installed"] is not None

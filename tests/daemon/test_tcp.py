@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import ollama
 import openai
 import pytest
 
@@ -257,6 +258,32 @@ def test_openai_package_over_tcp_with_a_key(tcp: Tcp) -> None:
     )
     with pytest.raises(openai.AuthenticationError):
         stranger.models.list()
+
+
+def test_ollama_package_over_tcp_with_a_key(tcp: Tcp) -> None:
+    """The real `ollama` client, given the key as its `Authorization` header, lists, shows,
+    chats (streamed) and generates over TCP; a use key may not pull (403), a bad key is a 401,
+    both in Ollama's error shape."""
+    host = f"http://127.0.0.1:{tcp.port}"
+
+    def client(key: str) -> ollama.Client:
+        return ollama.Client(host=host, headers={"Authorization": f"Bearer {key}"})
+
+    with client(tcp.use_key) as use:
+        assert [m.model for m in use.list().models] == ["tiny-text:latest"]
+        assert use.show("tiny-text").capabilities == ["completion"]
+        messages = [{"role": "user", "content": "hello"}]
+        parts = list(use.chat("tiny-text", messages, stream=True, options={"num_predict": 3}))
+        assert parts[-1].done and parts[-1].eval_count == 3
+        assert use.generate("tiny-text:latest", "hi", options={"num_predict": 2}).response
+        with pytest.raises(ollama.ResponseError) as refused:
+            use.pull("tiny-text")
+        assert refused.value.status_code == 403 and "admin" in refused.value.error
+    with client(tcp.admin_key) as admin:
+        assert admin.pull("tiny-text").status == "success"
+    with client("mdk_" + "B" * 43) as stranger, pytest.raises(ollama.ResponseError) as bad:
+        stranger.list()
+    assert bad.value.status_code == 401 and "not valid" in bad.value.error
 
 
 def test_errors_before_an_openai_handler_are_in_openai_shape(tcp: Tcp) -> None:
