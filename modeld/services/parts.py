@@ -63,6 +63,9 @@ class Services:
             "downloads": self.downloads.status(),
             "pool": self.pool.status(),
             "runtime": await self.engines.runtime_status(),
+            # Ollama serves ``GET /api/status`` too, with this section alone: its clients read
+            # here whether models may run in its cloud, and modeld has none.
+            "cloud": {"disabled": True, "source": "modeld"},
         }
         if self.reload_status is not None:
             doc["reload"] = self.reload_status()

@@ -70,8 +70,10 @@ def _png() -> str:
 
 
 async def test_version_tags_and_show(client: ollama.AsyncClient, http: httpx.AsyncClient) -> None:
-    """Version, the installed models as ``name:latest`` with their capabilities, and ``show``
-    with the context length and capabilities read from the file."""
+    """Version, status's cloud section, the installed models as ``name:latest`` with their
+    capabilities, and ``show`` with the context length and capabilities read from the file."""
+    # The one path both APIs have: modeld's status carries Ollama's answer too.
+    assert (await http.get("/api/status")).json()["cloud"] == {"disabled": True, "source": "modeld"}
     version = (await http.get("/api/version")).json()
     assert version["version"] == OLLAMA_VERSION and version["modeld"]
     listed = await client.list()
