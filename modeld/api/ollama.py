@@ -44,8 +44,8 @@ from modeld.services.inference import Done, Final, Generation, Options, Shape, T
 from modeld.services.models import Capabilities
 from modeld.services.parts import Services
 
-# The Ollama release whose API (its docs/api.md) these routes follow; ``/api/version`` says it
-# so that clients which gate features on a version find them.
+# An Ollama release with every feature these routes serve (structured outputs, tools,
+# capabilities in ``show``): ``/api/version`` says it, for clients that gate features on it.
 OLLAMA_VERSION = "0.12.0"
 FORMAT = "litertlm"
 # An engine kept loaded forever (keep_alive -1) expires, for Ollama's clients, at the end of time.
