@@ -887,7 +887,10 @@ def test_backtracking_strict_schema_holds_no_model(arena: Arena) -> None:
     assert status == 200, answer
     assert answer["modeld"]["json"]["status"] == "schema_unchecked", answer["modeld"]["json"]
     status, after = unix_request(
-        arena.sock, "POST", "/api/generate", {"model": "tiny-text", "prompt": "hi", "max_tokens": 3}
+        arena.sock,
+        "POST",
+        "/api/modeld/generate",
+        {"model": "tiny-text", "prompt": "hi", "max_tokens": 3},
     )
     assert status == 200 and after[-1]["done"], after
 
