@@ -147,7 +147,7 @@ class OllamaOptions(_Body):
     @model_validator(mode="after")
     def _honoured(self) -> OllamaOptions:
         found = [
-            f"options.{name}: {why}; leave it out"
+            f"{name}: {why}; leave it out"
             for name, (asks, why) in _OPTIONS_CANNOT.items()
             if asks(getattr(self, name))
         ]

@@ -334,7 +334,7 @@ async def test_refusals_name_the_field_in_ollamas_shape(http: httpx.AsyncClient)
     ``{"error": "..."}``; an id with another tag says modeld has one file per id."""
     chat = {"model": "tiny-text", "messages": [{"role": "user", "content": "x"}]}
     cases: list[tuple[str, dict[str, Any], int, str]] = [
-        ("/api/chat", {**chat, "options": {"min_p": 0.1}}, 400, "options.min_p"),
+        ("/api/chat", {**chat, "options": {"min_p": 0.1}}, 400, '"options": min_p: '),
         ("/api/chat", {**chat, "options": {"min_p": 0.0, "num_gpu": 1}}, 200, ""),
         ("/api/chat", {**chat, "options": {"num_ctx": 4096}}, 400, "context window of 4096"),
         ("/api/chat", {**chat, "options": {"bogus": 1}}, 400, "options.bogus"),
