@@ -765,7 +765,12 @@ class _Routes:
                 may_shorten_keep_alive=access.administers(request),
             )
         t = rec.timings
-        timing = {"total_duration": _ns(t["total"]), "load_duration": _ns(t["load"])}
+        timing: dict[str, Any] = {
+            "total_duration": _ns(t["total"]),
+            "load_duration": _ns(t["load"]),
+        }
+        if rec.result.prompt_tokens is not None:
+            timing["prompt_eval_count"] = rec.result.prompt_tokens
         return [list(v) for v in rec.result.embeddings], timing
 
     async def embed(self, request: web.Request) -> web.Response:

@@ -291,11 +291,14 @@ async def test_keep_alive_loads_keeps_and_unloads(
 
 
 async def test_embed_and_embeddings(client: ollama.AsyncClient) -> None:
-    """``/api/embed`` returns a vector per input (``dimensions`` cuts them); the older
+    """``/api/embed`` returns a vector per input (``dimensions`` cuts them) and the inputs'
+    token count; the older
     ``/api/embeddings`` one vector; a text model is refused in Ollama's shape."""
     doc = await client.embed("tiny-embed", ["hello", "world"])
     assert len(doc.embeddings) == 2 and len(doc.embeddings[0]) > 4
     assert doc.total_duration and doc.model == "tiny-embed:latest"
+    # The tokens the engine consumed, counted by the file's own tokenizer.
+    assert doc.prompt_eval_count and doc.prompt_eval_count >= 2
     cut = await client.embed("tiny-embed:latest", "hello", dimensions=4)
     assert [len(v) for v in cut.embeddings] == [4]
     old = await client.embeddings("tiny-embed", "hello")
