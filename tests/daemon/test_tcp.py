@@ -287,9 +287,10 @@ def test_ollama_package_over_tcp_with_a_key(tcp: Tcp) -> None:
 
 
 def test_errors_before_an_openai_handler_are_in_openai_shape(tcp: Tcp) -> None:
-    """On /v1 routes, a missing key (401), a use key on no such route (404) or method (405),
-    and a refused origin (403) answer in OpenAI's error shape, as the handlers' own errors
-    do; the native routes keep modeld's."""
+    """On /v1 routes, a missing key (401), a use key on no such route (400 unknown_route,
+    never a 404 that clients take for an unknown model) or method (405), and a refused origin
+    (403) answer in OpenAI's error shape, as the handlers' own errors do; a bad key is
+    OpenAI's invalid_api_key; the native routes keep modeld's."""
     evil = {"Origin": "http://evil.test", "Access-Control-Request-Method": "POST"}
     answers = [
         tcp.request("GET", "/v1/models"),
@@ -297,7 +298,8 @@ def test_errors_before_an_openai_handler_are_in_openai_shape(tcp: Tcp) -> None:
         tcp.request("PUT", "/v1/chat/completions", key=tcp.use_key, body={}),
         tcp.request("OPTIONS", "/v1/chat/completions", headers=evil),
     ]
-    assert [status for status, _, _ in answers] == [401, 404, 405, 403]
+    assert [status for status, _, _ in answers] == [401, 400, 405, 403]
+    assert answers[1][2]["error"]["code"] == "unknown_route"
     for _, _, body in answers:
         error = body["error"]
         assert error["type"] == "invalid_request_error" and error["param"] is None, body
@@ -309,7 +311,7 @@ def test_errors_before_an_openai_handler_are_in_openai_shape(tcp: Tcp) -> None:
     with pytest.raises(openai.AuthenticationError) as raised:
         stranger.models.list()
     assert raised.value.type == "invalid_request_error"
-    assert raised.value.code == "unauthorized"
+    assert raised.value.code == "invalid_api_key"
     status, _, body = tcp.request("GET", "/api/models")
     assert status == 401 and set(body["error"]) == {"code", "message"}
 
