@@ -42,9 +42,48 @@ from modeld.errors import (
 
 TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Required, TypedDict, final
 
     import aiohttp
+
+    # The records of a generation, typed for callers; at run time they are plain dicts.
+    @final  # no other key: `"done" in record` tells the two kinds apart
+    class TokenRecord(TypedDict):
+        """Text of a reply as it comes."""
+
+        token: str
+
+    class GenerationTimings(TypedDict, total=False):
+        """Seconds a request spent in each phase (``decode_tokens_per_second`` a rate)."""
+
+        image_prepare: float
+        load: float
+        engine_create: float
+        warm_up: float
+        queue: float
+        prefill: float
+        first_token: float
+        decode_tokens_per_second: float
+        total: float
+
+    @final
+    class FinalRecord(TypedDict, total=False):
+        """A reply's last record: how it ended, its token counts, where it ran, its phases; for
+        a JSON reply its diagnostics (``json``: status, raw, error)."""
+
+        done: Required[bool]
+        finish: str
+        prompt_tokens: int
+        tokens: int
+        model: str
+        engine: str
+        timings: GenerationTimings
+        constrained: bool
+        text: str
+        tool_calls: list[dict[str, Any]]
+        json: dict[str, Any]
+
+    GenerationRecord = TokenRecord | FinalRecord
 
 # How long a request that the daemon answers at once (GET: status, list, show, ps, health)
 # may wait for its answer. systemd accepts connections on modeld.socket even while the
@@ -223,6 +262,21 @@ def embedding_body(
     if allow_unverified:
         body["allow_unverified"] = True
     return body
+
+
+# modeld's own generation route (``/api/generate`` is Ollama's).
+GENERATE = "/api/modeld/generate"
+
+
+def generation_record(record: dict[str, Any]) -> GenerationRecord:
+    """One NDJSON record of a generation, as its type; ``ProtocolError`` for anything else."""
+    token = record.get("token")
+    if isinstance(token, str):
+        return {"token": token}
+    if record.get("done") is True:
+        # The daemon's final record as it sent it: its keys are FinalRecord's.
+        return record  # type: ignore[return-value]
+    raise ModeldError(f"the daemon sent a generation record of no known kind: {record!r:.200}")
 
 
 def _vectors(doc: dict[str, Any]) -> list[list[float]]:
@@ -633,23 +687,21 @@ class Client:
         result: dict[str, Any] = self.request("DELETE", f"/api/models/{_path(model_id)}/memory")
         return result
 
-    def generate(self, model: str, prompt: str, **options: Any) -> Iterator[dict[str, Any]]:
-        """Stream a reply: ``{"token": ...}`` records, then one with ``done``, ``tokens``,
-        ``finish`` and ``timings``. Options: ``system``, ``images`` (bytes), ``format``,
-        ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
-        ``keep_alive``, ``allow_unverified``."""
-        return self.stream(
-            "POST", "/api/modeld/generate", generation_body(model, prompt=prompt, **options)
-        )
+    def generate(self, model: str, prompt: str, **options: Any) -> Iterator[GenerationRecord]:
+        """Stream a reply: ``TokenRecord`` records, then one ``FinalRecord``. Options:
+        ``system``, ``images`` (bytes), ``format``, ``max_tokens``, ``temperature``,
+        ``top_k``, ``top_p``, ``seed``, ``stop``, ``keep_alive``, ``allow_unverified``."""
+        body = generation_body(model, prompt=prompt, **options)
+        return map(generation_record, self.stream("POST", GENERATE, body))
 
     def chat(
         self, model: str, messages: list[dict[str, str]], **options: Any
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[GenerationRecord]:
         """Like ``generate`` for a conversation: ``messages`` of ``{"role", "content"}``."""
         if not messages:
             raise BadRequest("chat needs at least one message")
         body = generation_body(model, messages=messages, **options)
-        return self.stream("POST", "/api/modeld/generate", body)
+        return map(generation_record, self.stream("POST", GENERATE, body))
 
     def embed(self, model: str, inputs: str | list[str], **options: Any) -> list[list[float]]:
         """One vector per input, in order, from an embedding model (``/v1/embeddings``).
@@ -853,19 +905,21 @@ class AsyncClient:
         result: dict[str, Any] = await self.request("DELETE", _unload_path(engine_or_model, grace))
         return result
 
-    def generate(self, model: str, prompt: str, **options: Any) -> AsyncIterator[dict[str, Any]]:
-        return self.stream(
-            "POST", "/api/modeld/generate", generation_body(model, prompt=prompt, **options)
-        )
+    async def generate(
+        self, model: str, prompt: str, **options: Any
+    ) -> AsyncIterator[GenerationRecord]:
+        body = generation_body(model, prompt=prompt, **options)
+        async for record in self.stream("POST", GENERATE, body):
+            yield generation_record(record)
 
-    def chat(
+    async def chat(
         self, model: str, messages: list[dict[str, str]], **options: Any
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[GenerationRecord]:
         if not messages:
             raise BadRequest("chat needs at least one message")
-        return self.stream(
-            "POST", "/api/modeld/generate", generation_body(model, messages=messages, **options)
-        )
+        body = generation_body(model, messages=messages, **options)
+        async for record in self.stream("POST", GENERATE, body):
+            yield generation_record(record)
 
     async def embed(self, model: str, inputs: str | list[str], **options: Any) -> list[list[float]]:
         body = embedding_body(model, inputs, **options)

@@ -32,7 +32,10 @@ from modeld.errors import ModeldError
 
 TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
+    from collections.abc import Iterable
     from typing import Any
+
+    from modeld.client import FinalRecord, GenerationRecord
 
 CHAT_HELP = (
     'Chatting with {model}. /bye or Ctrl-D ends it; """ starts and ends a multi-line message; '
@@ -53,22 +56,22 @@ def timings_line(final: dict[str, Any]) -> str:
     return f"[{final.get('tokens')} tokens, {final.get('finish')}] " + ", ".join(parts)
 
 
-def _reply(records: Any, *, echo: bool) -> dict[str, Any]:
+def _reply(records: Iterable[GenerationRecord], *, echo: bool) -> dict[str, Any]:
     """Stream the tokens to stdout (when ``echo``); the final record with the whole text."""
     text: list[str] = []
-    final: dict[str, Any] = {}
+    final: FinalRecord | dict[str, Any] = {}
     # On a terminal, a control character of the reply shows as its escape (a reply is the
     # daemon's bytes); into a pipe or file the reply goes as it is.
     shown = defang if sys.stdout.isatty() else str
     try:
         for rec in records:
-            if "token" in rec:
+            if "done" in rec:
+                final = rec
+            else:
                 text.append(rec["token"])
                 if echo:
                     sys.stdout.write(shown(rec["token"]))
                     sys.stdout.flush()
-            elif rec.get("done"):
-                final = rec
     except ModeldError:
         if echo and text:
             sys.stdout.write("\n")  # the error's line starts on a line of its own
