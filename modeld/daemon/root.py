@@ -26,6 +26,8 @@ from modeld.catalog.catalog import Catalog, bundled_registry_dir
 from modeld.config import Settings, runner_data_limit
 from modeld.daemon.apikeys import KeyRing
 from modeld.download.downloads import daemon_downloads
+from modeld.download.hub import hub_sources
+from modeld.download.source import SourceSet
 from modeld.engine.engines import Engines, LearnedMemory, journal_to
 from modeld.engine.pool import Pool, PoolConfig
 from modeld.engine.runner.client import Runner
@@ -46,10 +48,13 @@ class Root:
     """Builds the daemon's parts (nothing runs yet); ``async with`` starts and stops them.
 
     ``services`` holds every part in a typed field for the adapters; ``keys`` checks TCP
-    clients' API keys. ``spare`` keeps a started runner ready for the next load.
+    clients' API keys. ``spare`` keeps a started runner ready for the next load; ``sources``
+    are where files come from (default: the Hub as the settings name it).
     """
 
-    def __init__(self, settings: Settings, *, spare: bool = True) -> None:
+    def __init__(
+        self, settings: Settings, *, spare: bool = True, sources: SourceSet | None = None
+    ) -> None:
         self._parts: list[AbstractAsyncContextManager[object]] = []
         self._stack: AsyncExitStack | None = None
         metrics = Metrics()
@@ -57,7 +62,9 @@ class Root:
         catalog = self._part(
             Catalog([bundled_registry_dir(), *settings.registry_dirs], own=settings.own_registry)
         )
-        downloads = self._part(daemon_downloads(settings, catalog, store, metrics))
+        # Where files come from (the Hub): the one place a kind of source is named.
+        sources = sources if sources is not None else hub_sources(settings)
+        downloads = self._part(daemon_downloads(settings, catalog, store, metrics, sources))
         memory = LearnedMemory(store)
         pool = self._part(
             Pool(
@@ -81,7 +88,7 @@ class Root:
                 memory,
                 # The `unverified` refusal says what can make an install verified (catalog,
                 # kept digests, the entry's hub), which the engine layer does not reach.
-                explain_unverified=functools.partial(verification_hint, catalog, store),
+                explain_unverified=functools.partial(verification_hint, catalog, sources, store),
             )
         )
         remover = self._part(
@@ -95,6 +102,7 @@ class Root:
             pool=pool,
             downloads=downloads,
             fits=Fits(settings, catalog, store, engines),
+            sources=sources,
         )
         self.services = Services(
             settings=settings,
@@ -107,7 +115,7 @@ class Root:
             remover=remover,
             models=models,
             inference=Inference(settings, engines, pool),
-            sources=Sources(settings, catalog, models, remover),
+            sources=Sources(settings, catalog, models, remover, sources),
         )
         self.keys = KeyRing(settings.api_keys_path)
         metrics.up_since.set(self.services.started_at)

@@ -37,6 +37,7 @@ from modeld.download.job import (
     Tuning,
 )
 from modeld.download.journal import Journal
+from modeld.download.source import SourceSet
 from modeld.errors import (
     BadRequest,
     Conflict,
@@ -94,8 +95,11 @@ class Downloads:
         vouches: VouchBook | None = None,
         local_entry: LocalEntryWriter | None = None,
         pull_check: HeaderCheck | None = None,
+        sources: SourceSet | None = None,
     ) -> None:
         self.settings = settings
+        # Whose hosts get credentials and vouch (the Hub); none: every URL is a plain mirror.
+        self.sources = sources if sources is not None else SourceSet()
         self.resolve = resolve
         self.journal = journal
         self.installer = installer
@@ -106,7 +110,7 @@ class Downloads:
         self.find_by_file_name = find_by_file_name
         # Writes the local entry of an imported file no entry names (the daemon's catalog).
         self.local_entry = local_entry
-        # What hubs vouched for once, per (entry, pinned revision): the store in the daemon.
+        # What sources vouched for once, per (entry, pinned revision): the store in the daemon.
         self.vouches: VouchBook = vouches if vouches is not None else MemoryVouches()
         self.jobs: dict[str, DownloadJob] = {}
         self.recent: deque[DownloadJob] = deque(maxlen=10)
@@ -146,7 +150,7 @@ class Downloads:
             partial=self.settings.state_dir.partial_for(target.model_id),
             journal=self.journal,
             installer=self.installer,
-            tuning=Tuning.from_settings(self.settings),
+            tuning=Tuning.from_settings(self.settings, self.sources),
             metrics=self.metrics,
             vouches=self.vouches,
             check=self.pull_check,
@@ -371,7 +375,7 @@ class Downloads:
         self, target: DownloadTarget, path: str, digest: str
     ) -> str | None:
         """Who vouches for an imported file's ``digest``: the entry's sha256, else the digest
-        a hub vouched for earlier for the entry's pinned revision; a mismatch refuses it."""
+        a source vouched for earlier for the entry's pinned revision; a mismatch refuses it."""
         if target.sha256 is not None:
             if digest != target.sha256:
                 raise IntegrityError(
@@ -379,7 +383,7 @@ class Downloads:
                     f"{target.sha256}; it was not imported"
                 )
             return "registry sha256"
-        rev = target.revision
+        rev = self.sources.pinned(target.urls)
         kept = await self.vouches.vouched(target.model_id, rev) if rev else None
         if kept is None:
             return None
@@ -388,7 +392,7 @@ class Downloads:
                 f"{path} has sha256 {digest}, but {kept.source} vouched for {kept.sha256} "
                 f"for {rev} (entry {target.model_id}) on {kept.day}; it is another file "
                 "and was not imported",
-                sources={"file": digest, f"{kept.source} (kept X-Linked-Etag)": kept.sha256},
+                sources={"file": digest, f"{kept.source} (kept {kept.via})": kept.sha256},
             )
         return kept.verified_by
 
@@ -544,7 +548,7 @@ def pull_header_check(catalog: Catalog) -> HeaderCheck:
 
 
 def daemon_downloads(
-    settings: Settings, catalog: Catalog, store: Store, metrics: Metrics | None
+    settings: Settings, catalog: Catalog, store: Store, metrics: Metrics | None, sources: SourceSet
 ) -> Downloads:
     """The daemon's ``Downloads``: targets from its catalog, journal and installs in its store."""
     from modeld.download.journal import SqliteJournal
@@ -589,6 +593,7 @@ def daemon_downloads(
         vouches=store,
         local_entry=local_entry,
         pull_check=pull_header_check(catalog),
+        sources=sources,
     )
 
 

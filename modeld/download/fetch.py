@@ -29,13 +29,13 @@ from modeld.download.mirrors import (
     Mirror,
     MirrorFailure,
     MirrorState,
-    _headers,
     classify_exception,
     classify_status,
     open_range,
     os_error_to_modeld,
     parse_content_range,
     request,
+    request_headers,
 )
 from modeld.download.prefixhash import PrefixHasher
 from modeld.download.rangeio import RangeClient, RangeConn, RangeFallback
@@ -83,7 +83,6 @@ class Fetcher(Schedule):
         connections: int,
         mirrors: list[Mirror],
         session: aiohttp.ClientSession,
-        token: str | None,
         done: bytearray,
         on_block: Callable[[Block], None],
         on_marks: Callable[[list[Block]], None] | None = None,
@@ -101,7 +100,7 @@ class Fetcher(Schedule):
             connections=connections,
         )
         self.fd, self.path = fd, path
-        self.session, self.token = session, token
+        self.session = session
         self.on_block = on_block
         self.on_marks = on_marks  # journal the blocks in flight in part (``_mark``)
         self._mark_timer: asyncio.TimerHandle | None = None
@@ -368,14 +367,12 @@ class Fetcher(Schedule):
     async def _read_aiohttp(self, piece: Piece, mirror: Mirror) -> None:
         """Fetch the piece through aiohttp (redirects, proxies, streams; ``piece.resp``)."""
         if piece.stream:
-            piece.resp = await request(self.session, mirror, {}, self.token)
+            piece.resp = await request(self.session, mirror, {})
             if piece.resp.status != 200:
                 raise classify_status(piece.resp.status, piece.resp)
             await self._read_stream(piece, mirror, piece.resp)
             return
-        piece.resp = await open_range(
-            self.session, mirror, piece.pos, piece.end, self.size, self.token
-        )
+        piece.resp = await open_range(self.session, mirror, piece.pos, piece.end, self.size)
         if not piece.abandoned:
             await self._read_into(piece, mirror, piece.resp)
 
@@ -413,7 +410,7 @@ class Fetcher(Schedule):
         try:
             await self.rangeio.fetch(
                 url,
-                _headers(url, self.token, extra, mirror.hub_hosts),
+                request_headers(url, extra, mirror.sources),
                 piece.pos,
                 piece.end,
                 self.size,

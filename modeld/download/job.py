@@ -3,9 +3,10 @@
 A ``DownloadJob`` goes: check free space → re-check journaled blocks (CRC-32) → probe each
 mirror (size, ETag, ``X-Linked-Etag``) → fetch the missing blocks (``fetch.Fetcher``) from
 the first mirror that answers, later answers joining, while a thread hashes the contiguous
-prefix → once every probe has ended, settle the expected sha256 (the entry's, a hub's
-``X-Linked-Etag``, or the one a hub vouched for earlier for this pinned revision; sources
-that disagree fail the pull as soon as the second one answers) → compare the sha256 → on a
+prefix → once every probe has ended, settle the expected sha256 (the entry's, what a source
+vouched for on its redirect (``source.Claim``: a hub's ``X-Linked-Etag``), or what one vouched
+for earlier for this pinned revision; sources that disagree fail the pull as soon as the
+second one answers) → compare the sha256 → on a
 mismatch, repair (re-fetch elsewhere the blocks of one suspect mirror at a time, re-hash
 from each fixed block on, stop once the file matches, ban the mirror that lied) → install
 (fsync, rename, fsync dir, row). The journal, the kept digests and the installer are
@@ -40,13 +41,13 @@ from modeld.download.mirrors import (
     Mirror,
     MirrorFailure,
     MirrorState,
-    is_hf_host,
     open_range,
     os_error_to_modeld,
     probe,
     request,
 )
 from modeld.download.ratelimit import TokenBucket
+from modeld.download.source import Claim, SourceSet
 from modeld.errors import (
     BadRequest,
     CorruptModel,
@@ -59,7 +60,7 @@ from modeld.errors import (
 from modeld.layout import MODEL_ID_RE, StateDir, blob_name
 from modeld.metrics import Metrics
 from modeld.store.store import place_blob
-from modeld.store.vouches import MemoryVouches, Vouch, VouchBook, pinned_revision
+from modeld.store.vouches import MemoryVouches, Vouch, VouchBook
 
 # Head-room kept free beyond the file itself (SQLite, logs, the rest of the system).
 DISK_MARGIN = 64 * 1024 * 1024
@@ -103,11 +104,6 @@ class DownloadTarget:
     def from_entry(cls, entry: Any) -> DownloadTarget:
         return cls(entry.id, list(entry.urls), int(entry.size), entry.sha256)
 
-    @property
-    def revision(self) -> str | None:
-        """The pinned revision of the primary URL, under which a hub's answer is kept."""
-        return pinned_revision(self.urls[0]) if self.urls else None
-
 
 @dataclass
 class Tuning:
@@ -118,25 +114,22 @@ class Tuning:
     piece_size: int = 16 * 1024 * 1024
     stall_timeout: float = 20.0
     connect_timeout: float = 15.0
-    hf_token: str | None = None
     # A probe's answer headers, then its first body byte, must each come within these: a
     # mirror that trickles header lines resets every read timeout and would hold its probe.
     probe_header_timeout: float = 10.0
     probe_first_byte_timeout: float = 10.0
-    # Hub hosts beside huggingface.co (HF_ENDPOINT's): they get the token and vouch.
-    hub_hosts: tuple[str, ...] = ()
+    # Whose hosts get credentials and vouch for a file (none: every URL is a plain mirror).
+    sources: SourceSet = field(default_factory=SourceSet)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Tuning:
-        token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    def from_settings(cls, settings: Settings, sources: SourceSet | None = None) -> Tuning:
         return cls(
             connections=settings.download_connections,
             piece_size=settings.piece_size,
             stall_timeout=settings.stall_timeout,
-            hf_token=token,
             probe_header_timeout=settings.probe_header_timeout,
             probe_first_byte_timeout=settings.probe_first_byte_timeout,
-            hub_hosts=settings.hub_hosts,
+            sources=sources if sources is not None else SourceSet(),
         )
 
 
@@ -258,7 +251,7 @@ class DownloadJob:
     _marks: dict[int, Block] = field(default_factory=dict)  # blocks kept in part on resume
     _digest: str | None = None
     _session: aiohttp.ClientSession | None = None
-    _kept: Vouch | None = None  # what a hub vouched for earlier for this revision
+    _kept: Vouch | None = None  # what a source vouched for earlier for this revision
     limit: TokenBucket | None = None  # --limit-rate: one bucket over all its connections
     _probes: dict[asyncio.Task[None], Mirror] = field(default_factory=dict)
     _ended: set[asyncio.Task[None]] = field(default_factory=set)  # probes looked at
@@ -272,6 +265,11 @@ class DownloadJob:
     @property
     def finished(self) -> bool:
         return self.state in FINISHED
+
+    @property
+    def revision(self) -> str | None:
+        """The pinned revision of the primary URL, under which a source's answer is kept."""
+        return self.tuning.sources.pinned(self.target.urls)
 
     def limit_rate(self, rate: int | None) -> None:
         """Cap the job's rate at ``rate`` bytes/s from now on (a later pull may set another);
@@ -495,7 +493,7 @@ class DownloadJob:
             self._crcs = {i: state.blocks[i] for i in good if state.blocks[i].length is None}
             self._marks = {i: state.blocks[i] for i in good if state.blocks[i].length}
         self.mirrors = [
-            Mirror(URL(u), primary=(i == 0), metrics=self.metrics, hub_hosts=self.tuning.hub_hosts)
+            Mirror(URL(u), primary=(i == 0), metrics=self.metrics, sources=self.tuning.sources)
             for i, u in enumerate(t.urls)
         ]
         timeout = aiohttp.ClientTimeout(
@@ -510,10 +508,9 @@ class DownloadJob:
             read_bufsize=CHUNK,
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
         )
-        token = self.tuning.hf_token
         session = self._session
-        if t.revision is not None:
-            self._kept = await self.vouches.vouched(t.model_id, t.revision)
+        if self.revision is not None:
+            self._kept = await self.vouches.vouched(t.model_id, self.revision)
         self._probes = {
             asyncio.create_task(self._probe(m), name=f"probe-{self.id}-{m.label}"): m
             for m in self.mirrors
@@ -555,7 +552,6 @@ class DownloadJob:
             connections=self.tuning.connections,
             mirrors=self.mirrors,
             session=session,
-            token=token,
             done=done,
             on_block=self._on_block,
             on_marks=self._on_marks,
@@ -580,7 +576,6 @@ class DownloadJob:
             self._session,
             m,
             self.target.size,
-            t.hf_token,
             t.probe_header_timeout,
             t.probe_first_byte_timeout,
         )
@@ -628,8 +623,8 @@ class DownloadJob:
         self._notify()
 
     async def _probe_ended(self, task: asyncio.Task[None]) -> None:
-        """A probe's end: its error (a ``DigestConflict`` names both sources), else a hub's
-        answer is kept."""
+        """A probe's end: its error (a ``DigestConflict`` names both sources), else a source's
+        claim is kept."""
         self._ended.add(task)
         try:
             task.result()
@@ -639,7 +634,7 @@ class DownloadJob:
                 self.partial.unlink(missing_ok=True)
                 await self.journal.clear(self.id)
             raise
-        await self._keep_hub_answer()
+        await self._keep_claim()
 
     async def _first_answer(self) -> None:
         """Wait until one mirror answered its probe with the right size, and every mirror
@@ -706,35 +701,34 @@ class DownloadJob:
             task.cancel()
         await asyncio.gather(*left, return_exceptions=True)
 
-    def _hub_answers(self) -> list[tuple[str, str]]:
-        """(host, sha256) of each Hugging Face redirect seen for this file (X-Linked-Etag)."""
+    def _claims(self) -> list[tuple[str, Claim]]:
+        """(host, claim) of each source's redirect seen for this file."""
         return [
-            (m.label, m.linked_sha256)
+            (m.label, m.claim)
             for m in self.mirrors
-            if m.linked_sha256 is not None
+            if m.claim is not None
             # An answer about a file of another size is about another file (the probe drops
             # that mirror for its size): it vouches for nothing here.
-            and m.linked_size in (None, self.target.size)
+            and m.claim.size in (None, self.target.size)
         ]
 
     def _expected(self) -> tuple[str | None, str | None]:
         """(sha256, who vouches for it), or ``DigestConflict`` when two sources disagree.
 
-        Sources: the entry's sha256 and each hub's X-Linked-Etag on this pull; for an entry
-        without sha256, also the digest a hub vouched for earlier for this pinned revision
-        (kept in the store). An entry's sha256 is the user's own word: it stands in for a
-        kept answer, so a wrong kept answer is overcome by writing the right one there.
+        Sources: the entry's sha256 and each source's claim on this pull (a hub's
+        X-Linked-Etag); for an entry without sha256, also the digest a source vouched for
+        earlier for this pinned revision (kept in the store). An entry's sha256 is the user's
+        own word: it stands in for a kept answer, so a wrong kept answer is overcome by
+        writing the right one there.
         """
         t = self.target
         sources: list[tuple[str, str]] = []
         if t.sha256:
             sources.append(("the entry's sha256", t.sha256))
-        sources += [(f"the X-Linked-Etag of {host}", sha) for host, sha in self._hub_answers()]
+        sources += [(f"the {c.via} of {host}", c.sha256) for host, c in self._claims()]
         kept = self._kept if not t.sha256 else None
         if kept is not None:
-            sources.append(
-                (f"the X-Linked-Etag {kept.source} sent on {kept.day} (kept)", kept.sha256)
-            )
+            sources.append((f"the {kept.via} {kept.source} sent on {kept.day} (kept)", kept.sha256))
         if not sources:
             return None, None
         first_name, first = sources[0]
@@ -752,28 +746,29 @@ class DownloadJob:
                 )
         if t.sha256:
             return t.sha256, "registry sha256"
-        answers = self._hub_answers()
-        if answers:
-            return answers[0][1], f"x-linked-etag ({answers[0][0]})"
+        claims = self._claims()
+        if claims:
+            host, claim = claims[0]
+            return claim.sha256, f"{claim.via.lower()} ({host})"
         assert kept is not None
         return kept.sha256, kept.verified_by
 
     def _revision_note(self) -> str:
-        rev = self.target.revision
+        rev = self.revision
         # An LFS object at a pinned commit never changes: two answers cannot both be right.
         return f" at the pinned revision {rev}" if rev else ""
 
-    async def _keep_hub_answer(self) -> None:
-        """Keep a hub's answer for (entry, pinned revision), so a later pull from a mirror
+    async def _keep_claim(self) -> None:
+        """Keep a source's claim for (entry, pinned revision), so a later pull from a mirror
         alone is checked against it."""
-        rev = self.target.revision
-        answers = self._hub_answers()
-        if rev is None or not answers or self._kept is not None:
+        rev = self.revision
+        claims = self._claims()
+        if rev is None or not claims or self._kept is not None:
             return
-        host, sha = answers[0]
-        self._kept = Vouch(sha, self.target.size, host, time.time())
+        host, claim = claims[0]
+        self._kept = Vouch(claim.sha256, self.target.size, host, time.time(), claim.via)
         await self.vouches.vouch(self.id, rev, self._kept)
-        logs.event("digest_kept", model=self.id, revision=rev, sha256=sha, source=host)
+        logs.event("digest_kept", model=self.id, revision=rev, sha256=claim.sha256, source=host)
 
     def _on_block(self, block: Block) -> None:
         self._crcs[block.index] = block
@@ -805,7 +800,7 @@ class DownloadJob:
             self.timings["hash_tail"] = round(time.monotonic() - last_byte, 4)
             # Again: a hub may have answered only now (its probe had failed for a while).
             expected, by = self._expected()
-            await self._keep_hub_answer()
+            await self._keep_claim()
             if expected is not None and digest != expected:
                 digest = await self._repair(fd, expected, digest, by)
             await self._drop_late_probes()
@@ -862,7 +857,7 @@ class DownloadJob:
         by_mirror: dict[str, list[int]] = {}
         for idx, label in f.sources.items():
             by_mirror.setdefault(label, []).append(idx)
-        vouching = {host for host, _ in self._hub_answers()}
+        vouching = {host for host, _ in self._claims()}
         return sorted(
             ((label, sorted(blocks)) for label, blocks in by_mirror.items()),
             key=lambda kv: (kv[0] in vouching, len(kv[1])),
@@ -978,9 +973,7 @@ class DownloadJob:
             if not m.usable:
                 continue
             try:
-                resp = await open_range(
-                    self._session, m, start, end, self.target.size, self.tuning.hf_token
-                )
+                resp = await open_range(self._session, m, start, end, self.target.size)
                 try:
                     data = await resp.content.readexactly(end - start)
                 finally:
@@ -1011,13 +1004,14 @@ def memory_job(target: DownloadTarget, home: Path, tuning: Tuning, **kw: Any) ->
     )
 
 
-async def hub_vouch(target: DownloadTarget, tuning: Tuning) -> Vouch | None:
-    """Ask the Hugging Face host among the target's URLs which sha256 it vouches for.
+async def vouch_now(target: DownloadTarget, tuning: Tuning) -> Vouch | None:
+    """Ask the sources that own some of the target's URLs which sha256 they vouch for.
 
-    One ``Range: bytes=0-0`` request per hub URL, redirects followed by hand so that the
-    redirect's X-Linked-Etag is read; no body is fetched. None when no hub answers.
+    One ``Range: bytes=0-0`` request per such URL, redirects followed by hand so that the
+    redirect's claim (a hub's X-Linked-Etag) is read; no body is fetched. None when no
+    source answers.
     """
-    hubs = [URL(u) for u in target.urls if is_hf_host(URL(u), tuning.hub_hosts)]
+    hubs = [URL(u) for u in target.urls if tuning.sources.owner(URL(u)) is not None]
     if not hubs:
         return None
     timeout = aiohttp.ClientTimeout(
@@ -1027,12 +1021,13 @@ async def hub_vouch(target: DownloadTarget, tuning: Tuning) -> Vouch | None:
         timeout=timeout, trust_env=False, auto_decompress=False
     ) as session:
         for url in hubs:
-            mirror = Mirror(url, primary=True, hub_hosts=tuning.hub_hosts)
+            mirror = Mirror(url, primary=True, sources=tuning.sources)
             try:
-                resp = await request(session, mirror, {"Range": "bytes=0-0"}, tuning.hf_token)
+                resp = await request(session, mirror, {"Range": "bytes=0-0"})
                 resp.release()
             except (MirrorFailure, aiohttp.ClientError, OSError, TimeoutError) as e:
                 logs.event("hub_unreachable", model=target.model_id, hub=mirror.label, error=str(e))
-            if mirror.linked_sha256 is not None and mirror.linked_size in (None, target.size):
-                return Vouch(mirror.linked_sha256, target.size, mirror.label, time.time())
+            claim = mirror.claim
+            if claim is not None and claim.size in (None, target.size):
+                return Vouch(claim.sha256, target.size, mirror.label, time.time(), claim.via)
     return None

@@ -2,10 +2,10 @@
 
 Every rule here comes from a failure seen in the wild in other downloaders:
 a 200 to a Range request is never spliced in, a ``Content-Range`` must match exactly,
-redirects are followed by hand (at most 10, never https → http) so that the headers
-huggingface.co puts on its redirect (``X-Linked-Etag``/``X-Linked-Size``) are read, the
-Hugging Face token goes only to huggingface.co, and a 403 from a signed CDN URL sends us
-back to the original URL for a fresh signature.
+redirects are followed by hand (at most 10, never https → http) so that what a source
+vouches for on its redirect (``source.Claim``: huggingface.co's ``X-Linked-Etag``) is read,
+a source's credentials go only to its own hosts (``source.SourceSet``), and a 403 from a
+signed CDN URL sends us back to the original URL for a fresh signature.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from tenacity.wait import wait_base
 from yarl import URL
 
 from modeld import logs
+from modeld.download.source import Claim, SourceSet
 from modeld.errors import DiskFull, DownloadError
 
 if TYPE_CHECKING:
@@ -67,7 +68,6 @@ WRONG_SIZE = "wrong_size"
 # sends 64 KiB every 3.2 s, and a 2 s window showed 0 between them).
 SHOWN_WINDOW = 5.0
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class MirrorFailure(Exception):
@@ -90,25 +90,6 @@ class MirrorFailure(Exception):
         self.kind = kind
         self.retry_after = retry_after
         self.cause = cause
-
-
-# Hosts that get the HF token and whose redirects carry X-Linked-Etag (tests add loopback).
-# The host of ``HF_ENDPOINT`` (``Settings.hub_hosts``) joins them for one download.
-HF_HOSTS: tuple[str, ...] = ("huggingface.co",)
-
-
-def is_hf_host(url: URL, extra: tuple[str, ...] = ()) -> bool:
-    """huggingface.co itself (not its CDN hosts), or the hub named by ``HF_ENDPOINT``
-    (``extra``, ``HOST:PORT``: that host at that port only; another port of the same host is
-    another server, maybe another user's): the only places the HF token may go."""
-    host = (url.host or "").lower()
-    if any(host == h or host.endswith("." + h) for h in HF_HOSTS):
-        return True
-    for hub in extra:
-        name, _, port = hub.rpartition(":")
-        if name and port.isdigit() and host == name and url.port == int(port):
-            return True
-    return False
 
 
 def check_url(url: URL, came_from: URL | None = None) -> None:
@@ -135,12 +116,6 @@ def strong_etag(value: str | None) -> str | None:
     if not value or value.startswith("W/"):
         return None
     return value
-
-
-def linked_sha256(value: str | None) -> str | None:
-    """Hugging Face's ``X-Linked-Etag`` is the file's sha256, quoted."""
-    text = (value or "").strip().removeprefix("W/").strip('"').lower()
-    return text if _SHA256_RE.fullmatch(text) else None
 
 
 def retry_after(value: str | None) -> float | None:
@@ -256,11 +231,10 @@ class Mirror:
     # Whether the entry's own URL is on a loopback, link-local or private address: only
     # then may its redirects lead there (None until the first redirect asks).
     local: bool | None = None
-    # Hub hosts beside ``HF_HOSTS`` (the host of HF_ENDPOINT): token and X-Linked-Etag.
-    hub_hosts: tuple[str, ...] = ()
+    # The daemon's sources: whose hosts get credentials and vouch on their redirects.
+    sources: SourceSet = field(default_factory=SourceSet, repr=False, compare=False)
     etag: str | None = None
-    linked_sha256: str | None = None
-    linked_size: int | None = None
+    claim: Claim | None = None  # what the source that owns this URL vouched for, if any
     active: int = 0
     received: int = 0  # bytes received from it, counted as they arrive (``Fetcher._consume``)
     strikes: int = 0  # transient failures in a row
@@ -401,15 +375,14 @@ class _Expired(Exception):
     """A 403 from a cached redirect target (a signed URL that expired)."""
 
 
-def _headers(
-    url: URL, token: str | None, extra: dict[str, str], hub_hosts: tuple[str, ...] = ()
-) -> dict[str, str]:
-    headers = {"Accept-Encoding": "identity", "User-Agent": "modeld", **extra}
-    # Only over https (or to this host's own loopback, where no network carries it): an http
-    # mirror that redirects to a hub host must not get the token sent in clear.
-    if token and is_hf_host(url, hub_hosts) and (url.scheme == "https" or _is_loopback(url)):
-        headers["Authorization"] = f"Bearer {token}"
-    return headers
+def base_headers(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """What every request of a download sends (no compression: bytes are hashed as sent)."""
+    return {"Accept-Encoding": "identity", "User-Agent": "modeld", **(extra or {})}
+
+
+def request_headers(url: URL, extra: dict[str, str], sources: SourceSet) -> dict[str, str]:
+    """``base_headers`` and the credentials of the source that owns ``url``, if any."""
+    return base_headers(extra) | sources.credentials(url)
 
 
 def _is_local_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -454,7 +427,7 @@ async def check_redirect_target(mirror: Mirror, url: URL) -> None:
     )
 
 
-def _is_loopback(url: URL) -> bool:
+def is_loopback(url: URL) -> bool:
     host = (url.host or "").lower()
     if host == "localhost":
         return True
@@ -478,14 +451,11 @@ def proxy_for(url: URL) -> str | None:
 
 
 async def request(
-    session: aiohttp.ClientSession,
-    mirror: Mirror,
-    headers: dict[str, str],
-    token: str | None,
+    session: aiohttp.ClientSession, mirror: Mirror, headers: dict[str, str]
 ) -> aiohttp.ClientResponse:
     """GET following redirects by hand; returns the final (non-redirect) response.
 
-    Reads X-Linked-Etag/Size from huggingface.co's redirect response, caches the final URL,
+    Reads what a source vouches for on its redirect (``Mirror.claim``), caches the final URL,
     and on a 403 from a cached redirect target goes back to the original URL once.
     """
     # Once more from the origin after an expired signed URL, at once; a second 403 is final.
@@ -496,18 +466,14 @@ async def request(
         async for attempt in retrying:
             with attempt:
                 last = attempt.retry_state.attempt_number == 2
-                return await _follow(session, mirror, headers, token, last)
+                return await _follow(session, mirror, headers, last)
     except RetryError:
         pass
     raise MirrorFailure("gone", "HTTP 403 even after a fresh redirect; the URL needs access")
 
 
 async def _follow(
-    session: aiohttp.ClientSession,
-    mirror: Mirror,
-    headers: dict[str, str],
-    token: str | None,
-    last: bool,
+    session: aiohttp.ClientSession, mirror: Mirror, headers: dict[str, str], last: bool
 ) -> aiohttp.ClientResponse:
     """One GET of the mirror, its redirects followed; ``_Expired`` on a stale signed URL."""
     url = mirror.resolved or mirror.url
@@ -517,7 +483,7 @@ async def _follow(
         check_url(url, came_from)
         resp = await session.get(
             url,
-            headers=_headers(url, token, headers, mirror.hub_hosts),
+            headers=request_headers(url, headers, mirror.sources),
             allow_redirects=False,
             proxy=proxy_for(url),
         )
@@ -529,11 +495,9 @@ async def _follow(
             if came_from is not None:
                 mirror.resolved = url
             return resp
-        sha = linked_sha256(resp.headers.get("X-Linked-Etag"))
-        if sha is not None and is_hf_host(url, mirror.hub_hosts):
-            mirror.linked_sha256 = sha
-            size = resp.headers.get("X-Linked-Size", "")
-            mirror.linked_size = int(size) if size.isdigit() else None
+        claim = mirror.sources.claim(url, resp.headers)
+        if claim is not None:
+            mirror.claim = claim
         location = resp.headers.get("Location")
         resp.release()
         if not location:
@@ -543,19 +507,14 @@ async def _follow(
     raise MirrorFailure("gone", f"more than {MAX_REDIRECTS} redirects")
 
 
-async def open_range(  # noqa: PLR0917 (a range is start, end and total)
-    session: aiohttp.ClientSession,
-    mirror: Mirror,
-    start: int,
-    end: int,
-    total: int,
-    token: str | None,
+async def open_range(
+    session: aiohttp.ClientSession, mirror: Mirror, start: int, end: int, total: int
 ) -> aiohttp.ClientResponse:
     """Open ``[start, end)`` and check the answer is exactly that range of a ``total`` file."""
     extra = {"Range": f"bytes={start}-{end - 1}"}
     if mirror.etag:
         extra["If-Range"] = mirror.etag
-    resp = await request(session, mirror, extra, token)
+    resp = await request(session, mirror, extra)
     if resp.status == 206:
         encoding = resp.headers.get("Content-Encoding", "identity").lower()
         if encoding not in ("identity", ""):
@@ -605,11 +564,10 @@ def _read_probe_answer(resp: aiohttp.ClientResponse, mirror: Mirror, size: int) 
     mirror.etag = strong_etag(resp.headers.get("ETag"))
 
 
-async def probe(  # noqa: PLR0917 (two timeouts beside the mirror, size and token)
+async def probe(
     session: aiohttp.ClientSession,
     mirror: Mirror,
     size: int,
-    token: str | None,
     header_timeout: float = 10.0,
     first_byte_timeout: float = 10.0,
 ) -> None:
@@ -624,7 +582,7 @@ async def probe(  # noqa: PLR0917 (two timeouts beside the mirror, size and toke
     async def once() -> None:
         try:
             async with asyncio.timeout(header_timeout):
-                resp = await request(session, mirror, {"Range": "bytes=0-0"}, token)
+                resp = await request(session, mirror, {"Range": "bytes=0-0"})
         except TimeoutError:
             raise ProbeTimeout(
                 "gone", f"no answer headers to the probe within {header_timeout:g} s"

@@ -9,19 +9,17 @@ by ``show``.
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from modeld import logs
 from modeld.catalog.catalog import Catalog, Entry, bundled_registry_dir, outdated
 from modeld.config import Settings
 from modeld.download.downloads import Downloads, result_dict
-from modeld.download.hub import cached_copy, pinned_parts
-from modeld.download.job import DownloadJob, DownloadTarget, OnRefused
+from modeld.download.job import DownloadJob, OnRefused
+from modeld.download.source import SourceSet
 from modeld.engine.engines import Engines, entry_max_tokens, error_brief
 from modeld.engine.pool import Pool
 from modeld.errors import (
@@ -42,21 +40,9 @@ INSTALLED = "installed"
 OUTDATED = "outdated"  # installed, but the entry now names another file; still loadable
 MISSING = "missing"  # the index has a row, but its file is gone (scan, load, pull, list)
 
-# ".../resolve/<revision>/<file>": Hugging Face, its mirrors, and entries from hf:// pulls.
-_RESOLVE = re.compile(r"/resolve/(?P<rev>[^/]+)/")
 MODEL_EVENTS = 100
 RECENT_EVENTS = 30
 _SCANNED_EVENTS = 2000
-
-
-def revision_of(urls: list[str]) -> str | None:
-    """The revision pinned in the entry's URLs (the primary's first), or None."""
-    for url in urls:
-        path = unquote(urlsplit(url).path)
-        m = _RESOLVE.search(path)
-        if m is not None:
-            return m.group("rev")
-    return None
 
 
 def _concerns(event: dict[str, Any], model_id: str, digest: str | None) -> bool:
@@ -156,8 +142,10 @@ class Models:
         pool: Pool,
         downloads: Downloads,
         fits: Fits,
+        sources: SourceSet,
     ) -> None:
         self.settings = settings
+        self.sources = sources
         self.catalog = catalog
         self.store = store
         self.engines = engines
@@ -259,7 +247,7 @@ class Models:
             if outdated(entry, inst.digest, inst.size):
                 return None
         if entry is not None and not inst.verified and entry.sha256 is None:
-            rev = DownloadTarget.from_entry(entry).revision
+            rev = self.sources.pinned(entry.urls)
             kept = await self.store.vouched(model_id, rev) if rev else None
             if kept is not None and kept.sha256 != inst.digest:
                 return None
@@ -306,24 +294,22 @@ class Models:
         return Pull(model_id, job=job, choice=choice)
 
     async def _adopt(self, model_id: str) -> tuple[dict[str, Any], str] | None:
-        """Install the entry's file from the Hugging Face cache (``HF_HUB_CACHE``), when it is
-        there at the entry's pinned commit and its sha256 is what the entry or a hub vouched
-        for; never unverified. None when there is nothing to adopt (then it is downloaded)."""
+        """Install the entry's file from a source's own cache (the Hub's ``HF_HUB_CACHE``),
+        when it is there at the entry's pinned revision and its sha256 is what the entry or a
+        source vouched for; never unverified. None when there is nothing to adopt (then it is
+        downloaded)."""
         entry = self.catalog.find(model_id)
         if entry is None or entry.local or model_id in self.downloads.jobs:
             return None
         expected = entry.sha256
         if expected is None:
-            rev = DownloadTarget.from_entry(entry).revision
+            rev = self.sources.pinned(entry.urls)
             kept = await self.store.vouched(model_id, rev) if rev else None
             expected = kept.sha256 if kept is not None else None
         if expected is None:
             return None  # nothing to check a cached file against
         for url in entry.urls:
-            parts = pinned_parts(url)
-            found = None
-            if parts is not None:
-                found = cached_copy(self.settings.hub_cache, *parts, expected)
+            found = self.sources.cached_copy(url, expected)
             if found is None or found.stat().st_size != entry.size:
                 continue
             try:
@@ -434,7 +420,7 @@ class Models:
         vouch = None
         if report.ok and verified_by is None and entry is not None:
             verified_by, vouch = await verification.vouched_by(
-                self.settings, self.store, entry, report.digest
+                self.settings, self.sources, self.store, entry, report.digest
             )
             if verified_by is not None:
                 await self.store.set_verified(model_id, verified_by)
@@ -447,11 +433,8 @@ class Models:
                 entry,
                 report.digest,
                 vouch,
-                hub=(
-                    verification.hub_of(entry.urls, self.settings.hub_hosts)
-                    if entry is not None
-                    else None
-                ),
+                hub=self.sources.vouching_host(entry.urls) if entry is not None else None,
+                pinned=entry is not None and self.sources.pinned(entry.urls) is not None,
                 source=self.catalog.source_of(model_id),
                 bundled=bundled_registry_dir(),
             )
@@ -483,7 +466,7 @@ class Models:
                 "state": shown["state"],
                 "registry": shown["source"],
                 "entry": entry,
-                "revision": revision_of(entry["urls"]) if entry else None,
+                "revision": self.sources.revision(entry["urls"]) if entry else None,
                 "file_name": shown["file_name"],
                 "size": inst["size"] if inst else shown["size"],
                 "digest": digest,

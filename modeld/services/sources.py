@@ -1,10 +1,11 @@
-"""The ``Sources`` application service: models from the Hub by name, and modeld's own entries.
+"""The ``Sources`` application service: models from a source by name, and modeld's own entries.
 
-``pull hf://ORG/REPO/FILE[@REV]`` resolves the revision to a commit on the Hub, writes the
-entry it makes (pinned commit, size and sha256 as the Hub vouches for them, the endpoint as
-its mirror) to ``$MODELD_HOME/registry/<id>.toml``, then pulls it as any entry: adopted from
-the Hugging Face cache when there, else through the verified downloader. ``rm --entry``
-removes such an entry (and the model's install).
+``pull hf://ORG/REPO/FILE[@REV]`` (an address of one of the daemon's sources,
+``modeld.download.source``; the Hub is the first) resolves the revision to a pinned one at the
+source, writes the entry it makes (pinned URL, size and sha256 as the source vouches for
+them) to ``$MODELD_HOME/registry/<id>.toml``, then pulls it as any entry: adopted from the
+source's own cache when there, else through the verified downloader. ``rm --entry`` removes
+such an entry (and the model's install).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 from modeld import logs
 from modeld.catalog.catalog import Catalog, Entry, bundled_registry_dir
 from modeld.config import Settings
-from modeld.download.hub import HubFile, HubRef, parse_source, pinned_parts, resolve
 from modeld.download.job import Tuning
+from modeld.download.source import Address, Resolved, Source, SourceSet
 from modeld.errors import (
     BadRequest,
     CorruptModel,
@@ -34,26 +35,19 @@ from modeld.services.models import Models, Pull
 from modeld.services.remover import Remover
 
 
-def _same_file(entry: Entry, ref: HubRef) -> bool:
-    """Whether ``entry`` (one modeld wrote) is ``ref``'s file: same endpoint, repo and file."""
+def _same_file(entry: Entry, source: Source, address: Address) -> bool:
+    """Whether ``entry`` (one modeld wrote) is ``address``'s file at any revision."""
     if entry.local or not entry.urls:
         return False
-    parts = pinned_parts(entry.urls[0])
-    return (
-        parts is not None
-        and entry.urls[0].startswith(ref.endpoint + "/")
-        and (parts[0], parts[2]) == (ref.repo, ref.file)
-    )
+    return source.same_file(entry.urls[0], address)
 
 
-def hub_entry(model_id: str, found: HubFile) -> Entry:
-    """The registry entry of a Hub file: pinned URL, size and sha256 as the Hub said."""
-    ref = found.ref
-    name = ref.file.rsplit("/", 1)[-1]
+def source_entry(model_id: str, found: Resolved) -> Entry:
+    """The registry entry of a resolved file: pinned URL, size and sha256 as its source said."""
     return Entry(
         id=model_id,
-        display_name=f"{name.removesuffix('.litertlm')} ({ref.repo})"[:200],
-        file_name=name,
+        display_name=found.display_name[:200],
+        file_name=found.file_name,
         urls=[found.url],
         size=found.size,
         sha256=found.sha256,
@@ -61,22 +55,31 @@ def hub_entry(model_id: str, found: HubFile) -> Entry:
 
 
 class Sources:
-    """Where models come from beyond the bundled catalog: the Hub, and entries modeld wrote."""
+    """Where models come from beyond the bundled catalog: the daemon's sources (the Hub), and
+    entries modeld wrote."""
 
     def __init__(
-        self, settings: Settings, catalog: Catalog, models: Models, remover: Remover
+        self,
+        settings: Settings,
+        catalog: Catalog,
+        models: Models,
+        remover: Remover,
+        known: SourceSet,
     ) -> None:
         self.settings = settings
         self.catalog = catalog
         self.models = models
         self.remover = remover
+        self.known = known
         self._lock = asyncio.Lock()  # one entry written at a time
 
-    def _check_id(self, model_id: str, ref: HubRef) -> None:
+    def _check_id(self, model_id: str, source: Source, ref: Address) -> None:
         """Refuse an id that is another entry's: a bundled one, one of a MODELD_REGISTRY dir,
         or one modeld wrote for another file (the same file at a new revision is updated)."""
         existing = self.catalog.find(model_id)
-        if existing is None or (self.catalog.is_own(model_id) and _same_file(existing, ref)):
+        if existing is None or (
+            self.catalog.is_own(model_id) and _same_file(existing, source, ref)
+        ):
             return
         raise EntryExists(
             f"model id {model_id} is already the entry of {self.catalog.source_of(model_id)}; "
@@ -87,23 +90,30 @@ class Sources:
     async def pull_source(
         self, source: str, *, model_id: str | None, force: bool, limit_rate: int | None = None
     ) -> Pull:
-        """Resolve ``source`` (hf:// or a resolve URL) on the Hub, write its entry, pull it
-        (``limit_rate``: as ``Models.pull``)."""
-        ref = parse_source(source, self.settings.hf_endpoint)
+        """Resolve ``source`` (hf:// or a resolve URL) at its source, write its entry, pull
+        it (``limit_rate``: as ``Models.pull``)."""
+        kind = self.known.for_address(source)
+        if kind is None:
+            if not self.known.all:
+                raise BadRequest(f"{source!r} is not a model id, and this daemon has no source")
+            kind = self.known.all[0]  # its refusal says the forms it takes
+        ref = kind.address(source)
         if self.settings.hf_hub_offline:
             raise Offline(
                 f"HF_HUB_OFFLINE is set: resolving {ref.shown} needs the Hub, and modeld does not "
                 "touch the network. Pull an entry made before by its id (`modeld list`), or "
                 "unset HF_HUB_OFFLINE"
             )
-        model_id = model_id or ref.model_id()
+        model_id = model_id or ref.model_id
+        if model_id is None:
+            raise BadRequest(f"no model id can be made from {ref.shown}; pass one with --id")
         if not MODEL_ID_RE.fullmatch(model_id):
             raise BadRequest(f"{model_id!r} is not a model id (letters, digits, '.', '_', '-')")
-        self._check_id(model_id, ref)  # before any request: a refusal costs nothing
-        found = await resolve(ref, Tuning.from_settings(self.settings))
-        entry = hub_entry(model_id, found)
+        self._check_id(model_id, kind, ref)  # before any request: a refusal costs nothing
+        found = await kind.resolve(ref, Tuning.from_settings(self.settings).connect_timeout)
+        entry = source_entry(model_id, found)
         async with self._lock:
-            self._check_id(model_id, ref)
+            self._check_id(model_id, kind, ref)
             path = self.catalog.source_of(model_id)
             replaced: str | None = None  # the entry this one replaces (another revision)
             if self.catalog.find(model_id) != entry:
@@ -111,16 +121,15 @@ class Sources:
                 comment = (
                     f"Written by `modeld pull {ref.shown}` on "
                     f"{time.strftime('%Y-%m-%d', time.gmtime())}: revision {ref.revision} is "
-                    f"commit {found.commit};\nsize and sha256 are what {ref.endpoint} vouched "
-                    "for (X-Linked-Size, X-Linked-Etag). `modeld rm --entry "
-                    f"{model_id}` removes it."
+                    f"commit {found.pinned};\nsize and sha256 are what {ref.home} vouched "
+                    f"for ({found.said}). `modeld rm --entry {model_id}` removes it."
                 )
                 path = self.catalog.write_entry(entry, comment)  # small: on the loop, as reload is
                 logs.event(
                     "hub_entry_written",
                     model=model_id,
                     source=ref.shown,
-                    commit=found.commit,
+                    commit=found.pinned,
                     path=str(path),
                 )
 
@@ -134,14 +143,14 @@ class Sources:
             "path": str(path),
             "source": ref.shown,
             "revision": ref.revision,
-            "commit": found.commit,
+            "commit": found.pinned,
         }
         return pull
 
     async def _refused(
-        self, model_id: str, entry: Entry, replaced: str | None, ref: HubRef, e: CorruptModel
+        self, model_id: str, entry: Entry, replaced: str | None, ref: Address, e: CorruptModel
     ) -> ModeldError:
-        """The Hub file is not a LiteRT-LM model: the entry written for it goes (the one it
+        """The source's file is not a LiteRT-LM model: the entry written for it goes (the one it
         replaced comes back), so nothing of the pull is left; the error says so."""
         async with self._lock:
             if self.catalog.find(model_id) == entry and self.catalog.is_own(model_id):

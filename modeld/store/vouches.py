@@ -1,13 +1,14 @@
-"""Digests a hub vouched for once, kept per (entry, pinned revision).
+"""Digests a source vouched for once, kept per (entry, pinned revision).
 
-huggingface.co vouches for a file's sha256 on its redirect (``X-Linked-Etag``). An LFS
-object at a pinned commit never changes, so that answer stays true for the entry's pinned
-revision: the store keeps it (the ``vouched`` table), and a later pull from a mirror alone is
-checked against it. A later source that contradicts a kept digest fails the pull.
+A source vouches for a file's sha256 on its answer (huggingface.co: ``X-Linked-Etag`` on its
+redirect). A file at a pinned revision never changes, so that answer stays true for the
+entry's pinned revision: the store keeps it (the ``vouched`` table), and a later pull from a
+mirror alone is checked against it. A later source that contradicts a kept digest fails the
+pull.
 
-The revision is the pinned ``resolve`` path of the entry's primary URL
-(``ORG/REPO@COMMIT/FILE``); an entry whose URL does not pin a commit has none, and nothing
-is kept for it (``resolve/main`` moves).
+The revision is the key the entry's source gives its primary URL
+(``modeld.download.source.Source.pinned``); an entry whose URL pins no immutable revision has
+none, and nothing is kept for it (a branch moves).
 
 ``VouchBook`` is a protocol so the downloader does not need the store: tests use
 ``MemoryVouches``; the daemon uses the store itself.
@@ -15,23 +16,22 @@ is kept for it (``resolve/main`` moves).
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import Protocol
-from urllib.parse import unquote, urlsplit
-
-_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
 @dataclass(frozen=True)
 class Vouch:
-    """A sha256 a hub vouched for: which host, for how many bytes, and when it was seen."""
+    """A sha256 a source vouched for: which host, for how many bytes, and when it was seen."""
 
     sha256: str
     size: int | None
-    source: str  # the host (and port) whose redirect carried X-Linked-Etag
+    source: str  # the host (and port) whose answer vouched (a hub's X-Linked-Etag)
     at: float
+    # How it was said (``Claim.via``); the store does not keep it: a kept one reads as the
+    # Hub's, the one source that vouches today.
+    via: str = "X-Linked-Etag"
 
     @property
     def day(self) -> str:
@@ -40,7 +40,12 @@ class Vouch:
     @property
     def verified_by(self) -> str:
         """How an install checked against this kept digest is marked."""
-        return f"x-linked-etag ({self.source}), kept since {self.day}"
+        return f"{self.now}, kept since {self.day}"
+
+    @property
+    def now(self) -> str:
+        """How an install checked against this digest as it was just said is marked."""
+        return f"{self.via.lower()} ({self.source})"
 
 
 class VouchBook(Protocol):
@@ -60,14 +65,3 @@ class MemoryVouches:
     async def vouch(self, model_id: str, revision: str, vouch: Vouch) -> None:
         # The first answer is kept: a different one later is a conflict, never an update.
         self.kept.setdefault((model_id, revision), vouch)
-
-
-def pinned_revision(url: str) -> str | None:
-    """``ORG/REPO@COMMIT/FILE`` for a ``.../ORG/REPO/resolve/COMMIT/FILE`` URL, else None."""
-    parts = [unquote(p) for p in urlsplit(url).path.split("/") if p]
-    if "resolve" not in parts:
-        return None
-    i = parts.index("resolve")
-    if i == 0 or len(parts) < i + 3 or not _COMMIT_RE.fullmatch(parts[i + 1]):
-        return None
-    return f"{'/'.join(parts[:i])}@{parts[i + 1]}/{'/'.join(parts[i + 2 :])}"

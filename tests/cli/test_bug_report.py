@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from modeld.download.hub import Hub
+from modeld.download.source import SourceSet
 from modeld.hostinfo import runtime_version
 from modeld.logs import redact_url
-from modeld.services.models import revision_of
 from modeld.store.store import sha256_file
 from tests.support.daemon import DaemonProcess, default_backend_env
 from tests.support.state import MODELS, write_entry
@@ -153,6 +154,7 @@ def test_revision_comes_from_the_pinned_url() -> None:
     """The revision is the commit pinned in the first ``/resolve/<rev>/`` URL, else none."""
     hub = f"https://huggingface.co/org/repo/resolve/{REVISION}/m.litertlm"
     mirror = "https://hf-mirror.com/org/repo/resolve/main/m.litertlm"
+    revision_of = SourceSet(Hub()).revision
     assert revision_of(["https://mirror.example/m.litertlm", hub, mirror]) == REVISION
     assert revision_of(["https://example.org/files/m.litertlm"]) is None
     assert revision_of([]) is None

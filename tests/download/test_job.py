@@ -19,13 +19,16 @@ from typing import Any
 import pytest
 from yarl import URL
 
+from modeld.download import hub as hub_mod
 from modeld.download import mirrors as mirrors_mod
 from modeld.download import prefixhash
 from modeld.download.fetch import Fetcher
+from modeld.download.hub import Hub
 from modeld.download.job import DownloadJob, DownloadState, DownloadTarget, Tuning, memory_job
 from modeld.download.journal import Block, JournalState, MemoryJournal
 from modeld.download.mirrors import MirrorFailure, check_url
 from modeld.download.schedule import Piece, Schedule
+from modeld.download.source import SourceSet
 from modeld.errors import DigestConflict, DiskFull, DownloadError, IntegrityError
 from modeld.store.vouches import MemoryVouches, Vouch
 from tests.support.hub import hub
@@ -50,8 +53,10 @@ async def stop_later() -> AsyncIterator[list[Mirror]]:
 
 
 def tuning(**kw: Any) -> Tuning:
+    # The Hub as a source: its hosts (``hub.HF_HOSTS``, which tests patch) vouch.
     base: dict[str, Any] = {"connections": 6, "piece_size": PIECE, "stall_timeout": 1.0}
     base.update(kw)
+    base.setdefault("sources", SourceSet(Hub()))
     return Tuning(**base)
 
 
@@ -299,7 +304,7 @@ async def test_no_sha_in_entry_uses_linked_etag(
     short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without an entry sha256, the primary's X-Linked-Etag (read on its redirect) verifies."""
-    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    monkeypatch.setattr(hub_mod, "HF_HOSTS", ("localhost",))
     primary = Mirror(data, Faults(hf=True), host="localhost")
     await primary.start()
     (other,) = await start_mirrors(data)
@@ -313,7 +318,7 @@ async def test_two_hubs_that_disagree_fail_the_pull(
 ) -> None:
     """Two hub-like sources vouching for different hashes: the pull fails naming both, and
     never installs the file as unverified."""
-    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost", "127.0.0.1"))
+    monkeypatch.setattr(hub_mod, "HF_HOSTS", ("localhost", "127.0.0.1"))
     a = Mirror(data, Faults(hf=True), host="localhost")
     b = Mirror(data, Faults(hf=True, linked_sha256="0" * 64))
     await a.start()
@@ -331,7 +336,7 @@ async def test_hub_contradicting_the_entry_fails_the_pull(
     """An X-Linked-Etag other than the entry's sha256 fails the pull with ``digest_conflict``,
     naming both digests, and installs nothing (the other mirror's probe may have started the
     fetch: test_mirrors has the hub that answers late)."""
-    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    monkeypatch.setattr(hub_mod, "HF_HOSTS", ("localhost",))
     bogus = "e" * 64
     the_hub = await hub(data, Faults(linked_sha256=bogus))
     (mirror,) = await start_mirrors(data)
@@ -351,7 +356,7 @@ async def test_kept_answer_verifies_a_pull_from_the_mirror_alone(
 ) -> None:
     """An entry without sha256: the hub's X-Linked-Etag is kept for (entry, revision); a
     later pull with the hub down is verified against it."""
-    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    monkeypatch.setattr(hub_mod, "HF_HOSTS", ("localhost",))
     the_hub = await hub(data)
     (mirror,) = await start_mirrors(data)
     book = MemoryVouches()
@@ -412,11 +417,12 @@ async def test_token_goes_only_to_huggingface(
     short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """MODELD_HF_TOKEN is sent to the hub host only, never to a mirror or the CDN target."""
-    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    monkeypatch.setattr(hub_mod, "HF_HOSTS", ("localhost",))
     hub = Mirror(data, Faults(hf=True), host="localhost")
     await hub.start()
     (mirror,) = await start_mirrors(data)
-    await run_pull(short_tmp, [hub, mirror], stop_later, sha=None, tuning=tuning(hf_token="secret"))
+    with_token = tuning(sources=SourceSet(Hub(token="secret")))
+    await run_pull(short_tmp, [hub, mirror], stop_later, sha=None, tuning=with_token)
     origin = [r for r in hub.requests if r["path"].startswith("/f")]
     cdn = [r for r in hub.requests if r["path"].startswith("/cdn")]
     assert origin and all(r.get("Authorization") == "Bearer secret" for r in origin)
@@ -428,7 +434,7 @@ async def test_expired_signed_url_goes_back_to_origin(
     short_tmp: Path, data: bytes, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A 403 from an expired signed CDN URL sends the next request to the original URL."""
-    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    monkeypatch.setattr(hub_mod, "HF_HOSTS", ("localhost",))
     hub = Mirror(data, Faults(hf=True, sign_ttl=0.3, throttle=3_000_000), host="localhost")
     await hub.start()
     job = await run_pull(

@@ -15,8 +15,11 @@ import aiohttp
 import pytest
 from yarl import URL
 
+from modeld.download import hub as hub_mod
 from modeld.download import mirrors as m
+from modeld.download.hub import Hub
 from modeld.download.job import DownloadJob, DownloadTarget, Tuning, memory_job
+from modeld.download.source import SourceSet
 from modeld.errors import DigestConflict, DownloadError
 from tests.support.mirror import Faults, Mirror, SlowHeadMirror
 from tests.support.wait import wait_until
@@ -29,6 +32,7 @@ SHA = hashlib.sha256(DATA).hexdigest()
 async def pull(home: Path, urls: list[str], **kw: Any) -> DownloadJob:
     base: dict[str, Any] = {"connections": 2, "piece_size": 256 * 1024, "stall_timeout": 1.0}
     base.update(kw)
+    base["sources"] = SourceSet(Hub(token=base.pop("hf_token", None)))
     job = memory_job(DownloadTarget("m1", urls, SIZE, SHA), home, Tuning(**base))
     job.start()
     await job.wait()
@@ -62,10 +66,12 @@ async def test_the_pull_starts_on_the_first_answer_and_a_late_one_joins(
     mirror's probe starts the pull, every block lands while the hub's probe is still out,
     and the pull then waits for it: the late X-Linked-Etag joins and verifies the file
     (an entry without sha256 is never installed unverified while a source may answer)."""
-    monkeypatch.setattr(m, "HF_HOSTS", ("127.0.0.1",))
+    monkeypatch.setattr(hub_mod, "HF_HOSTS", ("127.0.0.1",))
     good = await Mirror(DATA, Faults()).start()
     slow = await SlowHeadMirror(DATA, interval=1.0, redirect_to=good.url).start()
-    tuning = Tuning(2, 256 * 1024, stall_timeout=5.0, probe_header_timeout=300.0)
+    tuning = Tuning(
+        2, 256 * 1024, stall_timeout=5.0, probe_header_timeout=300.0, sources=SourceSet(Hub())
+    )
     job = memory_job(DownloadTarget("m1", [slow.url, good.url], SIZE, None), short_tmp, tuning)
     try:
         job.start()
@@ -97,7 +103,9 @@ async def test_a_pinned_entry_installs_without_waiting_for_a_probe_still_out(
     installed at once, and the silent mirror is dropped saying why."""
     good = await Mirror(DATA, Faults()).start()
     slow = await SlowHeadMirror(DATA, interval=1.0).start()
-    tuning = Tuning(2, 256 * 1024, stall_timeout=5.0, probe_header_timeout=300.0)
+    tuning = Tuning(
+        2, 256 * 1024, stall_timeout=5.0, probe_header_timeout=300.0, sources=SourceSet(Hub())
+    )
     job = memory_job(DownloadTarget("m1", [slow.url, good.url], SIZE, SHA), short_tmp, tuning)
     try:
         job.start()
@@ -121,13 +129,15 @@ async def test_a_late_contradicting_hub_still_fails_the_pull(
     """The pull runs on the good mirror while a hub's probe is out; the hub's late
     X-Linked-Etag contradicts the entry's sha256: the pull fails naming both, nothing is
     installed."""
-    monkeypatch.setattr(m, "HF_HOSTS", ("127.0.0.1",))
+    monkeypatch.setattr(hub_mod, "HF_HOSTS", ("127.0.0.1",))
     bogus = "e" * 64
     good = await Mirror(DATA, Faults(throttle=2_000_000)).start()
     slow = await SlowHeadMirror(
         DATA, interval=1.0, redirect_to=good.url, linked_sha256=bogus
     ).start()
-    tuning = Tuning(2, 256 * 1024, stall_timeout=5.0, probe_header_timeout=300.0)
+    tuning = Tuning(
+        2, 256 * 1024, stall_timeout=5.0, probe_header_timeout=300.0, sources=SourceSet(Hub())
+    )
     job = memory_job(DownloadTarget("m1", [slow.url, good.url], SIZE, SHA), short_tmp, tuning)
     try:
         job.start()
@@ -176,11 +186,12 @@ def test_hub_token_goes_only_over_https() -> None:
     across a network, where an http mirror's redirect could send it."""
     from yarl import URL
 
-    from modeld.download.mirrors import _headers
+    from modeld.download.mirrors import request_headers
 
-    assert _headers(URL("https://huggingface.co/f"), "t", {})["Authorization"] == "Bearer t"
-    assert "Authorization" not in _headers(URL("http://huggingface.co/f"), "t", {})
-    assert "Authorization" not in _headers(URL("https://hf-mirror.com/f"), "t", {})
+    hub = SourceSet(Hub(token="t"))
+    assert request_headers(URL("https://huggingface.co/f"), {}, hub)["Authorization"] == "Bearer t"
+    assert "Authorization" not in request_headers(URL("http://huggingface.co/f"), {}, hub)
+    assert "Authorization" not in request_headers(URL("https://hf-mirror.com/f"), {}, hub)
 
 
 async def test_netrc_credentials_are_never_sent(
@@ -188,9 +199,7 @@ async def test_netrc_credentials_are_never_sent(
 ) -> None:
     """~/.netrc credentials for a mirror's host (and the hub token beside them) never turn
     into a Basic Authorization header: the pull ignores netrc and still uses proxies."""
-    from modeld.download import mirrors as mirrors_mod
-
-    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    monkeypatch.setattr(hub_mod, "HF_HOSTS", ("localhost",))
     netrc = short_tmp / "netrc"
     netrc.write_text(
         "machine localhost login someone password netrc-secret\n"

@@ -21,9 +21,11 @@ import pytest
 from yarl import URL
 
 from modeld.download import fetch
+from modeld.download.hub import Hub
 from modeld.download.job import DownloadJob, DownloadTarget, Tuning, memory_job
 from modeld.download.mirrors import MirrorFailure
 from modeld.download.rangeio import RangeClient, RangeFallback
+from modeld.download.source import SourceSet
 from modeld.errors import IntegrityError
 from tests.support.mirror import Faults, Mirror, start_mirrors
 from tests.support.wait import wait_until
@@ -45,6 +47,7 @@ async def stop_later() -> AsyncIterator[list[Mirror]]:
 async def pull(home: Path, mirrors: list[Mirror], **kw: Any) -> DownloadJob:
     base: dict[str, Any] = {"connections": 4, "piece_size": PIECE, "stall_timeout": 1.0}
     base.update(kw)
+    base.setdefault("sources", SourceSet(Hub()))
     job = memory_job(
         DownloadTarget("m1", [m.url for m in mirrors], SIZE, SHA), home, Tuning(**base)
     )
@@ -185,9 +188,9 @@ async def test_expired_signed_url_falls_back_and_refreshes(
     short_tmp: Path, stop_later: list[Mirror], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A 403 from the cached CDN URL hands that piece to aiohttp, which signs a fresh one."""
-    from modeld.download import mirrors as mirrors_mod
+    from modeld.download import hub as hub_mod
 
-    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    monkeypatch.setattr(hub_mod, "HF_HOSTS", ("localhost",))
     hub = Mirror(DATA, Faults(hf=True, sign_ttl=0.3, throttle=3_000_000), host="localhost")
     await hub.start()
     stop_later.append(hub)

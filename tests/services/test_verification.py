@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from modeld.client import AsyncClient
-from modeld.download import mirrors as mirrors_mod
+from modeld.download import hub as hub_mod
+from modeld.download.hub import Hub
 from modeld.errors import (
     DigestConflict,
     DownloadError,
@@ -25,7 +26,7 @@ from modeld.errors import (
     ModelNotInstalled,
     Unverified,
 )
-from modeld.store.vouches import Vouch, pinned_revision
+from modeld.store.vouches import Vouch
 from tests.support.daemon import daemon_env, running_daemon
 from tests.support.hub import hub
 from tests.support.mirror import COMMIT, Faults, Mirror, pinned_path
@@ -51,7 +52,7 @@ DEAD_HUB = f"http://localhost:9{pinned_path()}"  # nothing listens on port 9
 @pytest.fixture(autouse=True)
 def localhost_is_a_hub(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stand-in hub runs on ``localhost``: modeld reads its X-Linked-Etag."""
-    monkeypatch.setattr(mirrors_mod, "HF_HOSTS", ("localhost",))
+    monkeypatch.setattr(hub_mod, "HF_HOSTS", ("localhost",))
 
 
 @pytest.fixture
@@ -292,10 +293,11 @@ async def test_install_other_than_the_kept_answer_is_replaced_by_pull(
 
 def test_pinned_revision_reads_the_resolve_path() -> None:
     """Only a ``resolve/<40-hex commit>/<file>`` URL pins a revision; ``main`` does not."""
+    pinned = Hub().pinned
     url = "https://huggingface.co/litert-community/g/resolve/" + "a" * 40 + "/d/g.litertlm"
-    assert pinned_revision(url) == f"litert-community/g@{'a' * 40}/d/g.litertlm"
-    assert pinned_revision("https://huggingface.co/o/r/resolve/main/g.litertlm") is None
-    assert pinned_revision("https://example.com/files/g.litertlm") is None
+    assert pinned(url) == f"litert-community/g@{'a' * 40}/d/g.litertlm"
+    assert pinned("https://huggingface.co/o/r/resolve/main/g.litertlm") is None
+    assert pinned("https://example.com/files/g.litertlm") is None
 
 
 async def test_import_is_checked_against_the_kept_answer(clean_env: Path, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ It answers as the real Hub does:
 
 modeld trusts a hub's X-Linked-Etag and sends it the token only when its host is a hub host:
 ``HF_ENDPOINT`` pointing at this stand-in does that, or add its host to
-``modeld.download.mirrors.HF_HOSTS``.
+``modeld.download.hub.HF_HOSTS``.
 """
 
 from __future__ import annotations
