@@ -13,7 +13,8 @@ Both find the daemon as the CLI does (``find_daemon``) and raise the package's o
 
 Importing this module costs only the standard library: ``Client`` speaks HTTP/1.1 itself
 over the socket (or TCP), and ``AsyncClient`` imports aiohttp when it is first entered. That
-keeps a CLI call (a fresh process each time) short: pydantic and aiohttp alone cost ~0.5 s.
+keeps a CLI call (a fresh process each time) short: pydantic and aiohttp alone cost more than
+the rest of the call (see docs/benchmarks.md#cli-imports).
 """
 
 from __future__ import annotations

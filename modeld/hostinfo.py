@@ -1,7 +1,8 @@
 """Facts about this host and its LiteRT-LM runtime, for status views and bug reports.
 
 The runtime's version is read from the installed package's metadata (``litert-lm``), not by
-importing the 131 MB runtime: the daemon itself never loads it.
+importing the runtime (a large package, docs/benchmarks.md#engine-memory): the daemon itself
+never loads it.
 """
 
 from __future__ import annotations

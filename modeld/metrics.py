@@ -11,7 +11,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-# Latency buckets from 1 ms to 2 min: tiny models answer in ms, real ones take seconds.
+# Latency buckets from a millisecond to minutes: tiny models answer in ms, real ones take seconds.
 _LATENCY_BUCKETS = (
     0.001,
     0.0025,

@@ -12,8 +12,8 @@
   one (a ``\\ud`` escape, a surrogate's UTF-8 bytes, or a body not in UTF-8) is walked.
 
 Parsing runs off the event loop once a body is over ``SMALL_BODY``. A thread alone does not
-keep the loop turning: the C parser holds the GIL for the whole document (a 21 MB body of
-``[]`` took 3.5 s). So the C parser only gets bodies that cannot hold more than
+keep the loop turning: the C parser holds the GIL for the whole document (see
+docs/benchmarks.md#request-bodies). So the C parser only gets bodies that cannot hold more than
 ``JSON_MAX_VALUES`` values (counted from the bytes that open a value); any other body goes
 to the standard library's Python scanner, which counts values and depth as it goes, stops
 at the first one past a bound, and lets the loop run between its steps.
@@ -40,7 +40,8 @@ from modeld.errors import BadRequest, Busy, RequestTimeout, TooLarge
 
 # A body nests a few levels (messages → content → image_url → url): 32 is far past any.
 JSON_MAX_DEPTH = 32
-# The most values (keys not counted) in one body: a 1,024-message chat with parts is ~10,000.
+# The most values (keys not counted) in one body: far past a long chat with parts (see
+# docs/benchmarks.md#request-bodies).
 JSON_MAX_VALUES = 100_000
 # Bodies up to this size are parsed on the loop (cheap) and are not counted in body_memory.
 SMALL_BODY = 64 * 1024

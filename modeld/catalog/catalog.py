@@ -41,8 +41,8 @@ from modeld.layout import MODEL_ID_PATTERN, MODEL_ID_RE, file_name_problem, text
 ID_PATTERN = MODEL_ID_PATTERN
 ID_RE = MODEL_ID_RE
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-# watchfiles waits this long for more changes before it reports a batch; its default
-# (1.6 s) would break the promise that an edit shows within a second.
+# watchfiles waits this long for more changes before it reports a batch; its default would
+# break the promise that an edit shows within a second (docs/benchmarks.md#cli-imports).
 WATCH_DEBOUNCE_MS = 150
 WATCH_STEP_MS = 50
 WATCH_IDLE_MS = 500

@@ -3,10 +3,11 @@
 Exit statuses: 0 done, 1 failed or refused (one line on stderr saying what to do),
 2 bad usage or settings, 130 interrupted.
 
-A CLI call is a fresh process, and ``list``, ``status`` and ``ps`` aim at 100 ms in all, so
-only what the verb needs is imported: the standard library's ``argparse``, and of all the
-verbs' modules the one of the verb asked for (``modeld --help`` and completion build them
-all). No click, rich, pydantic or aiohttp before the request has gone out.
+A CLI call is a fresh process, and ``list``, ``status`` and ``ps`` have a latency goal
+(docs/benchmarks.md#cli-latency), so only what the verb needs is imported: the standard
+library's ``argparse``, and of all the verbs' modules the one of the verb asked for
+(``modeld --help`` and completion build them all). No click, rich, pydantic or aiohttp
+before the request has gone out.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Output for people uses rich markup (``[green]ok[/]``). On a terminal rich renders it; on a
 pipe or a file the markup is stripped and nothing is wrapped or cut (a script reads whole
-lines), and rich is never imported: a CLI call aims at 100 ms.
+lines), and rich is never imported: a CLI call has a latency goal (docs/benchmarks.md#cli-latency).
 
 Each verb is an ``argparse`` sub-parser built by its module's ``<verb>_parser(add)`` and run
 by a function that takes the parsed namespace (``ctx``) and the verb's options by name.

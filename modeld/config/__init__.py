@@ -303,7 +303,7 @@ def hf_token_fallback(home: Path) -> str | None:
 def memory_total_bytes() -> int:
     """The smaller of MemTotal (psutil) and this process's cgroup memory limit (which psutil
     does not read)."""
-    import psutil  # late: ~40 ms that the CLI's start-up does without
+    import psutil  # late: the CLI's start-up does without it (docs/benchmarks.md#cli-imports)
 
     total = int(psutil.virtual_memory().total)
     for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):

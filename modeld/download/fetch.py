@@ -43,7 +43,9 @@ from modeld.download.ratelimit import TokenBucket
 from modeld.download.schedule import Piece, Schedule
 from modeld.errors import DownloadError
 
-try:  # ISA-L's CRC-32: zlib's polynomial and values (journals stay valid), ~10x faster here
+# ISA-L's CRC-32: zlib's polynomial and values (journals stay valid), and faster
+# (docs/benchmarks.md#hashing-and-checksums).
+try:
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover (isal has wheels for the usual platforms)
     from zlib import crc32

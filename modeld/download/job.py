@@ -316,7 +316,7 @@ class DownloadJob:
             "size": self.target.size,
             "completed": done,
             # For a progress bar: what is here, the block on its way included (``completed``
-            # moves by whole blocks: a file of one block showed 0 % until its end).
+            # moves by whole blocks: a file of one block would show nothing until its end).
             "arrived": max(done, min(self.target.size, self.resumed + (f.received if f else 0))),
             "verified": hashed if self.state is not DownloadState.INSTALLED else self.target.size,
             "received": f.received if f else 0,

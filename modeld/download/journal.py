@@ -4,13 +4,15 @@ A block (``BLOCK_SIZE``, 1 MiB) is journaled once every byte of it is written, a
 blocks in flight are journaled in part as they go (marks: the first bytes of a block and
 their CRC-32); on restart each journaled block or mark is re-read and its CRC-32 checked
 before it is trusted, so a kill -9 or a power loss costs at most what came since the last
-marks (a resumed journal keeps the block size it was started with). CRC-32 (3.6 GB/s here) rather
-than sha256 (1.7 GB/s) because it is computed for every byte beside the whole-file sha256,
-which is what makes a download *verified*.
+marks (a resumed journal keeps the block size it was started with). CRC-32 rather than
+sha256, the faster of the two (docs/benchmarks.md#hashing-and-checksums), because it is
+computed for every byte beside the whole-file sha256, which is what makes a download
+*verified*.
 
 ``record`` is called on the event loop as each block finishes and hands the block to the
-writer at once, without waiting for a turn of the loop (on a busy loop one turn took
-5-10 ms, and a kill -9 lost every block finished meanwhile); ``flush`` waits for it.
+writer at once, without waiting for a turn of the loop (a busy loop's turn is long, and a
+kill -9 lost every block finished meanwhile: docs/benchmarks.md#journal-writes); ``flush``
+waits for it.
 
 ``Journal`` is a protocol so the downloader does not need the store: tests use
 ``MemoryJournal``; the daemon uses ``SqliteJournal`` on the store's single writer.
@@ -132,7 +134,8 @@ class SqliteJournal:
     ``download_blocks`` are part of the store's schema (modeld.store.schema).
 
     Block rows are committed without waiting for an fsync (``durable=False``): during a
-    download the WAL's fsync also flushed the partial's dirty pages and took 5-140 ms. A row
+    download the WAL's fsync also flushed the partial's dirty pages and took long
+    (docs/benchmarks.md#journal-writes). A row
     that a power cut rolls back costs a re-fetch; one that outlives its bytes fails the CRC-32
     re-check (the partial's bytes are not fsynced before the install either).
     """

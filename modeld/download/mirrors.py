@@ -57,15 +57,16 @@ MAX_STALLS = 2 * MAX_STRIKES
 # Tries of the probe (``Range: bytes=0-0``) before its failure is recorded on the mirror.
 PROBE_TRIES = 4
 # Failed connections (DNS, refused, unreachable) before a mirror that never answered this
-# download is given up: offline, six tries with back-off took ~15 s per host for nothing.
+# download is given up: offline, every try with back-off is time spent for nothing
+# (docs/benchmarks.md#mirrors-and-scheduling).
 MAX_UNREACHABLE = 2
 # Causes of a failure that call for a fix of the entry or the mirror (``MirrorFailure.cause``):
 # the URL has no file (404, 410), or the file there has another size than the entry's.
 NOT_FOUND = "not_found"
 WRONG_SIZE = "wrong_size"
 # The window of a mirror's speed in the progress (``Mirror.shown_speed``), in seconds, as
-# curl's: long enough to span the bursts of a throttled mirror (a test mirror at 20 KB/s
-# sends 64 KiB every 3.2 s, and a 2 s window showed 0 between them).
+# curl's: long enough to span the bursts of a throttled mirror, which a shorter window shows
+# as 0 between them (docs/benchmarks.md#mirrors-and-scheduling).
 SHOWN_WINDOW = 5.0
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
@@ -167,8 +168,9 @@ def is_transient(exc: BaseException) -> bool:
 
 class wait_mirror(wait_base):
     """A mirror's back-off after a failure: the server's ``Retry-After`` when it sent one,
-    none after a stall (retried at once), else doubling from 0.4 s (capped at 30 s) with
-    ±50 % jitter, so that several connections do not come back at the same instant."""
+    none after a stall (retried at once), else doubling (``wait_exponential``, capped) with
+    jitter of up to half either way, so that several connections do not come back at the
+    same instant."""
 
     def __init__(self, cap: float = 120.0) -> None:
         self.cap = cap

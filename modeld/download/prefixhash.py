@@ -11,11 +11,9 @@ before it (``rehash``), not the whole file.
 
 The hashing thread works in large windows because each call that releases the GIL (the
 mapping, ``sha256.update``, the unmapping) must take it back from the event loop, which
-can keep it for up to the interpreter's switch interval (5 ms) while it is busy in Python.
-With a state and a mapping per 1 MiB block, hashing a cached 512 MiB file beside a thread
-doing Python work and writes ran at 0.75-1.06 GB/s against 1.24-1.35 GB/s alone (0.05 GB/s
-beside pure Python); with 32 MiB windows it runs at 1.33-1.38 GB/s beside the same thread,
-as fast as alone (0.7 GB/s beside pure Python).
+can keep it for up to the interpreter's switch interval while it is busy in Python: with a
+window per block the hash ran far slower beside a busy loop than alone, with large windows
+as fast (docs/benchmarks.md#hashing-and-checksums).
 """
 
 from __future__ import annotations
@@ -75,9 +73,8 @@ class Writeback(_Worker):
     """A thread that starts the writeback of finished ranges of one file (``sync_file_range``).
 
     Apart from the hashing thread because that call blocks while the disk's queue is full:
-    writing 488 MiB from memory as fast as it goes (the dev box), the hashing thread's own
-    calls held the hash back by 0.15-0.55 s in all (the digest came 0.53-0.94 s after the
-    first byte, 0.38-0.40 s without them), and a pull bound by its hash ends that much later.
+    made by the hashing thread, those calls held the hash back, and a pull bound by its hash
+    ends that much later (docs/benchmarks.md#hashing-and-checksums).
     Ranges that wait when the thread is stopped are dropped: the install's fsync writes them.
     """
 
@@ -189,8 +186,8 @@ class PrefixHasher(_Worker):
 
     def _update(self, h: Any, start: int, length: int) -> None:
         """Feed ``[start, start + length)`` into ``h`` from a read-only mapping of just that
-        window: sha256 reads the page cache in place, with no copy into a buffer (about a
-        third less CPU than ``pread`` + hash: 0.36 against 0.53 CPU-s for 488 MiB here).
+        window: sha256 reads the page cache in place, with no copy into a buffer (less CPU
+        than ``pread`` + hash: docs/benchmarks.md#hashing-and-checksums).
         The window is unmapped at once, so the mapped pages never pile up in the daemon's
         RSS (one window of page-cache pages at most is mapped at a time). Where the file
         cannot be mapped, or is shorter than the window (a mapping past the end would

@@ -42,7 +42,8 @@ from modeld.download.mirrors import (
 from modeld.download.ratelimit import TokenBucket
 
 # Per connection. Small enough that the bytes are still in the CPU cache when ``pwrite`` and
-# CRC-32 read them (1 MiB buffers made the page-cache copy 6x slower here: 0.4 s more CPU/GB).
+# CRC-32 read them (larger buffers made the page-cache copy slower:
+# docs/benchmarks.md#hashing-and-checksums).
 BUFFER = 256 * 1024
 # The sink gets the body in slices of at least this much (or what is left of it).
 FLUSH = 128 * 1024

@@ -32,8 +32,8 @@ from modeld.download.rangeio import RangeConn
 
 # Blocks in the first piece a mirror gets (its probe piece, which measures it). A single
 # block is no measure: socket buffers hand over the first megabytes of any answer at once,
-# so a mirror limited to 20 MB/s per connection measured ~1 GB/s on one block, was taken for
-# the best mirror and given the file's front (the hash front) until its live rate showed.
+# so a slow mirror measured on one block was taken for the best mirror and given the file's
+# front (the hash front) until its live rate showed (docs/benchmarks.md#mirrors-and-scheduling).
 PROBE_BLOCKS = 4
 # A piece silent this long counts as stalled for the endgame (its rate is 0), long before the
 # stall timeout.
@@ -169,7 +169,7 @@ class Schedule:
         live = [p.rate() for p in self.inflight if p.mirror is m and now - p.began > 0.5]
         rate = min(m.conn_rate, max(live)) if live else m.conn_rate
         # A piece that got no bytes yet measures 0: the scheduler divides by rates, so a
-        # stalled mirror counts as very slow (1 B/s), never as infinitely slow.
+        # stalled mirror counts as very slow (the floor below), never as infinitely slow.
         return max(rate, 1.0)
 
     def _rates(self) -> tuple[list[Mirror], dict[int, float]]:
@@ -218,9 +218,10 @@ class Schedule:
         connections then end their pieces one after another, in file order, and the prefix
         hasher gets a piece every step. Pieces of one size, taken all at once (the start,
         after the probe), ended together: the prefix jumped by eight pieces at a time, and
-        the hasher sat idle between the jumps with ~100 MB of 512 to do after the last
-        byte. From the second round on the stagger holds by itself: a connection takes its
-        next piece a step after the one before it did, and a whole piece ends a step after.
+        the hasher sat idle between the jumps with much left to do after the last byte
+        (docs/benchmarks.md#mirrors-and-scheduling). From the second round on the stagger
+        holds by itself: a connection takes its next piece a step after the one before it
+        did, and a whole piece ends a step after.
 
         Tapered: once the queue holds less than two pieces per connection, a piece is at
         most half an even share of what is left per connection (at least a block). The
@@ -229,7 +230,7 @@ class Schedule:
         as sent. Half a share, not a whole one: pieces taken later then end later, so the
         hash front passes each piece as it ends (with whole shares every piece ended at
         once, and the hasher had everything above the oldest one left to do after the last
-        byte: 77 MB of 512)."""
+        byte)."""
         bs = self.block_size
         left = sum(p.end - p.pos for p in self.queue)
         share = -(-left // (2 * self.connections * bs))
@@ -335,8 +336,8 @@ class Schedule:
         On ``best`` itself, a piece whose connection has run below half the mirror's rate
         for ``LAG`` seconds (a connection that lost its share, at the server or in the
         loop) gives the rest, past the block it is on, to a fresh connection. Otherwise
-        the prefix waited on it while the other connections went on: 200 MB of 512 was
-        written above it, and hashed after the last byte."""
+        the prefix waited on it while the other connections went on, and what was written
+        above it was hashed after the last byte (docs/benchmarks.md#mirrors-and-scheduling)."""
         bs = self.block_size
         now = time.monotonic()
         front = self.prefix_blocks
@@ -374,7 +375,7 @@ class Schedule:
         could sit on a mirror gone silent until the stall timeout, with none free to move
         the work (the endgame and the hash-front rule run on a free connection): with the
         queue empty and the last four pieces on a mirror that went silent, a pull waited
-        the whole 60 s stall timeout. Its mirror's rate drops to what the piece got, so it
+        the whole stall timeout. Its mirror's rate drops to what the piece got, so it
         gets no more work while a faster mirror is there; no strike. With the queue empty
         and a connection free, the endgame (``_steal``) moves the work instead."""
         busy = sum(1 for p in self.inflight if not p.abandoned)
@@ -443,7 +444,7 @@ class Schedule:
             mirror = self._helper(p, ready, rates)
             if mirror is None:
                 continue
-            rate_f = rates[id(mirror)]  # at least 1 B/s (``_rate``)
+            rate_f = rates[id(mirror)]  # never 0 (``_rate``)
             rate_s = max(p.rate(), 1.0)
             t_slow = (p.end - p.pos) / rate_s
             cur_block_end = min(p.end, (p.pos // bs + 1) * bs)

@@ -31,8 +31,9 @@ from modeld.metrics import Metrics
 # A learned peak is written again only when it grows by more than this fraction: PSS moves
 # by a few pages all the time, and every write would cost a SQLite transaction.
 LEARN_STEP = 0.02
-# The watcher reads a runner's PSS (smaps_rollup: a walk of its page tables, 3-4 ms of
-# kernel time each, every second, on the cores its decode needs) only when its RSS (statm,
+# The watcher reads a runner's PSS (smaps_rollup: a walk of its page tables, costly kernel
+# time each, every second, on the cores its decode needs; docs/benchmarks.md#engine-memory)
+# only when its RSS (statm,
 # microseconds) moved by more than LEARN_STEP of that PSS (at least PSS_RSS_MIN) since
 # the last reading, when a runner came or went (the pages they share move everyone's
 # PSS), or when the last reading is PSS_MAX_AGE old.

@@ -44,19 +44,17 @@ from modeld.store.store import Installed, Store
 ExplainUnverified = Callable[[str, str], Awaitable[str]]
 
 MiB = 1024 * 1024
-# PSS of a runner with the runtime loaded and no engine, measured on 0.18.1 (~41 MiB); a
-# spare runner's real PSS replaces it once one has started.
+# PSS of a runner with the runtime loaded and no engine, above what was measured (see
+# docs/benchmarks.md#engine-memory); a spare runner's real PSS replaces it once one started.
 RUNNER_BASE = 48 * MiB
 # What an engine allocates whatever its weights (tokenizer, executor, XNNPACK arenas and
-# thread pool), measured on 0.18.1 with the 0.3 MB tiny model: +14 MiB PSS at create and
-# +3.5 MiB after the first generation. Weights are mmapped and only count once touched, so
-# the first generation is what brings them in (the 40 MB model: +14 MiB at create, +54 MiB
-# after one generation).
+# thread pool). Weights are mmapped and only count once touched, so the first generation is
+# what brings them in (docs/benchmarks.md#engine-memory).
 ENGINE_OVERHEAD = 16 * MiB
 _VISION_TYPES = ("tf_lite_vision_encoder", "tf_lite_vision_adapter")
 _AUDIO_TYPES = ("tf_lite_audio_encoder_hw", "tf_lite_audio_adapter")
-# KV cache per token, as a fraction of the main weights: a rough rule that gives ~50 KB a
-# token for a 2 GB decoder (Gemma-4-E2B-like). It only decides the first load: after one
+# KV cache per token, as a fraction of the main weights: a rough rule (what it gives a real
+# decoder: docs/benchmarks.md#engine-memory). It only decides the first load: after one
 # run the measured peak PSS for (digest, plan, max_tokens) replaces the whole estimate.
 _KV_FRACTION_PER_TOKEN = 1 / 40_000
 _KV_MIN_PER_TOKEN = 2048
@@ -808,8 +806,9 @@ class Engines:
     def _warm_up(self, entry: Entry, plan: Plan) -> bool | None:
         """Whether loads of ``plan`` warm up: True every load, False never, None when asked.
 
-        A gpu plan pays its shader compilation at the first generation (~2 s on an H200
-        against ~40 ms afterwards), so every load of one warms up; a cpu plan's first
+        A gpu plan pays its shader compilation at the first generation, far more than a
+        generation afterwards (docs/benchmarks.md#engine-memory), so every load of one warms
+        up; a cpu plan's first
         request costs far less, so only loads that promise a quick first reply (pinned,
         preloaded) ask for it. The entry's ``[runtime] warm_up`` wins, then the setting.
         """

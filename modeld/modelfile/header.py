@@ -32,8 +32,8 @@ SUPPORTED_MAJOR_VERSIONS = frozenset({1})
 HEADER_BEGIN = 32
 HEADER_END_FIELD = 24
 # Real headers are a few KiB with a dozen or so sections of a few items each; the caps
-# bound the work done on a corrupted or hostile file (worst case ~30 ms of flatbuffer
-# walking), not a limit any real model comes near.
+# bound the work done on a corrupted or hostile file (its flatbuffer walk: see
+# docs/benchmarks.md#header-caps), not a limit any real model comes near.
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_LLM_METADATA_BYTES = 1024 * 1024
 MAX_SECTIONS = 256

@@ -2,7 +2,8 @@
 
 One function for the runner child and the probe child, so a probe opens the model exactly
 as a runner will. ``litert_lm`` is imported when an engine is made, never at import time:
-processes that never create an engine do not pay for the 131 MB runtime.
+processes that never create an engine do not pay for the runtime (a large package,
+docs/benchmarks.md#engine-memory).
 """
 
 from __future__ import annotations
