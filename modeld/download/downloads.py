@@ -90,7 +90,7 @@ class Downloads:
         journal: Journal,
         installer: Installer,
         metrics: Metrics | None = None,
-        header_check: Callable[[Path, str, str], Any] | None = None,
+        header_check: Callable[[Path, str, str], None] | None = None,
         find_by_file_name: Callable[[str], DownloadTarget | None] | None = None,
         vouches: VouchBook | None = None,
         local_entry: LocalEntryWriter | None = None,

@@ -15,7 +15,7 @@ reach all of this through that protocol only.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
@@ -297,26 +297,27 @@ class Hub:
     hosts (``hosts``), whose redirects alone vouch (``X-Linked-Etag``).
     """
 
-    name = "hub"
-
     def __init__(
         self,
         endpoint: str = "https://huggingface.co",
         *,
         hosts: tuple[str, ...] | None = None,
         endpoints: tuple[str, ...] = (),
-        token: str | None = None,
+        token: str | Callable[[], str | None] | None = None,
         cache: Path | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.hosts = hosts if hosts is not None else HF_HOSTS
         self.endpoints = endpoints  # HF_ENDPOINT's HOST:PORT (``Settings.hub_hosts``)
-        self.token = token
+        # A callable is asked at each use: the daemon's token changes on SIGHUP.
+        self._token = token
         self.cache = cache  # the Hub's own download cache (HF_HUB_CACHE)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Hub:
-        token = settings.hf_token.get_secret_value() if settings.hf_token else None
+        def token() -> str | None:
+            return settings.hf_token.get_secret_value() if settings.hf_token else None
+
         return cls(
             settings.hf_endpoint,
             hosts=HF_HOSTS,
@@ -324,6 +325,10 @@ class Hub:
             token=token,
             cache=settings.hub_cache,
         )
+
+    @property
+    def token(self) -> str | None:
+        return self._token() if callable(self._token) else self._token
 
     def parses(self, text: str) -> bool:
         return is_source(text)

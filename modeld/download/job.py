@@ -32,6 +32,7 @@ import aiohttp
 from yarl import URL
 
 from modeld import logs
+from modeld.catalog.catalog import Entry
 from modeld.config import Settings, format_size
 from modeld.download.fetch import CHUNK, Fetcher, PrefixHasher, Writer, crc32
 from modeld.download.journal import BLOCK_SIZE, Block, Journal, JournalState, MemoryJournal
@@ -68,7 +69,7 @@ DISK_MARGIN = 64 * 1024 * 1024
 Installer = Callable[[str, Path, str, int, str | None], Awaitable[Any]]
 # The header check of a verified file before it is installed: (file, model id); raises
 # CorruptModel for a file that is not a LiteRT-LM model (``downloads.pull_header_check``).
-HeaderCheck = Callable[[Path, str], Any]
+HeaderCheck = Callable[[Path, str], None]
 # What a pull whose file the header check refused does once the partial is gone, before it
 # fails (a hub pull removes the entry it wrote): returns the error the pull ends with.
 OnRefused = Callable[[CorruptModel], Awaitable[ModeldError]]
@@ -101,7 +102,7 @@ class DownloadTarget:
     sha256: str | None = None
 
     @classmethod
-    def from_entry(cls, entry: Any) -> DownloadTarget:
+    def from_entry(cls, entry: Entry) -> DownloadTarget:
         return cls(entry.id, list(entry.urls), int(entry.size), entry.sha256)
 
 

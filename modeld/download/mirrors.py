@@ -20,7 +20,7 @@ import time
 import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import aiohttp
 from tenacity import (
@@ -216,6 +216,18 @@ class MirrorState(enum.StrEnum):
     BANNED = "banned"  # sent wrong bytes (repair found them)
 
 
+class MirrorSnapshot(TypedDict):
+    """One mirror in a pull's progress record (``DownloadJob.snapshot``)."""
+
+    url: str
+    host: str
+    state: str
+    reason: str | None
+    received: int
+    speed: int
+    connections: int
+
+
 # States in which a mirror may still be sent requests.
 USABLE = frozenset({MirrorState.NEW, MirrorState.OK, MirrorState.BACKOFF, MirrorState.STREAM_ONLY})
 
@@ -348,7 +360,7 @@ class Mirror:
         if self.state in (MirrorState.NEW, MirrorState.BACKOFF):
             self.state = MirrorState.OK
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> MirrorSnapshot:
         return {
             # Progress is for every peer: a URL's credentials or signature are not.
             "url": logs.redact_url(self.url.human_repr()),

@@ -28,7 +28,10 @@ import threading
 import time
 from collections.abc import Callable
 from hashlib import sha256
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hashlib import _Hash
 
 # The hashing thread maps (or, where it cannot, reads) the prefix in windows of at most this
 # size, each fed to sha256 in one call.
@@ -121,7 +124,7 @@ class PrefixHasher(_Worker):
         blocks = -(-size // block_size)
         self.stride = block_size * max(-(-window // block_size), -(-blocks // MAX_STATES))
         # offset (a multiple of ``stride``) -> the hash state of the file's bytes before it
-        self.states: dict[int, Any] = {0: sha256()}
+        self.states: dict[int, _Hash] = {0: sha256()}
         self.hashed = 0
         # Bytes still to hash when the last byte arrived (``last_byte``): the hash tail.
         self.tail_bytes = 0
@@ -184,7 +187,7 @@ class PrefixHasher(_Worker):
         finally:
             self.cpu = time.thread_time()
 
-    def _update(self, h: Any, start: int, length: int) -> None:
+    def _update(self, h: _Hash, start: int, length: int) -> None:
         """Feed ``[start, start + length)`` into ``h`` from a read-only mapping of just that
         window: sha256 reads the page cache in place, with no copy into a buffer (less CPU
         than ``pread`` + hash: docs/benchmarks.md#hashing-and-checksums).
@@ -207,7 +210,7 @@ class PrefixHasher(_Worker):
                 self._map = False
         h.update(self._read(start, length))
 
-    def _hash_range(self, h: Any, pos: int, end: int) -> int:
+    def _hash_range(self, h: _Hash, pos: int, end: int) -> int:
         """Feed ``[pos, end)`` into ``h`` (up to the next state boundary or ``window`` bytes,
         whichever is first), keep the state at a boundary; return the new position."""
         n = min(self.window, end - pos, self.stride - pos % self.stride)

@@ -62,8 +62,6 @@ class Resolved:
 class Source(Protocol):
     """A kind of place model files come from (the Hub, another hub)."""
 
-    name: str  # in events and messages
-
     def parses(self, text: str) -> bool:
         """Whether ``text`` is an address in this source's form (not a model id)."""
         ...

@@ -33,9 +33,6 @@ from modeld.layout import BLOB_RE, DIGEST_RE, MODEL_ID_RE, PARTIAL_SUFFIX, stagi
 # blobs/ updates its ctime; Store.install writes the row right after the rename).
 ORPHAN_GRACE = 60.0
 
-# Kinds of items, in the order they are listed and removed.
-KINDS = ("partial", "journal", "quarantined", "orphan_blob", "orphan_cache", "model")
-
 
 def valid_model_id(model_id: str) -> bool:
     return bool(MODEL_ID_RE.fullmatch(model_id))

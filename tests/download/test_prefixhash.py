@@ -9,6 +9,7 @@ import random
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -68,6 +69,10 @@ async def test_one_state_per_window_for_a_small_file(short_tmp: Path) -> None:
         os.close(fd)
 
 
+if TYPE_CHECKING:
+    from hashlib import _Hash
+
+
 def test_touching_writeback_ranges_are_merged_into_one_call() -> None:
     """Blocks that finished together start their writeback in one call per run of them."""
     assert _coalesce([(0, 4), (4, 4), (12, 4), (16, 2), (30, 1)]) == [(0, 8), (12, 6), (30, 1)]
@@ -106,7 +111,7 @@ def _slow_windows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     starts: list[int] = []
     update = PrefixHasher._update
 
-    def slow_update(self: PrefixHasher, h: object, start: int, length: int) -> None:
+    def slow_update(self: PrefixHasher, h: _Hash, start: int, length: int) -> None:
         starts.append(start)
         time.sleep(0.02)
         update(self, h, start, length)

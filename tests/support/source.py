@@ -102,8 +102,6 @@ async def start_shelf() -> Shelf:
 class ShelfSource:
     """The shelf as a ``modeld.download.source.Source``: the whole of a second source kind."""
 
-    name = "shelf"
-
     def __init__(self, endpoint: str, key: str, cache: Path | None = None) -> None:
         self.endpoint, self.key, self.cache = endpoint, key, cache
         self.home = URL(endpoint)
