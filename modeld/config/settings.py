@@ -152,6 +152,8 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(default=40_000_000, ge=1)
     # Model ids loaded once the daemon is ready (besides entries with `preload = true`).
     preload: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Site caches in front of every pull (``BASE/HOST[:PORT]/PATH``), the origin the fallback.
+    site_cache: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     @field_validator("memory_budget", "piece_size", "max_body", "body_memory", mode="before")
     @classmethod
@@ -237,7 +239,7 @@ class Settings(BaseSettings):
             return [p.strip() for p in re.split(r"[:,]", v) if p.strip()]
         return v
 
-    @field_validator("listen", "cors_origins", "preload", mode="before")
+    @field_validator("listen", "cors_origins", "preload", "site_cache", mode="before")
     @classmethod
     def _words(cls, v: Any) -> Any:
         return _list_of_words(v)
@@ -255,6 +257,19 @@ class Settings(BaseSettings):
                     "set MODELD_LISTEN_PUBLIC=1 to confirm"
                 )
             out.append(format_address(host, port))
+        return out
+
+    @field_validator("site_cache")
+    @classmethod
+    def _cache_bases(cls, v: list[str]) -> list[str]:
+        out = []
+        for text in v:
+            base = text.rstrip("/")
+            if not re.fullmatch(r"https?://[^/\s?#@]+(/[^\s?#]*)?", base):
+                raise ValueError(
+                    f"{text!r} is not an http(s) base URL such as http://cache.lan:8080"
+                )
+            out.append(base)
         return out
 
     @field_validator("cors_origins")
@@ -394,6 +409,7 @@ class Settings(BaseSettings):
             "request_timeout": self.request_timeout,
             "max_image_pixels": self.max_image_pixels,
             "preload": list(self.preload),
+            "site_cache": list(self.site_cache),
             "config_file": str(p) if (p := config_file_path()) else None,
         }
 
@@ -433,6 +449,7 @@ def _allowed(field: str) -> str:
         "listen_public": "1 or 0 (true or false)",
         "cors_origins": "origins such as https://app.example:8443 separated by ',', or *",
         "preload": "model ids separated by ','",
+        "site_cache": "http(s) base URLs of site caches separated by ','",
         "hf_endpoint": "an http(s) URL of a host, such as https://huggingface.co",
         "hf_hub_offline": "1 or 0 (true or false)",
     }

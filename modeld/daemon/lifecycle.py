@@ -37,6 +37,7 @@ LIVE_FIELDS = (
     "registry",
     "disk_budget",
     "hf_token",
+    "site_cache",
 )
 
 

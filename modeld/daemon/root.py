@@ -26,8 +26,8 @@ from modeld.catalog.catalog import Catalog, bundled_registry_dir
 from modeld.config import Settings, runner_data_limit
 from modeld.daemon.apikeys import KeyRing
 from modeld.download.downloads import daemon_downloads
-from modeld.download.hub import hub_sources
-from modeld.download.source import SourceSet
+from modeld.download.hub import Hub
+from modeld.download.source import SourceSet, site_caches
 from modeld.engine.engines import Engines, LearnedMemory, journal_to
 from modeld.engine.pool import Pool, PoolConfig
 from modeld.engine.runner.client import Runner
@@ -62,8 +62,10 @@ class Root:
         catalog = self._part(
             Catalog([bundled_registry_dir(), *settings.registry_dirs], own=settings.own_registry)
         )
-        # Where files come from (the Hub): the one place a kind of source is named.
-        sources = sources if sources is not None else hub_sources(settings)
+        # Where files come from (the Hub), and the site caches in front of every pull: the
+        # one place a kind of source is named.
+        if sources is None:
+            sources = SourceSet(Hub.from_settings(settings), caches=site_caches(settings))
         downloads = self._part(daemon_downloads(settings, catalog, store, metrics, sources))
         memory = LearnedMemory(store)
         pool = self._part(

@@ -37,6 +37,7 @@ from modeld.download.job import (
     Tuning,
 )
 from modeld.download.journal import Journal
+from modeld.download.mirrors import Mirror, MirrorState
 from modeld.download.source import SourceSet
 from modeld.errors import (
     BadRequest,
@@ -262,6 +263,15 @@ class Downloads:
             for j in reversed(latest.values())
             if j.error is not None and j.state is DownloadState.FAILED and j.id not in self.jobs
         ]
+        # A mirror (a site cache) that sent wrong bytes is worth fixing even though the
+        # repair saved the pull.
+        problems += [
+            _lied(j.id, m)
+            for j in reversed(latest.values())
+            if j.state is DownloadState.INSTALLED and j.id not in self.jobs
+            for m in j.mirrors
+            if m.state is MirrorState.BANNED
+        ]
         if active:
             parts = [
                 f"{a['id']} {100 * a['arrived'] // max(1, a['size'])}%"
@@ -437,6 +447,18 @@ class Downloads:
         assert self.local_entry is not None
         await self.local_entry(model_id, staged, name, size, digest)
         logs.event("local_entry_written", model=model_id, digest=digest)
+
+
+def _lied(model_id: str, m: Mirror) -> str:
+    """What ``status`` says of a mirror a pull banned for wrong bytes, and what to do."""
+    if m.via is not None:
+        what, fix = f"the site cache {m.label}", "purge the file from that cache"
+    else:
+        what, fix = f"the mirror {m.label}", "fix that mirror or remove it from the entry"
+    return (
+        f"{model_id}: {what} {m.reason or 'sent wrong bytes'}; it was banned for that pull, "
+        f"which was repaired from the other URLs and verified: {fix}"
+    )
 
 
 def free_bytes(directory: Path) -> int:

@@ -268,14 +268,14 @@ class Fetcher(Schedule):
             if work is not None:
                 await self._run_piece(work[1], work[0])
                 continue
-            ready = [m for m in self.mirrors if m.usable and m.ranges]
+            ready = [m for m in self.in_play() if m.usable and m.ranges]
             if self.queue and not ready:
                 if self._probing():
                     # A mirror still probing may serve ranges: wait for its answer before
                     # streaming from byte 0, or before giving up.
                     await self._idle(1.0)
                     continue
-                if any(m.usable for m in self.mirrors):
+                if any(m.usable for m in self.in_play()):
                     await self._stream_all()
                     continue
                 self._fatal = self._no_mirror_error()
@@ -303,7 +303,7 @@ class Fetcher(Schedule):
             return
         self.queue.clear()
         self.kept_marks.clear()  # the stream fetches every byte again
-        mirror = next(m for m in self.mirrors if m.usable)
+        mirror = next(m for m in self.in_play() if m.usable)
         if self.on_stream is not None:
             self.on_stream(mirror, self.done_bytes)
         await self._run_piece(Piece(0, self.size, 0, stream=True), mirror)

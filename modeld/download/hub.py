@@ -25,7 +25,7 @@ from yarl import URL
 
 from modeld.config import Settings
 from modeld.download.mirrors import MAX_REDIRECTS, base_headers, check_url, is_loopback, proxy_for
-from modeld.download.source import Address, Claim, Resolved, SourceSet
+from modeld.download.source import Address, Claim, Resolved
 from modeld.errors import BadRequest, DownloadError, HubAccessDenied, HubFileNotFound
 from modeld.layout import model_id_from, repo_part_problem, revision_problem
 
@@ -412,8 +412,3 @@ class Hub:
 
 # ".../resolve/<revision>/<file>": Hugging Face, its mirrors, and entries from hf:// pulls.
 _REVISION_RE = re.compile(r"/resolve/(?P<rev>[^/]+)/")
-
-
-def hub_sources(settings: Settings) -> SourceSet:
-    """The daemon's sources: the Hub as the settings name it."""
-    return SourceSet(Hub.from_settings(settings))

@@ -493,8 +493,22 @@ class DownloadJob:
             good = await asyncio.to_thread(_crc_blocks, fd, t.size, block, state.blocks)
             self._crcs = {i: state.blocks[i] for i in good if state.blocks[i].length is None}
             self._marks = {i: state.blocks[i] for i in good if state.blocks[i].length}
+        sources = self.tuning.sources
+        caches = sources.caches
+        primary = URL(t.urls[0])
         self.mirrors = [
-            Mirror(URL(u), primary=(i == 0), metrics=self.metrics, sources=self.tuning.sources)
+            # A site cache stands in front of the entry's primary URL; the entry's URLs are
+            # its fallback (``Schedule.in_play``), probed as ever: what they vouch for counts.
+            Mirror(c.map(primary), primary=True, via=c, origin=primary, metrics=self.metrics)
+            for c in caches
+        ] + [
+            Mirror(
+                URL(u),
+                primary=(i == 0),
+                fallback=bool(caches),
+                metrics=self.metrics,
+                sources=sources,
+            )
             for i, u in enumerate(t.urls)
         ]
         timeout = aiohttp.ClientTimeout(
@@ -562,6 +576,7 @@ class DownloadJob:
             on_refetch=self._refetched,
         )
         self.fetcher.limit = self.limit
+        self.fetcher.on_fallback = self._falls_back
         for i, b in self._crcs.items():
             self.fetcher.sources[i] = b.mirror
         self.fetcher.partial = {i: (b.length or 0, b.crc, b.mirror) for i, b in self._marks.items()}
@@ -594,6 +609,12 @@ class DownloadJob:
             raise
         if self.fetcher is not None:
             self.fetcher.wake()
+        self._notify()
+
+    def _falls_back(self, caches: list[Mirror]) -> None:
+        """No site cache can serve the pull any more: the origins do, and the log says so."""
+        why = "; ".join(f"{m.label}: {m.reason or m.state}" for m in caches)
+        logs.event("site_cache_fallback", model=self.id, caches=why, to="origin")
         self._notify()
 
     def _ignores_range(self, m: Mirror) -> None:

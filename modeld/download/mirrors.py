@@ -37,7 +37,7 @@ from tenacity.wait import wait_base
 from yarl import URL
 
 from modeld import logs
-from modeld.download.source import Claim, SourceSet
+from modeld.download.source import Claim, SiteCache, SourceSet
 from modeld.errors import DiskFull, DownloadError
 
 if TYPE_CHECKING:
@@ -221,6 +221,7 @@ class MirrorSnapshot(TypedDict):
 
     url: str
     host: str
+    role: str  # "site_cache", "origin" (behind one: the fallback) or "mirror"
     state: str
     reason: str | None
     received: int
@@ -238,10 +239,18 @@ class Mirror:
 
     url: URL
     primary: bool = False
+    # The site cache this mirror is (its ``url`` the primary URL as the cache serves it): its
+    # redirects are followed through the cache too.
+    via: SiteCache | None = None
+    # An origin behind a site cache: it gets work only once no cache can serve ranges.
+    fallback: bool = False
     state: MirrorState = MirrorState.NEW
     reason: str | None = None
     cause: str | None = None  # the last failure's ``MirrorFailure.cause``
     resolved: URL | None = None  # cached redirect target (a signed CDN URL)
+    # Through a site cache: the URL ``url`` stands for, and the one ``resolved`` stands for.
+    origin: URL | None = None
+    resolved_origin: URL | None = None
     # Whether the entry's own URL is on a loopback, link-local or private address: only
     # then may its redirects lead there (None until the first redirect asks).
     local: bool | None = None
@@ -365,6 +374,7 @@ class Mirror:
             # Progress is for every peer: a URL's credentials or signature are not.
             "url": logs.redact_url(self.url.human_repr()),
             "host": self.label,
+            "role": "site_cache" if self.via else "origin" if self.fallback else "mirror",
             "state": self.state.value,
             "reason": self.reason,
             "received": self.received,
@@ -493,6 +503,9 @@ async def _follow(
     url = mirror.resolved or mirror.url
     from_cache = mirror.resolved is not None
     came_from: URL | None = None
+    # Through a site cache: the URL the cache stands for, against which a redirect's
+    # Location is read before it goes through the cache again.
+    origin = mirror.resolved_origin if mirror.resolved is not None else mirror.origin
     for _ in range(MAX_REDIRECTS + 1):
         check_url(url, came_from)
         resp = await session.get(
@@ -516,7 +529,14 @@ async def _follow(
         resp.release()
         if not location:
             raise MirrorFailure("gone", f"HTTP {resp.status} without a Location")
-        came_from, url = url, url.join(URL(location))
+        came_from, target = url, URL(location)
+        to_cache = target.is_absolute() and mirror.via is not None and mirror.via.covers(target)
+        if mirror.via is None or origin is None or to_cache:
+            url = url.join(target)
+        else:  # the origin's redirect, passed on by the cache: through the cache again
+            origin = origin.join(target)
+            url = mirror.via.map(origin)
+            mirror.resolved_origin = origin
         await check_redirect_target(mirror, url)
     raise MirrorFailure("gone", f"more than {MAX_REDIRECTS} redirects")
 

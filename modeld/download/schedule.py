@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 
-from modeld.download.mirrors import Mirror
+from modeld.download.mirrors import Mirror, MirrorState
 from modeld.download.rangeio import RangeConn
 
 # Blocks in the first piece a mirror gets (its probe piece, which measures it). A single
@@ -84,6 +85,10 @@ class Piece:
         return self.got / elapsed if elapsed > 0 else 0.0
 
 
+# A site cache in one of these states may still serve ranges: its origins wait for it.
+_SERVING = frozenset({MirrorState.NEW, MirrorState.PROBING, MirrorState.OK, MirrorState.BACKOFF})
+
+
 class Schedule:
     """The piece queue, the pieces in flight, and the choice of the next (mirror, piece)."""
 
@@ -117,6 +122,9 @@ class Schedule:
         self.takeovers = 0  # in-flight blocks taken over by a faster mirror
         self.front_moves = 0  # of those, moves of the piece holding the hash front
         self.last_front: Piece | None = None  # the piece last taken off the queue's front
+        # Called once, with the site caches, when the origins behind them first get work.
+        self.on_fallback: Callable[[list[Mirror]], None] | None = None
+        self._fell_back = False
 
     def block_range(self, idx: int) -> tuple[int, int]:
         start = idx * self.block_size
@@ -158,6 +166,20 @@ class Schedule:
         if p.raw is not None:
             p.raw.abort()
 
+    def in_play(self) -> list[Mirror]:
+        """The mirrors work may go to: the origins behind a site cache only once no cache
+        can serve ranges any more (dropped, banned, or one that ignores Range)."""
+        if not any(m.fallback for m in self.mirrors):
+            return self.mirrors
+        front = [m for m in self.mirrors if not m.fallback]
+        if any(m.state in _SERVING for m in front):
+            return front
+        if not self._fell_back:
+            self._fell_back = True
+            if self.on_fallback is not None:
+                self.on_fallback([m for m in front if m.via is not None])
+        return self.mirrors
+
     # --- rates -------------------------------------------------------------------------
 
     def _rate(self, m: Mirror) -> float | None:
@@ -175,7 +197,7 @@ class Schedule:
     def _rates(self) -> tuple[list[Mirror], dict[int, float]]:
         """The mirrors ready for a range request now, and the measured ones' rates."""
         now = time.monotonic()
-        ready = [m for m in self.mirrors if m.usable and m.ranges and m.not_before <= now]
+        ready = [m for m in self.in_play() if m.usable and m.ranges and m.not_before <= now]
         return ready, {id(m): r for m in ready if (r := self._rate(m)) is not None}
 
     def _remaining(self) -> int:

@@ -10,16 +10,22 @@ the first; a second kind is one more class that implements ``Source``.
 The mirrors, the job, the fetcher and the services know only this protocol and
 ``SourceSet``, the ordered set the composition root builds from the settings. A URL no source
 knows is a plain HTTP mirror: it gets no credentials and vouches for nothing.
+
+A site cache (``SiteCache``, ``MODELD_SITE_CACHE``) is no source: it names no file and
+vouches for nothing. It is a mirror put in front of every pull's own URLs, which stay the
+fallback; the sha256 check and the repair make any cache safe to put there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from yarl import URL
+
+from modeld.config import Settings
 
 
 @dataclass(frozen=True)
@@ -107,12 +113,55 @@ class Source(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class SiteCache:
+    """An HTTP cache of the site (nginx ``proxy_cache``, Squid, Varnish) that serves
+    ``scheme://HOST[:PORT]/PATH?QUERY`` at ``BASE/HOST[:PORT]/PATH?QUERY``: the layout nginx
+    configs that proxy by host use. The cache chooses the scheme it asks the origin with."""
+
+    base: URL
+
+    @property
+    def label(self) -> str:
+        host = self.base.host or ""
+        return f"{host}:{self.base.explicit_port}" if self.base.explicit_port else host
+
+    def covers(self, url: URL) -> bool:
+        """Whether ``url`` is the cache's own (a redirect the cache made to itself)."""
+        here, base = url.human_repr(), self.base.human_repr().rstrip("/")
+        return here == base or here.startswith(base + "/")
+
+    def map(self, url: URL) -> URL:
+        """``url`` as the cache serves it (a URL of the cache itself is kept)."""
+        if self.covers(url):
+            return url
+        host = url.raw_host or ""
+        if url.explicit_port is not None:
+            host = f"{host}:{url.explicit_port}"
+        query = f"?{url.raw_query_string}" if url.raw_query_string else ""
+        base = str(self.base).rstrip("/")
+        return URL(f"{base}/{host}{url.raw_path}{query}", encoded=True)
+
+
+def site_caches(settings: Settings) -> Callable[[], list[SiteCache]]:
+    """The site caches ``MODELD_SITE_CACHE`` names, read at each call (it applies live)."""
+    return lambda: [SiteCache(URL(base)) for base in settings.site_cache]
+
+
 class SourceSet:
     """The sources of one daemon, in order; what a URL or an address is asked of goes to the
-    first that knows it."""
+    first that knows it. ``caches`` gives the site caches in front of every pull, asked at
+    each pull (``MODELD_SITE_CACHE`` changes on SIGHUP)."""
 
-    def __init__(self, *sources: Source) -> None:
+    def __init__(
+        self, *sources: Source, caches: Callable[[], Sequence[SiteCache]] | None = None
+    ) -> None:
         self.all: tuple[Source, ...] = sources
+        self._caches = caches
+
+    @property
+    def caches(self) -> Sequence[SiteCache]:
+        return self._caches() if self._caches is not None else ()
 
     def for_address(self, text: str) -> Source | None:
         """The source whose form ``text`` has (``hf://...``), else None (a model id)."""

@@ -559,12 +559,14 @@ def test_kill_9_mid_blocks_on_8_connections_then_resume_fetches_at_most_5_percen
 def test_cli_pull_repairs_a_flipped_byte_for_half_the_file_at_most(short_tmp: Path) -> None:
     """`modeld pull` from two mirrors, the primary flipping one byte: the daemon repairs the
     file from the other mirror (checking its few blocks, then the liar's from the start)
-    and installs it verified; both mirrors serve at most 1.5x the file in all."""
+    and installs it verified; both mirrors serve at most 1.5x the file in all, and
+    ``status`` names the liar."""
     liar = ThreadMirror(DATA, Faults(flip_byte=100))
     other = ThreadMirror(DATA, Faults(throttle=300_000))
     d = started_daemon(short_tmp, "m1", [liar, other], SIZE, SHA)
     try:
         doc = d.cli_json("pull", "m1")
+        problems = d.cli_json("status")["downloads"]["problems"]
     finally:
         d.stop()
         liar.close()
@@ -572,6 +574,9 @@ def test_cli_pull_repairs_a_flipped_byte_for_half_the_file_at_most(short_tmp: Pa
     assert doc["state"] == "installed"
     assert doc["verified_by"] == "registry sha256"
     assert doc["repaired"] == 1
+    # `status` names the mirror that lied, though the pull was saved.
+    (problem,) = problems
+    assert problem.startswith(f"m1: the mirror 127.0.0.1:{liar.mirror.port} sent 1 blocks"), problem
     assert (d.home / "blobs" / f"sha256-{SHA}").read_bytes() == DATA
     assert liar.mirror.sent + other.mirror.sent <= 1.5 * SIZE
 

@@ -1,4 +1,5 @@
-"""The source seam (``modeld.download.source``): a second kind of source is one class.
+"""The source seam (``modeld.download.source``): a second kind of source is one class, and a
+site cache stands in front of any source's URLs.
 
 The shelf (``tests.support.source``) is written outside ``modeld/`` as one ``Source`` and
 plugged into the daemon's composition (``Root``) beside the Hub; its files are then pulled,
@@ -7,17 +8,23 @@ verified, kept and adopted through the same downloader as the Hub's.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from yarl import URL
 
 from modeld.daemon.root import Root
 from modeld.download.hub import Hub
-from modeld.download.source import SourceSet
+from modeld.download.job import DownloadJob, DownloadTarget, Tuning, memory_job
+from modeld.download.source import SiteCache, SourceSet
+from tests.support.cache import PassCache
+from tests.support.mirror import Faults, Mirror, pinned_path
 from tests.support.source import KEY_HEADER, Shelf, ShelfSource, start_shelf
-from tests.support.state import MODELS, registry_settings
+from tests.support.state import MODELS, model_bytes, registry_settings
 
 TINY = (MODELS / "tiny-text.litertlm").read_bytes()
 
@@ -81,3 +88,76 @@ async def test_a_source_s_own_cache_is_adopted_without_a_download(
         again = await services.models.pull("tiny")
         assert again.job is None and again.adopted == str(cache / digest)
         assert len(shelf.requests) == fetched
+
+
+def test_a_site_cache_serves_an_url_under_its_host_and_path() -> None:
+    """``scheme://HOST[:PORT]/PATH?Q`` maps to ``BASE/HOST[:PORT]/PATH?Q``; the cache's own
+    URLs are kept."""
+    cache = SiteCache(URL("http://cache.lan:8080/models/"))
+    hub = URL("https://huggingface.co/o/r/resolve/" + "a" * 40 + "/m.litertlm")
+    assert cache.map(hub) == URL(
+        "http://cache.lan:8080/models/huggingface.co/o/r/resolve/" + "a" * 40 + "/m.litertlm"
+    )
+    cdn = URL("http://127.0.0.1:9000/cdn/abc?sig=1%2F2&x=y", encoded=True)
+    assert (
+        str(cache.map(cdn)) == "http://cache.lan:8080/models/127.0.0.1:9000/cdn/abc?sig=1%2F2&x=y"
+    )
+    assert cache.map(cache.map(cdn)) == cache.map(cdn)
+    assert cache.label == "cache.lan:8080"
+
+
+async def _cached_pull(short_tmp: Path, cache: str, data: bytes, hub: Mirror) -> DownloadJob:
+    target = DownloadTarget("m1", [hub.url], len(data), None)
+    sources = SourceSet(Hub(hosts=("localhost",)), caches=lambda: [SiteCache(URL(cache))])
+    tuning = Tuning(4, 256 * 1024, stall_timeout=5.0, sources=sources)
+    job = memory_job(target, short_tmp, tuning)
+    job.start()
+    with contextlib.suppress(Exception):
+        await job.wait()
+    return job
+
+
+async def test_a_pull_goes_through_the_site_cache_and_the_origin_still_vouches(
+    short_tmp: Path,
+) -> None:
+    """Behind a site cache the hub's redirect is followed through the cache too: every
+    piece comes through it, the origin is only probed (its X-Linked-Etag verifies the file),
+    and no token or claim is taken from the cache."""
+    data = model_bytes(3 * 1024 * 1024 + 5, 8)
+    hub = await Mirror(data, Faults(hf=True), host="localhost", path=pinned_path()).start()
+    cache = await PassCache().start()
+    try:
+        job = await _cached_pull(short_tmp, cache.base, data, hub)
+    finally:
+        await cache.stop()
+        await hub.stop()
+    assert job.state == "installed", job.error
+    assert job.verified_by == f"x-linked-etag (localhost:{hub.port})"
+    front, origin = job.mirrors
+    assert (front.via, origin.fallback) == (SiteCache(URL(cache.base)), True)
+    assert front.received == len(data) and origin.received <= 1
+    assert any(r.startswith(f"/127.0.0.1:{hub.port}/cdn/f?sig=") for r in cache.requests)
+    assert front.claim is None and origin.claim is not None
+
+
+async def test_a_site_cache_that_lies_is_banned_and_one_down_falls_back_once(
+    short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cache that flips a byte is banned and the file repaired from the origin; a cache
+    that cannot be reached leaves the pull to the origin, with one line saying so."""
+    data = model_bytes(3 * 1024 * 1024 + 5, 9)
+    hub = await Mirror(data, Faults(hf=True), host="localhost", path=pinned_path()).start()
+    cache = await PassCache(flip=2 * 1024 * 1024 + 3).start()
+    try:
+        lied = await _cached_pull(short_tmp / "a", cache.base, data, hub)
+        with caplog.at_level(logging.INFO, logger="modeld"):
+            down = await _cached_pull(short_tmp / "b", "http://127.0.0.1:9", data, hub)
+    finally:
+        await cache.stop()
+        await hub.stop()
+    assert lied.state == "installed" and lied.repaired >= 1, lied.error
+    assert lied.mirrors[0].state == "banned"
+    assert down.state == "installed", down.error
+    assert down.mirrors[1].received > 0
+    lines = [r.getMessage() for r in caplog.records if "site_cache_fallback" in r.getMessage()]
+    assert len(lines) == 1 and "127.0.0.1:9" in lines[0], lines
