@@ -72,6 +72,10 @@ class Metrics:
             registry=r,
         )
         self.downloads_active = Gauge("modeld_downloads_active", "Downloads running", registry=r)
+        self.pulls = Counter("modeld_pulls", "Downloads ended, by result", ["result"], registry=r)
+        # Each result from 0, so that an alert on its increase sees the first one.
+        for result in ("installed", "failed", "cancelled"):
+            self.pulls.labels(result)
         # engine pool
         self.engine_loads = Counter(
             "modeld_engine_loads", "Engines created", ["model", "result"], registry=r

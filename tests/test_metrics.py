@@ -88,11 +88,14 @@ async def pulled(clean_env: Path) -> Any:
 
 
 async def test_pull_feeds_download_metrics(pulled: Any) -> None:
-    """A real pull counts bytes per mirror, the mirror's speed, its errors by class, active."""
+    """A real pull counts bytes per mirror, the mirror's speed, its errors by class, active,
+    and the pull's end by its result."""
     d, mirror, registry = pulled
     label = f"127.0.0.1:{mirror.port}"
     before = await scrape(d.settings.socket_path)
     assert value(before, "modeld_download_errors_total", mirror=label, kind="transient") == 0
+    assert value(before, "modeld_pulls_total", result="installed") == 0
+    assert value(before, "modeld_pulls_total", result="failed") == 0
     async with d.client() as c:
         records = [r async for r in c.stream("POST", "/api/models/tiny-text/pull", {})]
     assert records[-1]["state"] == "installed", records[-1]
@@ -102,6 +105,11 @@ async def test_pull_feeds_download_metrics(pulled: Any) -> None:
     assert value(after, "modeld_download_mirror_bytes_per_second", mirror=label) > 0
     assert value(after, "modeld_downloads_active") == 0
     assert ("modeld_download_repaired_pieces_total", ()) in after
+    # The pull's end is counted by its result (once its job is done, just after its record).
+    ended = await until(
+        d.settings.socket_path, lambda s: value(s, "modeld_pulls_total", result="installed") >= 1
+    )
+    assert value(ended, "modeld_pulls_total", result="installed") == 1
     # A registry file that does not validate is counted (live reload, no restart).
     (registry / "broken.toml").write_text('id = "broken"\nsize = "big"\n')
     samples = await until(d.settings.socket_path, lambda s: value(s, "modeld_registry_errors") >= 1)

@@ -202,6 +202,8 @@ class Downloads:
         self.recent.append(job)
         if self.metrics is not None:
             self.metrics.downloads_active.set(len(self.jobs))
+            if job.finished:
+                self.metrics.pulls.labels(job.state.value).inc()
 
     def get(self, model_id: str) -> DownloadJob:
         job = self.jobs.get(model_id)
