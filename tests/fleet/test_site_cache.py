@@ -171,6 +171,7 @@ def test_a_pull_killed_at_half_resumes_through_the_cache(site: Site) -> None:
     record = pull(d, "m")
     assert record["state"] == "installed" and record["digest"] == sha256(DATA)
     assert record["verified_by"] is not None
+    print(f"resumed {record['resumed']} of {SIZE}; origin bytes {site.hub.sent}")
     assert record["resumed"] >= SIZE // 2 - 8 * 1024 * 1024, record["resumed"]
     assert _mirror(record, "site_cache")["received"] > 0
     assert _mirror(record, "origin")["received"] <= 1  # its probe's byte only

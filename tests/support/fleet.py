@@ -114,6 +114,7 @@ http {{
       proxy_cache_lock on;
       proxy_cache_lock_timeout 10m;
       proxy_cache_lock_age 10m;
+      proxy_ignore_client_abort on;
       proxy_set_header Range $slice_range;
       proxy_set_header Host $origin_host;
       proxy_http_version 1.1;
