@@ -650,6 +650,12 @@ async def probe(
             with attempt:
                 await once()
     except ProbeTimeout as e:
+        if mirror.via is not None:
+            # A site cache that took the connection but answers late is filling the slice
+            # from the origin (another pull's request holds its lock): a stall, retried at
+            # once; dropping it would send this pull to the origin for the whole file.
+            mirror.fail(MirrorFailure("stall", f"probe: {e}"))
+            return
         mirror.state, mirror.reason = MirrorState.DROPPED, f"probe: {e}"
         return
     except (TimeoutError, MirrorFailure, aiohttp.ClientError, ConnectionError) as e:

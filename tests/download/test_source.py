@@ -22,9 +22,10 @@ from modeld.download.hub import Hub
 from modeld.download.job import DownloadJob, DownloadTarget, Tuning, memory_job
 from modeld.download.source import SiteCache, SourceSet
 from tests.support.cache import PassCache
-from tests.support.mirror import Faults, Mirror, pinned_path
+from tests.support.mirror import Faults, Mirror, SlowHeadMirror, pinned_path
 from tests.support.source import KEY_HEADER, Shelf, ShelfSource, start_shelf
 from tests.support.state import MODELS, model_bytes, registry_settings
+from tests.support.wait import wait_until
 
 TINY = (MODELS / "tiny-text.litertlm").read_bytes()
 
@@ -106,11 +107,15 @@ def test_a_site_cache_serves_an_url_under_its_host_and_path() -> None:
     assert cache.label == "cache.lan:8080"
 
 
-async def _cached_pull(short_tmp: Path, cache: str, data: bytes, hub: Mirror) -> DownloadJob:
+def _cached_job(short_tmp: Path, cache: str, data: bytes, hub: Mirror, **kw: float) -> DownloadJob:
     target = DownloadTarget("m1", [hub.url], len(data), None)
     sources = SourceSet(Hub(hosts=("localhost",)), caches=lambda: [SiteCache(URL(cache))])
-    tuning = Tuning(4, 256 * 1024, stall_timeout=5.0, sources=sources)
-    job = memory_job(target, short_tmp, tuning)
+    tuning = Tuning(4, 256 * 1024, stall_timeout=5.0, sources=sources, **kw)
+    return memory_job(target, short_tmp, tuning)
+
+
+async def _cached_pull(short_tmp: Path, cache: str, data: bytes, hub: Mirror) -> DownloadJob:
+    job = _cached_job(short_tmp, cache, data, hub)
     job.start()
     with contextlib.suppress(Exception):
         await job.wait()
@@ -161,3 +166,27 @@ async def test_a_site_cache_that_lies_is_banned_and_one_down_falls_back_once(
     assert down.mirrors[1].received > 0
     lines = [r.getMessage() for r in caplog.records if "site_cache_fallback" in r.getMessage()]
     assert len(lines) == 1 and "127.0.0.1:9" in lines[0], lines
+
+
+async def test_a_site_cache_slow_to_answer_its_probe_is_waited_for(short_tmp: Path) -> None:
+    """A cache that took the connection but sends its probe's answer late (it is filling
+    the slice from the origin) is not dropped: once it answers, it serves the whole pull,
+    and the origin is only probed."""
+    data = model_bytes(1024 * 1024 + 5, 10)
+    hub = await Mirror(data, Faults(hf=True), host="localhost", path=pinned_path()).start()
+    slow = await SlowHeadMirror(data, interval=0.2).start()
+    job = _cached_job(
+        short_tmp, f"http://127.0.0.1:{slow.port}", data, hub, probe_header_timeout=0.5
+    )
+    try:
+        job.start()
+        await wait_until(lambda: bool(job.mirrors) and "probe" in (job.mirrors[0].reason or ""))
+        slow.release.set()
+        await job.wait()
+    finally:
+        slow.release.set()
+        await slow.stop()
+        await hub.stop()
+    front, origin = job.mirrors
+    assert front.state != "dropped" and front.received == len(data), front.snapshot()
+    assert origin.received <= 1
