@@ -20,7 +20,7 @@ import pytest
 from tests.support.daemon import DaemonProcess
 from tests.support.fleet import Daemons, Nginx, free_port, need, pull, pull_all, sha256
 from tests.support.hub import Hub, start_hub
-from tests.support.mirror import COMMIT, Faults, LoopThread, pinned_path
+from tests.support.mirror import COMMIT, Faults, LoopThread, Mirror, pinned_path
 from tests.support.state import model_bytes, write_entry
 from tests.support.wait import wait_sync
 
@@ -175,3 +175,24 @@ def test_a_pull_killed_at_half_resumes_through_the_cache(site: Site) -> None:
     assert record["resumed"] >= SIZE // 2 - 8 * 1024 * 1024, record["resumed"]
     assert _mirror(record, "site_cache")["received"] > 0
     assert _mirror(record, "origin")["received"] <= 1  # its probe's byte only
+
+
+def test_with_the_origin_down_a_warm_cache_serves_checked_against_the_entry(
+    site: Site, short_tmp: Path
+) -> None:
+    """A plain mirror's file (no redirect) cached by one daemon's pull, then the mirror
+    stopped: another daemon installs it from the cache alone, verified against the entry's
+    sha256 (the origin that could vouch is down), the origin found unreachable."""
+    origin = site.loop.run(Mirror(DATA, Faults(), path=pinned_path(repo="org/plain")).start())
+    registry = short_tmp / "registry"
+    write_entry(registry, "plain", size=SIZE, sha256=sha256(DATA), urls=[origin.url])
+    first = site.start("warm")
+    assert pull(first, "plain")["state"] == "installed"
+    site.loop.run(origin.stop())
+    d = site.start("d0")
+    record = pull(d, "plain")
+    assert record["state"] == "installed" and record["digest"] == sha256(DATA)
+    assert record["verified_by"] == "registry sha256"
+    assert _mirror(record, "site_cache")["received"] == SIZE
+    gone = _mirror(record, "origin")
+    assert gone["received"] == 0 and "cannot connect" in gone["reason"], gone
