@@ -29,10 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from modeld.config import format_size, parse_size  # noqa: E402
-from tests.support.fleet import Daemons, Nginx, free_port, pull, pull_all, sha256  # noqa: E402
-from tests.support.hub import start_hub  # noqa: E402
-from tests.support.mirror import COMMIT, Faults, LoopThread, pinned_path  # noqa: E402
-from tests.support.state import model_head, write_entry  # noqa: E402
+from tests.support.fleet import Site, pull, pull_all, sha256  # noqa: E402
+from tests.support.state import model_head  # noqa: E402
 
 SLICE = 1024 * 1024
 
@@ -52,21 +50,10 @@ def main() -> None:
     chunks = [rng.randbytes(min(SLICE * 64, size - n)) for n in range(0, size, SLICE * 64)]
     data = head + b"".join(chunks)[: size - len(head)]
     root = Path(tempfile.mkdtemp(prefix="md-fleet-", dir="/tmp"))
-    loop = LoopThread()
-    hub = loop.run(start_hub("127.0.0.1", Faults(sign_ttl=3600.0)))
-    hub.add("org/repo", COMMIT, {"m.litertlm": data}, "main")
-    registry = root / "registry"
-    write_entry(registry, "m", size=size, urls=[f"{hub.endpoint}{pinned_path()}"])
-    cache = Nginx(root / "nginx", free_port()).start()
-    fleet = Daemons(root / "d")
-    env = {
-        "MODELD_REGISTRY": str(registry),
-        "MODELD_SITE_CACHE": cache.base,
-        "HF_ENDPOINT": hub.endpoint,
-        "MODELD_LOG_LEVEL": "info",
-    }
+    site = Site.open(root, data, sign_ttl=3600.0)
+    hub, cache = site.hub, site.cache
     try:
-        daemons = [fleet.start(f"d{i}", **env) for i in range(args.daemons)]
+        daemons = [site.start(f"d{i}") for i in range(args.daemons)]
         print(f"file {format_size(size)} ({size} B), {args.daemons} daemons, nginx {cache.base}")
         began = time.monotonic()
         records = pull_all(daemons, ["m"] * len(daemons), timeout=3600)
@@ -95,10 +82,7 @@ def main() -> None:
                 f"{time.monotonic() - began:.1f} s; origin sent {repair} B = {repair / size:.3f}x"
             )
     finally:
-        fleet.stop()
-        cache.stop()
-        loop.run(hub.stop())
-        loop.close()
+        site.close()
         shutil.rmtree(root, ignore_errors=True)
 
 

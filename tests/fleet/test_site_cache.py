@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.daemon import DaemonProcess
-from tests.support.fleet import Daemons, Nginx, free_port, need, pull, pull_all, sha256
-from tests.support.hub import Hub, start_hub
-from tests.support.mirror import COMMIT, Faults, LoopThread, Mirror, pinned_path
+from tests.support.fleet import Site, free_port, need, pull, pull_all, sha256
+from tests.support.mirror import Faults, Mirror, pinned_path
 from tests.support.state import model_bytes, write_entry
 from tests.support.wait import wait_sync
 
@@ -31,45 +28,14 @@ DATA = model_bytes(SIZE, 33)
 SLICE = 1024 * 1024
 
 
-@dataclass
-class Site:
-    """The stand-in hub (on a loop in a thread), the cache, a registry and the daemons."""
-
-    hub: Hub
-    loop: LoopThread
-    cache: Nginx
-    registry: Path
-    daemons: Daemons
-
-    def start(self, name: str, cache: str | None = None) -> DaemonProcess:
-        env = {
-            "MODELD_REGISTRY": str(self.registry),
-            "MODELD_PIECE_SIZE": "4MiB",
-            # The stand-in is a hub (its X-Linked-Etag vouches), as huggingface.co is.
-            "HF_ENDPOINT": self.hub.endpoint,
-        }
-        env["MODELD_SITE_CACHE"] = self.cache.base if cache is None else cache
-        return self.daemons.start(name, **env)
-
-
 @pytest.fixture
 def site(short_tmp: Path) -> Iterator[Site]:
     need("nginx", "Debian's nginx-full or nginx (the slice module)")
-    loop = LoopThread()
-    hub = loop.run(start_hub("127.0.0.1", Faults(sign_ttl=30.0)))
-    hub.add("org/repo", COMMIT, {"m.litertlm": DATA}, "main")
-    registry = short_tmp / "registry"
-    # No sha256 in the entry: what the origin vouches for (its X-Linked-Etag) decides.
-    write_entry(registry, "m", size=SIZE, urls=[f"{hub.endpoint}{pinned_path()}"])
-    cache = Nginx(short_tmp / "nginx", free_port()).start()
-    site = Site(hub, loop, cache, registry, Daemons(short_tmp / "d"))
+    opened = Site.open(short_tmp, DATA, sign_ttl=30.0)
     try:
-        yield site
+        yield opened
     finally:
-        site.daemons.stop()
-        cache.stop()
-        loop.run(hub.stop())
-        loop.close()
+        opened.close()
 
 
 def _origin_bytes(site: Site) -> int:

@@ -34,6 +34,9 @@ from typing import Any
 import pytest
 
 from tests.support.daemon import DaemonProcess, daemon_env, stop_process
+from tests.support.hub import Hub, start_hub
+from tests.support.mirror import COMMIT, Faults, LoopThread, pinned_path
+from tests.support.state import write_entry
 from tests.support.wait import wait_sync
 
 START_TIMEOUT = 60.0
@@ -210,6 +213,51 @@ class Daemons:
         for daemon in self.started:
             if daemon.proc is not None and daemon.proc.poll() is None:
                 daemon.stop()
+
+
+@dataclass
+class Site:
+    """A site of daemons behind a cache: the stand-in hub (on a loop in a thread) holding
+    ``data`` as ``org/repo``'s ``m.litertlm``, nginx as the cache, a registry whose entry
+    ``m`` pins it (no sha256: the origin's X-Linked-Etag decides), and the daemons."""
+
+    hub: Hub
+    loop: LoopThread
+    cache: Nginx
+    registry: Path
+    daemons: Daemons
+
+    @classmethod
+    def open(cls, root: Path, data: bytes, sign_ttl: float) -> Site:
+        loop = LoopThread()
+        hub = loop.run(start_hub("127.0.0.1", Faults(sign_ttl=sign_ttl)))
+        hub.add("org/repo", COMMIT, {"m.litertlm": data}, "main")
+        registry = root / "registry"
+        write_entry(registry, "m", size=len(data), urls=[f"{hub.endpoint}{pinned_path()}"])
+        try:
+            cache = Nginx(root / "nginx", free_port()).start()
+        except BaseException:
+            loop.run(hub.stop())
+            loop.close()
+            raise
+        return cls(hub, loop, cache, registry, Daemons(root / "d"))
+
+    def start(self, name: str, cache: str | None = None) -> DaemonProcess:
+        """A daemon with the site's registry and cache (``cache`` instead, if given)."""
+        return self.daemons.start(
+            name,
+            MODELD_REGISTRY=str(self.registry),
+            MODELD_SITE_CACHE=self.cache.base if cache is None else cache,
+            MODELD_PIECE_SIZE="4MiB",
+            # The stand-in is a hub (its X-Linked-Etag vouches), as huggingface.co is.
+            HF_ENDPOINT=self.hub.endpoint,
+        )
+
+    def close(self) -> None:
+        self.daemons.stop()
+        self.cache.stop()
+        self.loop.run(self.hub.stop())
+        self.loop.close()
 
 
 def sha256(data: bytes) -> str:
