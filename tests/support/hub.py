@@ -52,6 +52,7 @@ class Hub(Mirror):
     repo_commit_header: bool = True
     api_requests: int = 0
     expired: int = 0  # CDN requests refused for an expired signature
+    _blobs: dict[str, bytes] = field(default_factory=dict)  # sha256 -> the file
 
     @property
     def endpoint(self) -> str:
@@ -65,6 +66,9 @@ class Hub(Mirror):
         """Put ``files`` at ``commit`` of ``repo``; each of ``refs`` (a branch) points there."""
         r = self.repos.setdefault(repo, HubRepo())
         r.files[commit] = files
+        # Hashed once here, not on each request: a real-size file's sha256 on the hub's loop
+        # at every slice a cache asks for would stall it.
+        self._blobs.update({hashlib.sha256(d).hexdigest(): d for d in files.values()})
         for ref in refs:
             r.refs[ref] = commit
 
@@ -128,7 +132,8 @@ class Hub(Mirror):
         data = repo.files[commit].get(request.match_info["file"])
         if data is None:
             return _error(404, "EntryNotFound", "Entry not found")
-        truth = hashlib.sha256(data).hexdigest()
+        known = (sha for sha, blob in self._blobs.items() if blob is data)
+        truth = next(known, None) or hashlib.sha256(data).hexdigest()
         claimed = repo.linked_sha256 or f.linked_sha256 or truth
         headers = {
             "X-Linked-Etag": f'"{claimed}"',
@@ -143,12 +148,7 @@ class Hub(Mirror):
         )
 
     def _blob(self, sha: str) -> bytes | None:
-        for repo in self.repos.values():
-            for files in repo.files.values():
-                for data in files.values():
-                    if hashlib.sha256(data).hexdigest() == sha:
-                        return data
-        return None
+        return self._blobs.get(sha)
 
     async def _cdn_blob(self, request: web.Request) -> web.StreamResponse:
         self.requests.append({"path": request.path_qs, **dict(request.headers)})
