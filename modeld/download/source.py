@@ -121,11 +121,6 @@ class SiteCache:
 
     base: URL
 
-    @property
-    def label(self) -> str:
-        host = self.base.host or ""
-        return f"{host}:{self.base.explicit_port}" if self.base.explicit_port else host
-
     def covers(self, url: URL) -> bool:
         """Whether ``url`` is the cache's own (a redirect the cache made to itself)."""
         here, base = url.human_repr(), self.base.human_repr().rstrip("/")

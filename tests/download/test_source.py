@@ -104,7 +104,6 @@ def test_a_site_cache_serves_an_url_under_its_host_and_path() -> None:
         str(cache.map(cdn)) == "http://cache.lan:8080/models/127.0.0.1:9000/cdn/abc?sig=1%2F2&x=y"
     )
     assert cache.map(cache.map(cdn)) == cache.map(cdn)
-    assert cache.label == "cache.lan:8080"
 
 
 def _cached_job(short_tmp: Path, cache: str, data: bytes, hub: Mirror, **kw: float) -> DownloadJob:
