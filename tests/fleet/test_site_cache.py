@@ -30,7 +30,7 @@ SLICE = 1024 * 1024
 
 @pytest.fixture
 def site(short_tmp: Path) -> Iterator[Site]:
-    need("nginx", "Debian's nginx-full or nginx (the slice module)")
+    need("nginx", "Debian's nginx (with its slice module)")
     opened = Site.open(short_tmp, DATA, sign_ttl=30.0)
     try:
         yield opened
