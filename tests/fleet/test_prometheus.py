@@ -12,6 +12,7 @@ import json
 import signal
 import subprocess
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,14 @@ def _scrape_config(targets: list[str], key_file: Path) -> str:
     )
 
 
+def _ready(api: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api}/-/ready", timeout=5.0) as resp:
+            return bool(resp.status == 200)
+    except OSError:  # HTTPError (503) included
+        return False
+
+
 @pytest.fixture
 def scraped(short_tmp: Path) -> Iterator[Scraped]:
     binary = need("prometheus", "Debian's prometheus")
@@ -116,7 +125,10 @@ def scraped(short_tmp: Path) -> Iterator[Scraped]:
                 stderr=out,
             )
         wait_port(port, prometheus, log, START_TIMEOUT)
-        yield Scraped(targets, f"http://127.0.0.1:{port}")
+        api = f"http://127.0.0.1:{port}"
+        # It listens before its storage is open: its API answers 503 until then.
+        wait_sync(lambda: _ready(api), START_TIMEOUT, what="Prometheus ready")
+        yield Scraped(targets, api)
     finally:
         if prometheus is not None and prometheus.poll() is None:
             stop_process(prometheus, signal.SIGTERM, 20.0)
