@@ -15,7 +15,6 @@ subprocesses, as an admin would.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -24,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -267,16 +265,6 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@contextlib.contextmanager
-def running(*parts: Nginx | Daemons) -> Iterator[None]:
-    """Stop each of ``parts`` at the end, whatever happened."""
-    try:
-        yield
-    finally:
-        for part in parts:
-            part.stop()
-
-
 def pull(daemon: DaemonProcess, model: str, timeout: float = 600.0) -> dict[str, Any]:
     """``modeld pull MODEL --json`` on ``daemon``: the pull's last record."""
     out = daemon.cli("pull", model, "--json", timeout=timeout)
@@ -308,7 +296,3 @@ def write_text(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
-
-
-def elapsed(since: float) -> float:
-    return round(time.monotonic() - since, 2)
