@@ -760,9 +760,9 @@ class DownloadJob:
                 raise DigestConflict(
                     f"{self.id}: {first_name} is {first}, but {name} is {sha}, for the same "
                     f"file{self._revision_note()}; one of them is wrong, and nothing was "
-                    "installed. Check the sha256 on the file's Hugging Face page and put the "
-                    'right one in the entry (sha256 = "..."; a file in a MODELD_REGISTRY dir '
-                    "overrides a bundled entry), or fix the entry's URLs if one names "
+                    "installed. Check the sha256 its source publishes (a Hub file's page) and "
+                    'put the right one in the entry (sha256 = "..."; a file in a MODELD_REGISTRY '
+                    "dir overrides a bundled entry), or fix the entry's URLs if one names "
                     "another file",
                     sources=dict(sources),
                 )
