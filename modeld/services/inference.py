@@ -66,8 +66,8 @@ __all__ = [
 
 IMAGE_LONG_SIDE = 640
 JPEG_QUALITY = 88
-# A prompt over this many UTF-8 bytes per token of the engine's window is refused unread;
-# text averages ~4 bytes a token, so 32 leaves room for any prompt that fits.
+# A prompt over this many UTF-8 bytes per token of the engine's window is refused unread:
+# text takes a few bytes a token, so this leaves room for any prompt that fits.
 PROMPT_BYTES_PER_TOKEN = 32
 
 

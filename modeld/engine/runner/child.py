@@ -693,9 +693,9 @@ class _Child:
     def _whole_reply(self, rid: int, conversation: Any, last: Any, **kw: Any) -> Any:
         """The reply message in one blocking call, or None when the runtime refused it.
 
-        ``send_message`` is ~1 ms cheaper than ``send_message_async`` per request (no callback
-        queue and no message object per token): what a non-streamed request costs, since its
-        client sees nothing before the end anyway.
+        ``send_message`` is cheaper than ``send_message_async`` (no callback queue and no
+        message object per token), and a non-streamed request's client sees nothing before
+        the end anyway.
         """
         if rid in self.cancelled:
             return {"content": ""}
