@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -22,6 +23,8 @@ from modeld import logs
 from modeld.catalog.catalog import Catalog, Entry
 from modeld.config import Settings
 from modeld.engine.pool import Pool, Target
+from modeld.engine.runner.client import RunnerDied, RunnerError
+from modeld.engine.runner.job import Created
 from modeld.engine.types import Journal
 from modeld.errors import (
     CorruptModel,
@@ -36,6 +39,7 @@ from modeld.errors import (
 from modeld.hostinfo import RUNTIME_PACKAGE, at_least, runtime_version
 from modeld.modelfile.header import Kind, ModelInfo, read_header
 from modeld.modelfile.plan import Plan, Prefs, needs_probe, resolve
+from modeld.modelfile.probe import ProbeResult, extract_adapter, extract_reason
 from modeld.modelfile.runtime import CreateSpec
 from modeld.store.scan import sha256_file
 from modeld.store.store import Installed, Store
@@ -60,6 +64,10 @@ _KV_FRACTION_PER_TOKEN = 1 / 40_000
 _KV_MIN_PER_TOKEN = 2048
 DEFAULT_MAX_TOKENS = 4096
 TOUCH_INTERVAL = 30.0  # seconds between last_used writes
+# The GPU probe is the creation of a runner's gpu engine and its warm-up reply: a
+# real-size model uploads its weights and compiles its shaders first, so be generous; a
+# timeout is recorded as a failure.
+GPU_PROBE_TIMEOUT = 300.0
 # An image probe creates a whole engine and encodes an image: on a CPU plan of a
 # multi-GB model the first run also builds the XNNPACK cache, which takes far longer
 # than a GPU probe's text reply. A timeout is recorded as a failure, so be generous.
@@ -455,20 +463,19 @@ class Engines:
         return {b: bool(r["ok"]) for b, r in (await self._probe_rows(digest)).items()}
 
     async def _probe_gpu(
-        self, model_id: str, digest: str, spec: CreateSpec
+        self, model_id: str, digest: str, spec: CreateSpec, plan_key: str
     ) -> dict[str, bool | None]:
-        """Run the GPU probe for this file once (single-flight) and record it.
+        """Find out once (single-flight) whether the GPU works for this file, and record it.
 
-        ``spec`` is the very ``create`` spec a runner would get for the plan that wants
-        the GPU: the child opens the same ``.litertlm`` link with the same options.
+        ``spec`` is the very ``create`` spec a runner gets for the plan ``plan_key`` that
+        wants the GPU. A runner creates that engine (``_probe_in_runner``): where it works,
+        the pool's load of that plan takes this runner, so the engine is created once.
         """
         task = self._probing.get(digest)
         if task is None:
 
             async def go() -> dict[str, bool | None]:
-                from modeld.modelfile.probe import probe_spec
-
-                result = await probe_spec(spec)
+                result = await self._probe_in_runner(spec, (digest, plan_key))
                 await self.store.record_probe(
                     digest,
                     "gpu",
@@ -495,6 +502,61 @@ class Engines:
             self._probing[digest] = task
             task.add_done_callback(lambda _: self._probing.pop(digest, None))
         return await asyncio.shield(task)
+
+    async def _probe_in_runner(self, spec: CreateSpec, key: tuple[str, str]) -> ProbeResult:
+        """Create ``spec``'s engine, and its warm-up reply, in a runner of the pool's own kind.
+
+        A runner is a child process like the probe child, so a GPU that aborts the process
+        costs the runner only. Where the engine works, the runner goes to the pool for the
+        load of ``key`` (``Pool.hand_over``); where it fails, the runner's stderr gives the
+        runtime's reason, as the probe child's did.
+        """
+        start = time.monotonic()
+        runner = await self.pool.factory()
+        error: BaseException | None = None
+        reply: Created | None = None
+        try:
+            async with asyncio.timeout(GPU_PROBE_TIMEOUT):
+                reply = await runner.create(dataclasses.replace(spec, warm_up=True))
+        except (RunnerError, RunnerDied, TimeoutError, ConnectionError) as e:
+            error = e
+        except BaseException:
+            await runner.kill()
+            raise
+        log = runner.stderr_text()[-PROBE_LOG_LIMIT:]
+        seconds = time.monotonic() - start
+        if reply is not None:
+            self.pool.hand_over(key, runner, spec, reply)
+            return ProbeResult(
+                ok=True,
+                backend=spec.backend,
+                reason=None,
+                seconds=seconds,
+                vision=spec.vision,
+                audio=spec.audio,
+                adapter=extract_adapter(log),
+                log=log,
+            )
+        if isinstance(error, TimeoutError):
+            await runner.kill()
+            why = f"timed out after {GPU_PROBE_TIMEOUT:g} s"
+        elif isinstance(error, RunnerDied):
+            why = f"runner {error.how}"
+        else:
+            await runner.kill()
+            why = str(error)
+        died = runner.died
+        return ProbeResult(
+            ok=False,
+            backend=spec.backend,
+            reason=extract_reason(log, why),
+            seconds=seconds,
+            signal=died.signal_name if died is not None else None,
+            vision=spec.vision,
+            audio=spec.audio,
+            stage="engine",
+            log=log,
+        )
 
     async def _image_probe(self, digest: str, plan: Plan, spec: CreateSpec) -> dict[str, Any]:
         """This file's image probe row for ``plan``: the recorded one, else run once.
@@ -742,7 +804,7 @@ class Engines:
         plan = self.plan(model_id, entry, info, modalities, probes=probes, backends=backends)
         if needs_probe(plan, probes):
             probe_spec, _ = self._spec(entry, info, installed, plan)
-            probes = await self._probe_gpu(model_id, installed.digest, probe_spec)
+            probes = await self._probe_gpu(model_id, installed.digest, probe_spec, plan.key)
             plan = self.plan(model_id, entry, info, modalities, probes=probes, backends=backends)
         spec, max_tokens = self._spec(entry, info, installed, plan)
         budget = self.pool.budget

@@ -33,6 +33,7 @@ from modeld.engine.runner.job import (
     FINISH_CANCELLED,
     Counted,
     CountJob,
+    Created,
     Done,
     Embedded,
     EmbedJob,
@@ -69,6 +70,7 @@ from modeld.errors import (
     TooLarge,
 )
 from modeld.metrics import Metrics
+from modeld.modelfile.runtime import CreateSpec
 
 __all__ = [
     "ALLOWED",
@@ -165,6 +167,9 @@ def stopped_error(e: Engine) -> ModeldError:
 
 # Models whose latest runner (and its stderr, up to runner_client.STDERR_LIMIT) is kept.
 LAST_RUNNERS = 16
+# A runner the GPU probe handed over (``Pool.hand_over``) waits this long for its load; the
+# request that probed loads at once, so one still waiting was left by a refused request.
+HANDED_TTL = 60.0
 
 
 # The runtime's refusal of an embedding input, inside a status line that names its C++ source
@@ -267,6 +272,9 @@ class Pool:
             collections.OrderedDict()
         )
         self.held_until: dict[tuple[str, str], float] = {}
+        # key -> a runner whose engine the GPU probe created for that target, its spec and
+        # its create reply (``hand_over``): the load that follows takes it as it is.
+        self.handed: dict[tuple[str, str], tuple[RunnerLike, CreateSpec, Created]] = {}
         self.stopping = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wake_reaper = asyncio.Event()
@@ -341,6 +349,9 @@ class Pool:
             *(self._stop_engine(e, "daemon stopping") for e in engines), return_exceptions=True
         )
         await self.budget.stop()
+        for runner, _, _ in self.handed.values():
+            await runner.kill()
+        self.handed.clear()
         while self._tasks:
             pending = list(self._tasks)
             for task in pending:
@@ -404,22 +415,65 @@ class Pool:
         e.expires_at = None
         return e
 
+    def hand_over(
+        self, key: tuple[str, str], runner: RunnerLike, spec: CreateSpec, reply: Created
+    ) -> None:
+        """Keep ``runner``, whose engine for ``spec`` is created (the GPU probe's), for the
+        load of ``key``; one not taken within ``HANDED_TTL`` is stopped."""
+        old = self.handed.pop(key, None)
+        if old is not None:
+            self._spawn(old[0].kill())
+        self.handed[key] = (runner, spec, reply)
+        self._spawn(self._expire_handed(key, runner))
+
+    async def _expire_handed(self, key: tuple[str, str], runner: RunnerLike) -> None:
+        await asyncio.sleep(HANDED_TTL)
+        found = self.handed.get(key)
+        if found is not None and found[0] is runner:
+            del self.handed[key]
+            await runner.kill()
+
+    async def _take_handed(self, t: Target) -> tuple[RunnerLike, Created] | None:
+        """The runner handed over for ``t`` with its engine created, if it fits ``t``."""
+        found = self.handed.pop(t.key, None)
+        if found is None:
+            return None
+        runner, spec, reply = found
+        if runner.alive and spec == dataclasses.replace(t.spec, warm_up=spec.warm_up):
+            return runner, reply
+        await runner.kill()
+        return None
+
+    async def _start_engine(self, e: Engine) -> Created:
+        """Admit ``e``, give it a runner (one handed over with its engine, the spare or a new
+        one) and create its engine; the runner's ``create`` reply."""
+        t = e.target
+        handed = await self._take_handed(t)
+        if handed is not None:
+            e.runner = handed[0]  # stopped with the engine if the admission fails
+            self._note_runner(t, handed[0])
+            await self.budget.admit(e)
+            return handed[1]
+        runner = await self.budget.take_spare()
+        if runner is not None:
+            # The spare's memory is already counted: it moves into this engine.
+            e.reserved, self.budget.spare_reserved = self.budget.spare_reserved, 0
+        await self.budget.admit(e)
+        if runner is None:
+            runner = await self.factory()
+        e.runner = runner
+        self._note_runner(t, runner)
+        return await runner.create(
+            dataclasses.replace(t.spec, warm_up=True) if e.warm_up else t.spec
+        )
+
     async def _load(self, e: Engine) -> None:
         started = time.monotonic()
         t = e.target
         try:
-            runner = await self.budget.take_spare()
-            if runner is not None:
-                # The spare's memory is already counted: it moves into this engine.
-                e.reserved, self.budget.spare_reserved = self.budget.spare_reserved, 0
-            await self.budget.admit(e)
-            if runner is None:
-                runner = await self.factory()
-            e.runner = runner
-            self._note_runner(t, runner)
-            reply = await runner.create(
-                dataclasses.replace(t.spec, warm_up=True) if e.warm_up else t.spec
-            )
+            reply = await self._start_engine(e)
+            runner = e.runner
+            assert runner is not None
         except BaseException as exc:
             cancelled = isinstance(exc, asyncio.CancelledError)
             # Cancelled by an unload: its waiters get the unload's error.

@@ -24,8 +24,10 @@ from modeld.store.store import sha256_file
 from tests.support.daemon import DaemonProcess, default_backend_env, running_daemon
 from tests.support.state import MODELS, install_fixture, open_store, registry_settings, write_entry
 from tests.support.unix import unix_request
+from tests.support.wait import process_gone, wait_until
 
 TINY = MODELS / "tiny-text.litertlm"
+HAS_GPU = Path("/dev/dri").exists() or Path("/dev/nvidia0").exists()
 # What litert-lm 0.18.1 answers for a file without the .litertlm extension.
 FORMAT_ERROR = "Unsupported or unknown file format"
 # A GPU failure names the GPU stack (WebGPU/Dawn, its adapters, Vulkan), not the file.
@@ -101,14 +103,18 @@ def test_default_load_probes_the_gpu_as_a_runner_opens_the_file(
     assert f"runtime: litert-lm-api {runtime_version()}" in human_ps.stdout
 
 
-async def test_probe_child_gets_the_runners_create_spec(
+@pytest.mark.skipif(HAS_GPU, reason="this host has a GPU device; the failure case needs none")
+async def test_gpu_probe_is_the_runners_own_engine_creation(
     clean_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The GPU probe is handed exactly the spec the runner's engine is then created with."""
+    """The GPU probe creates the gpu engine in a runner with the very spec a load gives it (no
+    probe child, no second creation); without a GPU that runner's failure is recorded with
+    the runtime's reason and its log, the runner is gone, and the plan falls back to cpu with
+    otherwise the same spec."""
     home, registry = clean_env / "home", clean_env / "registry"
     inst = install_fixture(home, "tiny-text", TINY, registry=registry)
     probed: list[dict[str, Any]] = []
-    created: list[dict[str, Any]] = []
+    created: list[tuple[int, dict[str, Any]]] = []
     real_probe, real_create = probe_mod.probe_spec, Runner.create
 
     async def probe_spec(spec: CreateSpec, *args: Any, **kwargs: Any) -> ProbeResult:
@@ -116,7 +122,7 @@ async def test_probe_child_gets_the_runners_create_spec(
         return await real_probe(spec, *args, **kwargs)
 
     async def create(self: Runner, spec: CreateSpec) -> Created:
-        created.append(spec.to_json())
+        created.append((self.pid, spec.to_json()))
         return await real_create(self, spec)
 
     monkeypatch.setattr(probe_mod, "probe_spec", probe_spec)
@@ -124,18 +130,20 @@ async def test_probe_child_gets_the_runners_create_spec(
     settings = registry_settings(home, registry, main_backend="gpu")
     async with running_daemon(settings) as d, d.client() as c:
         view = await c.request("POST", "/api/engines", {"model": "tiny-text"})
-    assert len(probed) == 1 and len(created) == 1
-    spec = probed[0]
-    assert spec["path"] == str(home / "cache" / inst.digest / "model.litertlm")
-    assert spec["cache_dir"] == str(home / "cache" / inst.digest)
-    assert spec["backend"] == "gpu"
-    # Same options; only the backend differs where the plan fell back to cpu, and a gpu
-    # plan's engine also warms up at load (one generation after Engine(), not an option of it).
-    assert {**created[0], "warm_up": None} == {
-        **spec,
-        "backend": view["plan"]["main"],
-        "warm_up": None,
-    }
+        shown = await c.model("tiny-text")
+    assert probed == []
+    assert [s["backend"] for _, s in created] == ["gpu", "cpu"]
+    (gpu_pid, gpu), (cpu_pid, cpu) = created
+    assert gpu["path"] == str(home / "cache" / inst.digest / "model.litertlm")
+    assert gpu["cache_dir"] == str(home / "cache" / inst.digest)
+    assert gpu["warm_up"] is True  # the probe's reply is the runner's warm-up
+    assert {**cpu, "warm_up": None} == {**gpu, "backend": "cpu", "warm_up": None}
+    assert view["plan"]["main"] == "cpu" and view["plan"]["fell_back"] is True
+    assert view["pid"] == cpu_pid != gpu_pid
+    await wait_until(lambda: process_gone(gpu_pid))
+    row = shown["probes"]["gpu"]
+    assert row["ok"] is False and row["current"] is True
+    assert "WebGPU" in row["reason"] or "adapter" in row["reason"], row
 
 
 async def test_stale_probe_result_is_probed_again(clean_env: Path) -> None:

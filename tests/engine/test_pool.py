@@ -545,3 +545,37 @@ async def test_peak_of_a_failed_request_is_never_learned() -> None:
     await wait_until(lambda: engine.measured_at > seen)
     assert all(model != "bad" for model, _ in learned), learned
     await pool.stop()
+
+
+async def test_a_runner_handed_over_with_its_engine_is_loaded_without_a_second_create() -> None:
+    """A runner whose engine the GPU probe created for a target is that target's engine at
+    its load (no second create); one handed over for another spec is stopped, not used."""
+    factory = FakeFactory()
+    pool = await make_pool(factory)
+    t = target("m")
+    probe_runner = await factory()
+    reply = await probe_runner.create(t.spec)
+    pool.hand_over(t.key, probe_runner, t.spec, reply)
+    await consume(pool, t)
+    assert factory.creates == 1
+    assert pool.engines[t.key].runner is probe_runner
+    other = target("o")
+    stale = await factory()
+    await stale.create(CreateSpec(path="/fake/elsewhere.litertlm"))
+    pool.hand_over(other.key, stale, CreateSpec(path="/fake/elsewhere.litertlm"), reply)
+    await consume(pool, other)
+    assert not stale.alive
+    assert pool.engines[other.key].runner is not stale
+    assert factory.creates == 3
+    await pool.stop()
+
+
+async def test_handed_over_runners_stop_with_the_pool() -> None:
+    """A runner handed over and never loaded is stopped when the pool stops."""
+    factory = FakeFactory()
+    pool = await make_pool(factory)
+    t = target("m")
+    runner = await factory()
+    pool.hand_over(t.key, runner, t.spec, await runner.create(t.spec))
+    await pool.stop()
+    assert not runner.alive
