@@ -317,4 +317,9 @@ class Budget:
         if e.tainted or e.state is not State.READY:
             return
         e.recorded = e.peak
-        self._spawn(self.on_learned(e.target, e.peak))
+        self._spawn(self._record_learned(e, e.peak))
+
+    async def _record_learned(self, e: Engine, peak: int) -> None:
+        assert self.on_learned is not None
+        if await self.on_learned(e.target, peak):
+            e.learned = max(e.learned or 0, peak)

@@ -241,9 +241,9 @@ class LearnedMemory:
         logs.event("memory_forgotten", digest=digest, rows=forgot)
         return forgot
 
-    async def learned(self, target: Target, pss: int) -> None:
-        """The pool's ``on_learned``: a grown peak of one of its engines."""
-        await self.offer(target, pss)
+    async def learned(self, target: Target, pss: int) -> bool:
+        """The pool's ``on_learned``: a grown peak of one of its engines; True if recorded."""
+        return await self.offer(target, pss)
 
 
 def journal_to(store: Store) -> Journal:

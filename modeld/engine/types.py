@@ -57,7 +57,8 @@ class RunnerLike(Protocol):
 
 
 RunnerFactory = Callable[[], Awaitable[RunnerLike]]
-Learned = Callable[["Target", int], Awaitable[None]]
+# True when the peak was recorded (one far over the estimate may wait for confirmation).
+Learned = Callable[["Target", int], Awaitable[bool]]
 # Appends one event (kind, fields) to the store's journal; see ``Store.event``.
 Journal = Callable[[str, dict[str, Any]], Awaitable[None]]
 
@@ -128,6 +129,9 @@ class Engine:
     measured_at: float = 0.0  # monotonic time of the last PSS reading
     peak: int = 0
     recorded: int = 0  # the peak last handed to on_learned
+    # The peak on_learned recorded for this engine's file and plan while it runs: what the
+    # next admission reserves (``target.learned`` is what this one found at its load).
+    learned: int | None = None
     # Set when a request on it failed or was refused: what it holds since proves nothing
     # about the model, so nothing it measures is learned (a huge prompt must not teach).
     tainted: bool = False

@@ -75,7 +75,7 @@ def engine_view(e: Engine, now: float, last_eviction: str | None) -> EngineView:
         pid=e.runner.pid if e.runner else None,
         pss_estimate=e.target.expected,
         pss_file_estimate=e.target.estimate,
-        pss_learned=e.target.learned,
+        pss_learned=e.learned or e.target.learned,
         pss=e.measured,
         peak_pss=e.peak or None,
         reserved=e.reserved,

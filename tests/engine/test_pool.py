@@ -524,8 +524,9 @@ async def test_peak_of_a_failed_request_is_never_learned() -> None:
     nothing from that runner is learned; a runner whose requests succeed is learned."""
     learned: list[tuple[str, int]] = []
 
-    async def on_learned(t: Target, pss: int) -> None:
+    async def on_learned(t: Target, pss: int) -> bool:
         learned.append((t.model_id, pss))
+        return True
 
     factory = FakeFactory(engine_pss=100)
     pool = Pool(
@@ -579,3 +580,28 @@ async def test_handed_over_runners_stop_with_the_pool() -> None:
     pool.hand_over(t.key, runner, t.spec, await runner.create(t.spec))
     await pool.stop()
     assert not runner.alive
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+async def test_the_view_shows_a_peak_learned_while_its_engine_runs(recorded: bool) -> None:
+    """Once a running engine's peak is recorded, its view shows it as ``pss_learned`` (not
+    only the next load's); a peak that was not recorded (awaiting confirmation) is not shown."""
+
+    async def on_learned(t: Target, pss: int) -> bool:
+        return recorded
+
+    factory = FakeFactory(engine_pss=100)
+    pool = Pool(
+        PoolConfig(budget=100_000, spare=False, watch_interval=0.01), factory, on_learned=on_learned
+    )
+    await pool.start()
+    t = target("m")
+    await consume(pool, t)
+    (engine,) = pool.engines.values()
+    await wait_until(lambda: engine.recorded == 100)
+    # The peak is handed over before it is recorded: a second request lets that finish.
+    await consume(pool, t)
+    await wait_until(lambda: not recorded or engine.learned == 100)
+    (view,) = pool.list()
+    assert view["pss_learned"] == (100 if recorded else None)
+    await pool.stop()
