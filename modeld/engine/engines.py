@@ -57,6 +57,12 @@ RUNNER_BASE = 48 * MiB
 ENGINE_OVERHEAD = 16 * MiB
 _VISION_TYPES = ("tf_lite_vision_encoder", "tf_lite_vision_adapter")
 _AUDIO_TYPES = ("tf_lite_audio_encoder_hw", "tf_lite_audio_adapter")
+# Beside the weights (XNNPACK's packed copy, mapped from its cache file, is about the
+# decoder's size), a CPU engine holds anonymous memory that grows with the decoder: the
+# prefill's logits and activation arenas, and, on the first load of a file, the buffers
+# XNNPACK packed the weights in, which the allocator keeps. Counted as this fraction of
+# the decoder's weights; fitted on the real-size models (docs/benchmarks.md#real-size-models).
+_RUNTIME_FRACTION = 0.6
 # KV cache per token, as a fraction of the main weights: a rough rule (what it gives a real
 # decoder: docs/benchmarks.md#engine-memory). It only decides the first load: after one
 # run the measured peak PSS for (digest, plan, max_tokens) replaces the whole estimate.
@@ -91,8 +97,9 @@ def estimate_memory(info: ModelInfo, plan: Plan, max_tokens: int, base: int = RU
     """Bytes of PSS an engine for ``plan`` is expected to take.
 
     The runner's base (the runtime loaded), the engine's own overhead, the weights of the
-    sections the plan loads, and a KV-cache term for ``max_tokens``. Only the first load
-    uses it: the peak measured then replaces it (``Engines.learned``).
+    sections the plan loads, the runtime's memory beside the decoder's weights, and a
+    KV-cache term for ``max_tokens``. Only the first load uses it: the peak measured then
+    replaces it (``Engines.learned``).
     """
     weights = main = 0
     for s in info.sections:
@@ -103,8 +110,14 @@ def estimate_memory(info: ModelInfo, plan: Plan, max_tokens: int, base: int = RU
         weights += s.size
         if s.model_type and s.model_type not in _VISION_TYPES + _AUDIO_TYPES:
             main += s.size
+    return base + ENGINE_OVERHEAD + weights + _beside_weights(main, max_tokens)
+
+
+def _beside_weights(main: int, max_tokens: int) -> int:
+    """What an engine holds beyond its weights for a decoder of ``main`` bytes: the
+    runtime's arenas and buffers, and the KV cache of ``max_tokens``."""
     kv = max_tokens * max(_KV_MIN_PER_TOKEN, int(main * _KV_FRACTION_PER_TOKEN))
-    return base + ENGINE_OVERHEAD + weights + kv
+    return int(main * _RUNTIME_FRACTION) + kv
 
 
 def estimate_from_size(size: int, max_tokens: int, base: int = RUNNER_BASE) -> int:
@@ -114,8 +127,7 @@ def estimate_from_size(size: int, max_tokens: int, base: int = RUNNER_BASE) -> i
     as the decoder's weights over-counts a vision or audio section a text plan leaves out
     (a few % of a Gemma file); once the header is read, ``estimate_memory`` replaces it.
     """
-    kv = max_tokens * max(_KV_MIN_PER_TOKEN, int(size * _KV_FRACTION_PER_TOKEN))
-    return base + ENGINE_OVERHEAD + size + kv
+    return base + ENGINE_OVERHEAD + size + _beside_weights(size, max_tokens)
 
 
 def entry_max_tokens(entry: Entry | None, info: ModelInfo | None, *, vision: bool = False) -> int:
