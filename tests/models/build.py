@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -143,6 +144,50 @@ class TextSpec:
     vocab: int = 512
     prefill: int = 32
     cache: int = 256
+    # "llama" (LlamaForCausalLM, untied) or "gemma3" (Gemma3ForCausalLM: tied embeddings,
+    # five sliding-window layers to one global, like the published Gemma-3 files).
+    arch: str = "llama"
+    head_dim: int | None = None  # None: hidden // heads
+    sliding_window: int | None = None  # gemma3 only; None: wider than the cache
+    # True: every weight matrix repeats one short seeded pattern, so the file compresses
+    # to a few MB (memory and timing are the same as with random weights).
+    pattern: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionSpec:
+    """Shape of a SigLIP vision tower and the soft tokens it gives per image."""
+
+    hidden: int = 32
+    intermediate: int = 64
+    layers: int = 1
+    heads: int = 2
+    image_size: int = IMAGE_SIZE
+    patch_size: int = PATCH_SIZE
+    tokens: int = IMAGE_TOKENS
+
+
+# Gemma-3-1B's text dimensions (google/gemma-3-1b-it config.json): 26 layers, hidden 1152,
+# intermediate 6912, 4 heads of 256, 1 KV head, a 512-token sliding window, 262,144 tokens.
+GEMMA3_1B = TextSpec(
+    seed=11,
+    layers=26,
+    hidden=1152,
+    intermediate=6912,
+    heads=4,
+    kv_heads=1,
+    vocab=262144,
+    prefill=256,
+    cache=4096,
+    arch="gemma3",
+    head_dim=256,
+    sliding_window=512,
+)
+# SigLIP-So400m at 896x896 as in Gemma-3-4B and larger (config.json's vision_config):
+# 27 layers, hidden 1152, intermediate 4304, 16 heads, 14-pixel patches, 256 soft tokens.
+SIGLIP_896 = VisionSpec(
+    hidden=1152, intermediate=4304, layers=27, heads=16, image_size=896, patch_size=14, tokens=256
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +205,10 @@ class FixtureSpec:
     image: bool = False
     backends: tuple[str, ...] = ("cpu", "gpu")  # main backends the runtime accepts.
     note: str | None = None  # expected runtime behaviour worth recording.
+    # True: a real-size model (real dimensions and vocabulary), built by --real-size
+    # into the cache, never committed.
+    real_size: bool = False
+    vision: VisionSpec | None = None  # image=True: the SigLIP tower (default: a tiny one)
 
 
 FIXTURES: dict[str, FixtureSpec] = {
@@ -225,6 +274,33 @@ FIXTURES: dict[str, FixtureSpec] = {
             " built on demand into the cache, not committed",
             large=True,
         ),
+        FixtureSpec(
+            "gemma3-1b-real",
+            GEMMA3_1B,
+            "random Gemma-3-1B-shaped decoder at its real dimensions (26 layers, hidden 1152,"
+            " 262,144-token vocabulary, tied embeddings, 4,096-token window), int8;"
+            " built by --real-size into the cache, not committed",
+            real_size=True,
+        ),
+        FixtureSpec(
+            "gemma3-1b-real-pattern",
+            dataclasses.replace(GEMMA3_1B, seed=12, pattern=True),
+            "gemma3-1b-real's shape, every weight matrix one repeated seeded pattern: the same"
+            " memory and timing, and a few MB once xz-compressed (for a host without torch)",
+            real_size=True,
+        ),
+        FixtureSpec(
+            "gemma3-vision-real",
+            dataclasses.replace(GEMMA3_1B, seed=13),
+            "Gemma-3-style image-text model: gemma3-1b-real's decoder with an external embedder"
+            " and a SigLIP-So400m vision encoder (27 layers, hidden 1152, 896x896 images,"
+            " backend_constraint=cpu,gpu) and adapter (256 soft tokens per image), int8;"
+            " built by --real-size into the cache, not committed",
+            vision_constraint="cpu,gpu",
+            image=True,
+            vision=SIGLIP_896,
+            real_size=True,
+        ),
     )
 }
 
@@ -286,7 +362,38 @@ def train_tokenizer(vocab: int) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
+    if vocab > TRAINED_VOCAB:
+        return _extend_tokenizer(tok, vocab, seed=vocab)
     return tok
+
+
+# The corpus above yields a few hundred merges; a real-size vocabulary is filled up with
+# seeded synthetic merges on top of them (English prompts still tokenize on the trained ones).
+TRAINED_VOCAB = 4096
+
+
+def _extend_tokenizer(tok: Any, vocab: int, *, seed: int) -> Any:
+    """Return ``tok`` grown to ``vocab`` entries by seeded merges of existing tokens."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    table: dict[str, int] = data["model"]["vocab"]
+    merges: list[list[str]] = data["model"]["merges"]
+    special = set(SPECIAL_TOKENS)
+    pieces = [t for t, _ in sorted(table.items(), key=lambda kv: kv[1]) if t not in special]
+    rng = random.Random(seed)
+    while len(table) < vocab:
+        # Short pieces are picked more often, so most new tokens stay a few bytes long.
+        a = pieces[int(rng.random() ** 3 * len(pieces))]
+        b = pieces[int(rng.random() ** 3 * len(pieces))]
+        if a + b in table:
+            continue
+        table[a + b] = len(table)
+        merges.append([a, b])
+        pieces.append(a + b)
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def file_entry(dest: Path, kind: str, description: str) -> dict[str, Any]:
@@ -300,11 +407,13 @@ def file_entry(dest: Path, kind: str, description: str) -> dict[str, Any]:
     }
 
 
-def make_source_model(spec: TextSpec, out_dir: Path, *, image: bool = False) -> None:
+def make_source_model(
+    spec: TextSpec, out_dir: Path, *, image: bool = False, vision: VisionSpec | None = None
+) -> None:
     """Write a random model, its config and a BPE tokenizer.
 
-    A LlamaForCausalLM, or with ``image`` a Gemma3ForConditionalGeneration
-    plus its image processor config.
+    A LlamaForCausalLM (or a Gemma3ForCausalLM for ``arch="gemma3"``), or with
+    ``image`` a Gemma3ForConditionalGeneration plus its image processor config.
     """
     import torch
     from transformers import (
@@ -333,19 +442,13 @@ def make_source_model(spec: TextSpec, out_dir: Path, *, image: bool = False) -> 
 
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     if image:
-        _save_gemma3_image_model(spec, ids, out_dir)
+        _save_gemma3_image_model(spec, vision or VisionSpec(), ids, out_dir)
+        return
+    if spec.arch == "gemma3":
+        _save_gemma3_text_model(spec, ids, out_dir)
         return
     config = LlamaConfig(
-        vocab_size=spec.vocab,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=max(spec.cache, 512),
-        bos_token_id=ids["<bos>"],
-        eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
-        pad_token_id=ids["<pad>"],
+        **_decoder_fields(spec, ids),
         # Untied: with tied random embeddings greedy decoding just echoes the
         # last prompt token ("\n") forever.
         tie_word_embeddings=False,
@@ -357,16 +460,152 @@ def make_source_model(spec: TextSpec, out_dir: Path, *, image: bool = False) -> 
         eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
         pad_token_id=ids["<pad>"],
     )
+    _fill_pattern(spec, model)
     model.save_pretrained(str(out_dir))
 
 
-def _save_gemma3_image_model(spec: TextSpec, ids: dict[str, int], out_dir: Path) -> None:
+def _fill_pattern(spec: TextSpec, model: Any) -> None:
+    """With ``spec.pattern``, make every row of each weight matrix one short seeded pattern
+    repeated, a pattern of its own per matrix.
+
+    The pattern's length divides the row's, so each row quantizes to the same int8 bytes and
+    xz shrinks the file to its tokenizer and metadata; shapes, and so memory and timing,
+    stay. One pattern for every matrix would not do: the converter stores equal constants
+    once, which made the file smaller than the random one.
+    """
+    if not spec.pattern:
+        return
+    import math
+
+    import torch
+
+    gen = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                width = param.shape[-1]
+                pattern = torch.randn(math.gcd(width, 256), generator=gen) * 0.02
+                param.copy_(pattern.repeat(width // pattern.numel()).expand_as(param))
+
+
+def _decoder_fields(spec: TextSpec, ids: dict[str, int]) -> dict[str, Any]:
+    """The config fields every decoder here shares: its shape and its special tokens."""
+    return {
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "max_position_embeddings": max(spec.cache, 512),
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+        "pad_token_id": ids["<pad>"],
+    }
+
+
+def _gemma3_text_config(spec: TextSpec, ids: dict[str, int], *, tie: bool) -> Any:
+    """The Gemma3TextConfig of ``spec`` (its sliding window, else one wider than the cache)."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **_decoder_fields(spec, ids),
+        head_dim=spec.head_dim or spec.hidden // spec.heads,
+        sliding_window=spec.sliding_window or max(spec.cache, 512),
+        tie_word_embeddings=tie,
+    )
+
+
+def _save_gemma3_text_model(spec: TextSpec, ids: dict[str, int], out_dir: Path) -> None:
+    """Write a random Gemma3ForCausalLM (tied embeddings, like the published Gemma-3 files)."""
+    from transformers import Gemma3ForCausalLM, GenerationConfig
+
+    eos = [ids["<eos>"], ids["<end_of_turn>"]]
+    config = _gemma3_text_config(spec, ids, tie=True)
+    model = _new_model(Gemma3ForCausalLM, config, spec)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<bos>"], eos_token_id=eos, pad_token_id=ids["<pad>"]
+    )
+    _fill_pattern(spec, model)
+    _save(spec, model, out_dir)
+
+
+def _new_model(cls: Any, config: Any, spec: TextSpec) -> Any:
+    """A random ``cls(config)``: transformers' own init, or for a real-size model a plain
+    seeded one that never holds more than the weights.
+
+    transformers' init of a billion-parameter model took over 14 GiB here; a real-size
+    model is made on the meta device instead and filled in place (matrices N(0, 0.02),
+    LayerNorm scales 1, every other vector 0: Gemma's RMSNorm scales by 1 + w).
+    """
+    import torch
+
+    if spec.vocab <= TRAINED_VOCAB:
+        torch.manual_seed(spec.seed)
+        return cls(config)
+    with torch.device("meta"):
+        model = cls(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # made on meta, the output head is a copy until tied again
+    gen = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if param.dim() >= 2:
+                    param.normal_(0.0, 0.02, generator=gen)
+                elif isinstance(module, torch.nn.LayerNorm) and name == "weight":
+                    param.fill_(1.0)
+                else:
+                    param.zero_()
+    return model
+
+
+def _save(spec: TextSpec, model: Any, out_dir: Path) -> None:
+    """Save ``model`` as transformers does; a real-size one shard by shard.
+
+    ``save_pretrained`` took three times the model's size in memory for a
+    billion-parameter model here; writing ~500 MB safetensors shards (and the index that
+    names them) holds one shard at a time beside the weights.
+    """
+    if spec.vocab <= TRAINED_VOCAB:
+        model.save_pretrained(str(out_dir))
+        return
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(str(out_dir))
+    model.generation_config.save_pretrained(str(out_dir))
+    seen: set[int] = set()
+    shards: list[dict[str, Any]] = [{}]
+    sizes = [0]
+    for name, tensor in model.state_dict().items():
+        if id(tensor) in seen or tensor.data_ptr() in seen:  # a tied weight is saved once
+            continue
+        seen.update((id(tensor), tensor.data_ptr()))
+        nbytes = tensor.numel() * tensor.element_size()
+        if sizes[-1] and sizes[-1] + nbytes > 500 * 2**20:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor
+        sizes[-1] += nbytes
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(
+            {k: v.contiguous() for k, v in shard.items()}, str(out_dir / file), {"format": "pt"}
+        )
+        weight_map |= dict.fromkeys(shard, file)
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _save_gemma3_image_model(
+    spec: TextSpec, vspec: VisionSpec, ids: dict[str, int], out_dir: Path
+) -> None:
     """Write a random Gemma3ForConditionalGeneration and its image processor."""
     import torch
     from transformers import (
         Gemma3Config,
         Gemma3ForConditionalGeneration,
-        Gemma3TextConfig,
         GenerationConfig,
         SiglipVisionConfig,
     )
@@ -375,40 +614,28 @@ def _save_gemma3_image_model(spec: TextSpec, ids: dict[str, int], out_dir: Path)
     )
 
     eos = [ids["<eos>"], ids["<end_of_turn>"]]
-    text = Gemma3TextConfig(
-        vocab_size=spec.vocab,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.hidden // spec.heads,
-        max_position_embeddings=max(spec.cache, 512),
-        sliding_window=max(spec.cache, 512),  # wider than the cache: plain attention
-        bos_token_id=ids["<bos>"],
-        eos_token_id=eos,
-        pad_token_id=ids["<pad>"],
-        tie_word_embeddings=False,
-    )
+    # A real-size model ties its embeddings, as Gemma 3 does (a second 262,144-row table
+    # would not fit the build's memory); the tiny one keeps its untied bytes.
+    tie = spec.vocab > TRAINED_VOCAB
+    text = _gemma3_text_config(spec, ids, tie=tie)
     vision = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH_SIZE,
+        hidden_size=vspec.hidden,
+        intermediate_size=vspec.intermediate,
+        num_hidden_layers=vspec.layers,
+        num_attention_heads=vspec.heads,
+        image_size=vspec.image_size,
+        patch_size=vspec.patch_size,
     )
     config = Gemma3Config(
         text_config=text.to_dict(),
         vision_config=vision.to_dict(),
-        mm_tokens_per_image=IMAGE_TOKENS,
+        mm_tokens_per_image=vspec.tokens,
         boi_token_index=ids["<start_of_image>"],
         eoi_token_index=ids["<end_of_image>"],
         image_token_index=ids["<image_soft_token>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
     )
-    torch.manual_seed(spec.seed)
-    model = Gemma3ForConditionalGeneration(config)
+    model = _new_model(Gemma3ForConditionalGeneration, config, spec)
     # transformers leaves the projector at zeros, which would make every image
     # the same (zero) embeddings: give it random weights so pixels matter.
     with torch.no_grad():
@@ -417,13 +644,20 @@ def _save_gemma3_image_model(spec: TextSpec, ids: dict[str, int], out_dir: Path)
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<bos>"], eos_token_id=eos, pad_token_id=ids["<pad>"]
     )
-    model.save_pretrained(str(out_dir))
-    Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(
-        str(out_dir)
-    )
+    _fill_pattern(spec, model)
+    _save(spec, model, out_dir)
+    size = {"height": vspec.image_size, "width": vspec.image_size}
+    Gemma3ImageProcessorPil(size=size).save_pretrained(str(out_dir))
 
 
-def export_text(spec: TextSpec, work: Path, *, quantize: bool, image: bool = False) -> Path:
+def export_text(
+    spec: TextSpec,
+    work: Path,
+    *,
+    quantize: bool,
+    image: bool = False,
+    vision: VisionSpec | None = None,
+) -> Path:
     """Run litert-torch export_hf; return the folder with its artifacts.
 
     The decoder is ``model_quantized.tflite`` (int8 weights) when ``quantize``,
@@ -435,12 +669,16 @@ def export_text(spec: TextSpec, work: Path, *, quantize: bool, image: bool = Fal
 
     src = work / "hf"
     src.mkdir()
-    make_source_model(spec, src, image=image)
+    make_source_model(spec, src, image=image, vision=vision)
+    gc.collect()  # the source model's weights: the exporter loads its own copy
     out = work / "export"
     export_lib.export(
         model=str(src),
         output_dir=str(out),
         **({"task": "image_text_to_text"} if image else {}),
+        # A real-size image-text model is traced in bfloat16: in float32 its export would
+        # take about half as much memory again as the text model's (docs/development.md).
+        **({"model_dtype": "bfloat16"} if image and spec.vocab > TRAINED_VOCAB else {}),
         prefill_lengths=[spec.prefill],
         cache_length=spec.cache,
         keep_temporary_files=True,
@@ -527,8 +765,9 @@ def package(spec: FixtureSpec, export_dir: Path, work: Path, dest: Path) -> list
         g3n = meta.llm_model_type.gemma3n
         g3n.start_of_image_token.token_str = "<start_of_image>"
         g3n.end_of_image_token.token_str = "<end_of_image>"
-        g3n.image_tensor_height = IMAGE_SIZE
-        g3n.image_tensor_width = IMAGE_SIZE
+        size = (spec.vision or VisionSpec()).image_size if spec.image else IMAGE_SIZE
+        g3n.image_tensor_height = size
+        g3n.image_tensor_width = size
     meta_path = work / "llm_metadata.pb"
     meta_path.write_bytes(meta.SerializeToString())
 
@@ -591,18 +830,56 @@ def write_deterministic(builder: Any, name: str, dest: Path) -> None:
         lb.populate_system_metadata = original
 
 
+def shape_of(spec: FixtureSpec) -> dict[str, Any]:
+    """The manifest's shape: the decoder's fields (those left at their default only where
+    they are the Llama ones), and the vision tower's where it is not the tiny one."""
+    shape = dataclasses.asdict(spec.text)
+    for field in dataclasses.fields(TextSpec):
+        extra = field.name in ("arch", "head_dim", "sliding_window", "pattern")
+        if extra and shape[field.name] == field.default:
+            del shape[field.name]
+    if spec.vision is not None:
+        shape["vision"] = dataclasses.asdict(spec.vision)
+    return shape
+
+
+def peak_rss_bytes() -> int:
+    """The largest resident set this process or any child it waited for has had."""
+    import resource
+
+    return 1024 * max(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+    )
+
+
+def compress_xz(path: Path) -> Path:
+    """Write ``path`` + ``.xz`` (written beside, then renamed) and return it."""
+    import lzma
+
+    dest = path.with_name(path.name + ".xz")
+    tmp = dest.with_name(dest.name + ".tmp")
+    with path.open("rb") as src, lzma.open(tmp, "wb", preset=6) as out:
+        for block in iter(lambda: src.read(1 << 24), b""):
+            out.write(block)
+    tmp.replace(dest)
+    return dest
+
+
 def build_one(spec: FixtureSpec, dest: Path) -> dict[str, Any]:
     """Build one fixture into ``dest`` and return its manifest entry."""
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"modeld-{spec.name}-") as tmp:
         work = Path(tmp)
-        export_dir = export_text(spec.text, work, quantize=spec.quantize, image=spec.image)
+        export_dir = export_text(
+            spec.text, work, quantize=spec.quantize, image=spec.image, vision=spec.vision
+        )
         sections = package(spec, export_dir, work, dest)
     seconds = time.monotonic() - start
     vision = spec.vision_constraint
     entry: dict[str, Any] = file_entry(dest, "text", spec.description) | {
         "sections": sections,
-        "shape": dataclasses.asdict(spec.text),
+        "shape": shape_of(spec),
         "llm_model_type": "generic_model" if vision is None else "gemma3n",
         "max_num_tokens": spec.text.cache,
         "weights": "int8" if spec.quantize else "float32",
@@ -613,7 +890,17 @@ def build_one(spec: FixtureSpec, dest: Path) -> dict[str, Any]:
     }
     if spec.note is not None:
         entry["note"] = spec.note
-    print(f"built {dest} ({entry['size']} bytes, {seconds:.1f} s)", flush=True)
+    if spec.real_size:
+        entry["build"] = {"seconds": round(seconds, 1), "peak_rss": peak_rss_bytes()}
+    print(
+        f"built {dest} ({entry['size']} bytes, {seconds:.1f} s,"
+        f" peak RSS so far {peak_rss_bytes() / 2**30:.1f} GiB)",
+        flush=True,
+    )
+    if spec.text.pattern:
+        packed = compress_xz(dest)
+        entry["xz"] = {"file": packed.name, "size": packed.stat().st_size}
+        print(f"packed {packed} ({entry['xz']['size']} bytes)", flush=True)
     return entry
 
 
@@ -752,9 +1039,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"also build the large model into ${LARGE_CACHE_ENV} (default {DEFAULT_LARGE_CACHE})",
     )
+    parser.add_argument(
+        "--real-size",
+        action="store_true",
+        help="build only the real-size models (about 1 GB each, minutes each) into"
+        f" ${LARGE_CACHE_ENV}",
+    )
     args = parser.parse_args(argv)
 
-    names = list(args.only or [*(n for n, s in FIXTURES.items() if not s.large), *EMBED_FIXTURES])
+    committed = [n for n, s in FIXTURES.items() if not (s.large or s.real_size)]
+    names = list(args.only or [*committed, *EMBED_FIXTURES])
+    if args.real_size and not args.only:
+        names = [n for n, s in FIXTURES.items() if s.real_size]
     if args.large and "large-text" not in names:
         names.append("large-text")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -769,7 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
             fixtures[name] = build_embed(EMBED_FIXTURES[name], args.out / f"{name}.litertlm")
             continue
         spec = FIXTURES[name]
-        if spec.large:
+        if spec.large or spec.real_size:
             cache = large_cache_dir()
             cache.mkdir(parents=True, exist_ok=True)
             entry = build_one(spec, cache / f"{name}.litertlm")
