@@ -349,9 +349,16 @@ def child_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def runner_data_limit(memory_budget: int) -> int:
-    """A runner's ``RLIMIT_DATA``: the whole memory budget, as no single engine may take
-    more, but at least ``RUNNER_DATA_FLOOR`` so the runtime itself can start."""
-    return max(memory_budget, RUNNER_DATA_FLOOR)
+    """A runner's ``RLIMIT_DATA``: twice the memory budget, at least ``RUNNER_DATA_FLOOR``.
+
+    The limit counts private address space, touched or not (allocator arenas, thread
+    stacks, the runtime's reservations), which at real size is well above what the budget
+    counts (PSS): a limit of the budget itself made the runtime's ``pthread_create`` fail
+    with an engine that fitted, and its request never end (see docs/benchmarks.md, "Pool").
+    Twice the budget still stops one runaway runner before it takes every other process's
+    memory.
+    """
+    return max(2 * memory_budget, RUNNER_DATA_FLOOR)
 
 
 # The least data limit a runner gets, however small the budget (Python and the runtime's

@@ -692,7 +692,7 @@ def test_stderr_log_keeps_everything_up_to_its_limit_then_head_and_tail() -> Non
 
 def test_runner_gets_no_secrets_no_descriptors_and_a_data_limit(short_tmp: Path) -> None:
     """A real daemon's runner has a scrubbed environment (no token, no MODELD_* but
-    MODELD_HOME), only its socket besides stdio, and an RLIMIT_DATA equal to the budget."""
+    MODELD_HOME), only its socket besides stdio, and an RLIMIT_DATA of twice the budget."""
     from tests.support.daemon import DaemonProcess, daemon_env
     from tests.support.state import install_fixture
 
@@ -723,7 +723,7 @@ def test_runner_gets_no_secrets_no_descriptors_and_a_data_limit(short_tmp: Path)
         assert b"PATH=" in environ
         limits = Path(f"/proc/{pid}/limits").read_text()
         (line,) = [x for x in limits.splitlines() if x.startswith("Max data size")]
-        assert line.split()[3:5] == [str(budget), str(budget)], line
+        assert line.split()[3:5] == [str(2 * budget), str(2 * budget)], line
         fds = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
         sockets = [n for n, target in fds.items() if n > 2 and target.startswith("socket:")]
         assert len(sockets) == 1, fds
