@@ -300,6 +300,9 @@ FIXTURES: dict[str, FixtureSpec] = {
             image=True,
             vision=SIGLIP_896,
             real_size=True,
+            note="not in --real-size's default set: its float32 export did not fit the 24 GiB"
+            " dev box (the text model's alone peaks at 13.8 GiB; litert-torch 0.10.0 cannot"
+            " trace its embedder in bfloat16); build it with --only where memory allows",
         ),
     )
 }
@@ -676,9 +679,6 @@ def export_text(
         model=str(src),
         output_dir=str(out),
         **({"task": "image_text_to_text"} if image else {}),
-        # A real-size image-text model is traced in bfloat16: in float32 its export would
-        # take about half as much memory again as the text model's (docs/development.md).
-        **({"model_dtype": "bfloat16"} if image and spec.vocab > TRAINED_VOCAB else {}),
         prefill_lengths=[spec.prefill],
         cache_length=spec.cache,
         keep_temporary_files=True,
@@ -1042,15 +1042,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--real-size",
         action="store_true",
-        help="build only the real-size models (about 1 GB each, minutes each) into"
-        f" ${LARGE_CACHE_ENV}",
+        help="build only the real-size text models (about 1 GB each, minutes each) into"
+        f" ${LARGE_CACHE_ENV}; --only gemma3-vision-real builds the image-text one",
     )
     args = parser.parse_args(argv)
 
     committed = [n for n, s in FIXTURES.items() if not (s.large or s.real_size)]
     names = list(args.only or [*committed, *EMBED_FIXTURES])
     if args.real_size and not args.only:
-        names = [n for n, s in FIXTURES.items() if s.real_size]
+        # The image-text model needs more memory to build than a 24 GiB machine has.
+        names = [n for n, s in FIXTURES.items() if s.real_size and not s.image]
     if args.large and "large-text" not in names:
         names.append("large-text")
     args.out.mkdir(parents=True, exist_ok=True)
