@@ -44,10 +44,10 @@ LARGE = LARGE_CACHE / "large-text.litertlm"
 # The child: one engine with N threads, a warm-up reply, then timed replies; one JSON line.
 CHILD = """
 import json, sys
-from modeld.modelfile.runtime import create_engine
+from modeld.modelfile.runtime import CreateSpec, create_engine
 path, cache, threads, runs, tokens, prompt = sys.argv[1:7]
-engine = create_engine({"path": path, "backend": "cpu", "threads": int(threads),
-                        "cache_dir": cache, "max_tokens": 1024})
+engine = create_engine(CreateSpec(path=path, backend="cpu", threads=int(threads),
+                                  cache_dir=cache, max_tokens=1024))
 rows = []
 for i in range(int(runs) + 1):
     conversation = engine.create_conversation(max_output_tokens=int(tokens))

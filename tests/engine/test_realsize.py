@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from modeld.engine.runner.client import Runner
 from modeld.modelfile import probe as probe_mod
 from modeld.modelfile.runtime import CreateSpec
 from tests.support.daemon import running_daemon
+from tests.support.memory import fadvise_dontneed, pss_sampler, rollup
 from tests.support.state import install_fixture
 
 pytestmark = [pytest.mark.realsize, pytest.mark.timeout(900)]
@@ -52,27 +52,6 @@ def cached(*paths: Path) -> None:
             )
 
 
-def rollup(pid: int) -> dict[str, int]:
-    """``/proc/PID/smaps_rollup`` in bytes."""
-    out = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[2] == "kB":
-            out[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    return out
-
-
-def drop_page_cache(paths: list[Path]) -> None:
-    """Drop the clean page-cache pages of every file under ``paths``."""
-    for p in paths:
-        for f in [p] if p.is_file() else [x for x in p.rglob("*") if x.is_file()]:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 async def reply(c: AsyncClient, model: str, prompt: str, tokens: int = 8) -> dict[str, Any]:
     final: dict[str, Any] = {}
     async for rec in c.stream(
@@ -81,35 +60,6 @@ async def reply(c: AsyncClient, model: str, prompt: str, tokens: int = 8) -> dic
         if rec.get("done"):
             final = rec
     return final
-
-
-@contextlib.asynccontextmanager
-async def pss_sampler(c: AsyncClient) -> AsyncIterator[list[int]]:
-    """The largest sum of the runners' PSS seen while the block runs, sampled from /proc."""
-    seen = [0]
-    stop = asyncio.Event()
-
-    async def sample() -> None:
-        while not stop.is_set():
-            doc = await c.request("GET", "/api/engines")
-            pids = [e["pid"] for e in doc["engines"] if e["pid"]]
-            if doc["spare"]["pid"]:
-                pids.append(doc["spare"]["pid"])
-            total = 0
-            for pid in pids:
-                with contextlib.suppress(OSError):
-                    total += rollup(pid)["Pss"]
-            seen[0] = max(seen[0], total)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.1):
-                    await stop.wait()
-
-    task = asyncio.ensure_future(sample())
-    try:
-        yield seen
-    finally:
-        stop.set()
-        await task
 
 
 def settings(root: Path, models: dict[str, Path], **kw: Any) -> Any:
@@ -169,7 +119,7 @@ async def test_cold_load_after_the_page_cache_is_dropped(clean_env: Path) -> Non
     async with running_daemon(s) as d, d.client() as c:
         await c.request("POST", "/api/engines", {"model": "real"})  # builds the XNNPACK cache
         await c.request("DELETE", "/api/engines/real")
-        await asyncio.to_thread(drop_page_cache, [REAL, s.home / "cache", s.home / "blobs"])
+        await asyncio.to_thread(fadvise_dontneed, [REAL, s.home / "cache", s.home / "blobs"])
         view = await c.request("POST", "/api/engines", {"model": "real"})
         assert view["state"] == "ready" and view["create_seconds"] > 0
         final = await reply(c, "real", "Tell me a story.")
