@@ -20,6 +20,7 @@ import pytest
 from modeld.client import AsyncClient
 from modeld.config import load_settings
 from modeld.engine.runner.client import Runner
+from modeld.engine.runner.job import Created
 from modeld.modelfile import probe as probe_mod
 from modeld.modelfile.runtime import CreateSpec
 from tests.support.daemon import running_daemon
@@ -137,7 +138,7 @@ async def test_first_gpu_load_creates_its_engine_once(
     created: list[tuple[int, str]] = []
     real_create = Runner.create
 
-    async def create(self: Runner, spec: CreateSpec) -> dict[str, Any]:
+    async def create(self: Runner, spec: CreateSpec) -> Created:
         created.append((self.pid, spec.backend))
         return await real_create(self, spec)
 
