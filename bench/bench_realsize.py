@@ -222,7 +222,7 @@ async def generate(c: AsyncClient, model: str, prompt: str, tokens: int, **extra
     t = time.perf_counter()
     first = None
     final: dict[str, Any] = {}
-    async for rec in c.stream("POST", "/api/generate", body):
+    async for rec in c.stream("POST", "/api/modeld/generate", body):
         if first is None and "token" in rec:
             first = time.perf_counter() - t
         if rec.get("done"):

@@ -56,7 +56,7 @@ def cached(*paths: Path) -> None:
 async def reply(c: AsyncClient, model: str, prompt: str, tokens: int = 8) -> dict[str, Any]:
     final: dict[str, Any] = {}
     async for rec in c.stream(
-        "POST", "/api/generate", {"model": model, "prompt": prompt, "max_tokens": tokens}
+        "POST", "/api/modeld/generate", {"model": model, "prompt": prompt, "max_tokens": tokens}
     ):
         if rec.get("done"):
             final = rec
