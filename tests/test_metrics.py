@@ -99,11 +99,13 @@ async def test_pull_feeds_download_metrics(pulled: Any) -> None:
     async with d.client() as c:
         records = [r async for r in c.stream("POST", "/api/models/tiny-text/pull", {})]
     assert records[-1]["state"] == "installed", records[-1]
-    after = await scrape(d.settings.socket_path)
+    # The job leaves the active set when its task has ended, a moment after it told its
+    # waiters "installed": wait for that event, not for the reply.
+    after = await until(d.settings.socket_path, lambda s: value(s, "modeld_downloads_active") == 0)
+    assert value(after, "modeld_downloads_active") == 0
     assert value(after, "modeld_download_bytes_total", mirror=label) >= MODEL.stat().st_size
     assert value(after, "modeld_download_errors_total", mirror=label, kind="transient") >= 1
     assert value(after, "modeld_download_mirror_bytes_per_second", mirror=label) > 0
-    assert value(after, "modeld_downloads_active") == 0
     assert ("modeld_download_repaired_pieces_total", ()) in after
     # The pull's end is counted by its result (once its job is done, just after its record).
     ended = await until(
@@ -125,8 +127,14 @@ async def test_generate_feeds_pool_and_request_metrics(pulled: Any) -> None:
             pass
         final = await generate(c)
         assert final["done"] and final["tokens"] >= 1
+        # PSS is measured off the request path, and a request is counted once its handler
+        # has returned, after the client read the last record: wait for both.
         samples = await until(
-            sock, lambda s: value(s, "modeld_engine_pss_bytes", engine="tiny-text:cpu") > 0
+            sock,
+            lambda s: (
+                value(s, "modeld_engine_pss_bytes", engine="tiny-text:cpu") > 0
+                and value(s, "modeld_http_request_seconds_count", route="/api/generate") == 1
+            ),
         )
         assert value(samples, "modeld_engine_loads_total", model="tiny-text", result="ok") == 1
         assert value(samples, "modeld_engine_pss_bytes", engine="tiny-text:cpu") > 0

@@ -44,6 +44,9 @@ class Faults:
     throttle: float | None = None  # bytes per second per response
     burst: int = 0  # bytes of each response sent at once before the throttle applies
     stall_after: int | None = None  # after this many body bytes in total, stop sending
+    # (after, block): once this many body bytes are sent in all, each answer stops halfway
+    # through its next block of the file (offsets in ``block``s) until this is set to None.
+    hold_mid_block: tuple[int, int] | None = None
     drop_after: int | None = None  # abort the connection after this many bytes of a response
     drop_times: int = 1_000_000  # how many responses to drop
     ignore_range: bool = False  # answer Range requests with 200 and the whole file
@@ -177,6 +180,11 @@ class Mirror:
             n = min(CHUNK, end - pos + 1)
             if f.stall_after is not None and self.sent + n > f.stall_after:
                 await asyncio.sleep(3600)
+            while (hold := f.hold_mid_block) is not None and self.sent >= hold[0]:
+                into, half = pos % hold[1], hold[1] // 2
+                if not into <= half < into + n:
+                    break
+                await asyncio.sleep(0.01)  # a test thread clears it: polled, not awaited
             if f.drop_after is not None and f.drop_times > 0 and sent_here + n > f.drop_after:
                 f.drop_times -= 1
                 assert request.transport is not None
