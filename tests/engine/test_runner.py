@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,16 +86,55 @@ def generate(
     return runner.generate(typed(job), sent)
 
 
-async def collect(runner: Runner, job: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The reply's streamed text, and its final record as the runner sent it."""
+async def collect(
+    runner: Runner, job: dict[str, Any], sent: Callable[[], None] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """The reply's streamed text, and its final record as the runner sent it; ``sent`` is
+    called once the job is on its way."""
     text: list[str] = []
     final: dict[str, Any] = {}
-    async for rec in generate(runner, job):
+    async for rec in generate(runner, job, sent):
         if isinstance(rec, Token):
             text.append(rec.text)
         else:
             final = record_to_wire(rec)
     return "".join(text), final
+
+
+async def idle(runner: Runner) -> None:
+    """Wait until the runner has closed its last job. One sent the moment a reply ends may
+    find it still closing that job, and then has its conversation (or bare session) made
+    ahead, as a job that waits does."""
+
+    async def quiet() -> bool:
+        return not (await runner.call("stats"))["busy"]
+
+    await until(quiet, every=0.005)
+
+
+@contextlib.asynccontextmanager
+async def decoding(runner: Runner, job: dict[str, Any]) -> AsyncIterator[asyncio.Task[Any]]:
+    """``job`` streamed, entered once its first token is here: the runner has begun it, so a
+    job sent in the block comes while it runs, or after its end if the client read its
+    tokens late (a loaded machine); never before it. Yields the task that ends its reply."""
+    records = generate(runner, {**job, "stream": True})
+    first = await anext(records)
+    assert isinstance(first, Token), first
+
+    async def rest() -> tuple[str, dict[str, Any]]:
+        text, final = [first.text], {}
+        async for rec in records:
+            if isinstance(rec, Token):
+                text.append(rec.text)
+            else:
+                final = record_to_wire(rec)
+        return "".join(text), final
+
+    task = asyncio.ensure_future(rest())
+    try:
+        yield task
+    finally:
+        await task
 
 
 async def test_create_and_generate_reports_phases_and_memory(short_tmp: Path) -> None:
@@ -266,7 +305,9 @@ async def test_a_plain_reply_on_a_bare_session_is_the_conversations(
         ]
         for job in jobs:
             text, prompt_tokens, tokens = conversation_reply(made, job)
+            await idle(runner)
             streamed_text, streamed = await collect(runner, {**job, "stream": True})
+            await idle(runner)
             none, whole = await collect(runner, {**job, "stream": False})
             assert streamed["conversation"] == whole["conversation"] == "none" and none == ""
             assert streamed_text == whole["text"] == text
@@ -278,6 +319,7 @@ async def test_a_plain_reply_on_a_bare_session_is_the_conversations(
         stop = text[3:6]
         assert stop and text.index(stop) >= 1
         for stream in (True, False):
+            await idle(runner)
             got, final = await collect(runner, {**jobs[1], "stop": [stop], "stream": stream})
             cut = got if stream else final["text"]
             assert cut == text[: text.index(stop)] and final["finish"] == "stop"
@@ -342,6 +384,7 @@ async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: P
         _, told = await collect(runner, with_system)
         assert "conversation" not in told
         assert not await prepared()
+        await idle(runner)
         plain_text, plain = await collect(runner, job)
         assert "conversation" not in plain and plain_text == first_text
         await until(prepared)
@@ -352,8 +395,9 @@ async def test_a_conversation_is_made_ahead_for_a_job_like_the_last(short_tmp: P
         await until(prepared)
         bare = {k: v for k, v in job.items() if k != "frequency_penalty"}
         for stream in (False, True):
-            _, on_session = await collect(runner, {**bare, "stream": stream})
-            assert on_session["conversation"] == "none"
+            await idle(runner)
+            _, final = await collect(runner, {**bare, "stream": stream})
+            assert final["conversation"] == "none"
         _, plain = await collect(runner, job)
         assert plain["conversation"] == "ready" and await collect(runner, job)
     finally:
@@ -370,6 +414,12 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
     runner = await Runner.start()
     try:
         await runner.create(spec(short_tmp, LONG, max_tokens=1280, threads=1))
+        # The replies each job gets alone. The first job finds the runner idle: one sent the
+        # moment a reply ends finds it still closing that job, and gets its session made
+        # ahead as a job that waits ("none ready").
+        plain_job = ask("hello there", max_tokens=5, seed=7, stream=True)
+        plain_text, plain = await collect(runner, plain_job)
+        assert plain["conversation"] == "none"
         # A NUL in the turn keeps the job on a conversation (a reply to one plain turn goes on a
         # bare session). A penalty would do as well, but this model fails one ("Invalid token
         # id").
@@ -388,36 +438,35 @@ async def test_the_waiting_jobs_conversation_is_made_while_one_runs(short_tmp: P
             assert second[0].startswith(alone_text)
         # A plain turn waits too: its bare session is made, and its prompt rendered, during
         # that decode; the reply is the one a session made in line gives.
-        plain_job = ask("hello there", max_tokens=5, seed=7, stream=True)
-        plain_text, plain = await collect(runner, plain_job)
-        assert plain["conversation"] == "none"
         for stream in (True, False):
             job = {**plain_job, "stream": stream}
             first, second = await asyncio.gather(collect(runner, long_job), collect(runner, job))
             assert second[1]["conversation"] == "none ready"
             assert (second[0] if stream else second[1]["text"]) == plain_text
-        # A waiting job cancelled (its caller left) after its conversation was made.
-        running = asyncio.ensure_future(collect(runner, long_job))
-        left = asyncio.ensure_future(collect(runner, {**alone_job, "max_tokens": 7}))
-        await asyncio.sleep(0.02)
-        left.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await left
+        # A waiting job cancelled (its caller left) once sent: the runner claimed its
+        # conversation when it came, the long one decoding (or it came after that one's end).
+        async with decoding(runner, long_job) as running:
+            sent = asyncio.Event()
+            left = asyncio.ensure_future(
+                collect(runner, {**alone_job, "max_tokens": 7}, sent=sent.set)
+            )
+            await sent.wait()
+            left.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await left
         after_text, after = await collect(runner, alone_job)
         assert (await running)[1]["finish"] in ("stop", "length")
         assert after_text == alone_text and after["tokens"] == 5
         # A waiting job the runtime cannot take fails alone; the one running is unharmed.
-        running = asyncio.ensure_future(collect(runner, long_job))
-        await asyncio.sleep(0.02)  # it runs: the bad one waits behind it
-        with pytest.raises(RunnerError, match="from the user"):
-            bad = {"messages": [{"role": "assistant", "content": "hi"}], "stream": False}
-            await collect(runner, bad)
+        async with decoding(runner, long_job) as running:
+            with pytest.raises(RunnerError, match="from the user"):
+                bad = {"messages": [{"role": "assistant", "content": "hi"}], "stream": False}
+                await collect(runner, bad)
         assert (await running)[1]["finish"] in ("stop", "length")
         # A malformed frame (the daemon never sends one) is refused as it arrives.
-        running = asyncio.ensure_future(collect(runner, long_job))
-        await asyncio.sleep(0.02)
-        with pytest.raises(RunnerError, match="malformed generate job"):
-            await runner.call("generate", messages=5)
+        async with decoding(runner, long_job) as running:
+            with pytest.raises(RunnerError, match="malformed generate job"):
+                await runner.call("generate", messages=5)
         assert (await running)[1]["finish"] in ("stop", "length")
         assert (await collect(runner, alone_job))[0] == alone_text
     finally:

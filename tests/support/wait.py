@@ -9,13 +9,16 @@ from pathlib import Path
 from typing import Any
 
 
-async def until(cond: Callable[[], Awaitable[Any]], limit: float = 10.0) -> None:
-    """Poll the async ``cond`` until it is true; fail after ``limit`` seconds."""
+async def until(
+    cond: Callable[[], Awaitable[Any]], limit: float = 10.0, every: float = 0.05
+) -> None:
+    """Poll the async ``cond`` every ``every`` seconds until it is true; fail after ``limit``
+    seconds."""
     started = time.monotonic()
     while not await cond():
         if time.monotonic() - started > limit:
             raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(every)
 
 
 async def wait_until(cond: Callable[[], bool], limit: float = 10.0) -> None:

@@ -25,8 +25,9 @@ JSON object. Parent -> child ops, each with an ``id``:
   with the file's tokenizer (``modeld.modelfile.tokens``; absent where it cannot be read)
 - ``cancel``: ``target`` (a generate id) -> no reply of its own; the generation ends
   with ``finish: "cancelled"``
-- ``stats`` -> ``{"id", "ok": true, "pss", "rss", "ready"}`` (``ready``: a conversation
-  made ahead waits for the next job)
+- ``stats`` -> ``{"id", "ok": true, "pss", "rss", "ready", "busy"}`` (``ready``: a
+  conversation made ahead waits for the next job; ``busy``: a job runs, is still being
+  closed after its final record, or waits)
 - ``close`` -> ``{"id", "ok": true}``, then the process exits
 
 Token frames skip JSON (they are most of the traffic): the length word has its top bit
@@ -545,6 +546,14 @@ class _Child:
         if self.kind == "embedding":
             options["embedding_dimension"] = self.dimension
         return options
+
+    def stats(self) -> dict[str, Any]:
+        """On the reader thread: the ``stats`` op's answer (see the module's docstring)."""
+        pss, rss = read_memory(os.getpid())
+        made = self.ready
+        ready = made is not None and made[1].done()  # a conversation made ahead waits
+        busy = self.current is not None or not self.jobs.empty()
+        return {"pss": pss, "rss": rss, "ready": ready, "busy": busy}
 
     def accept(self, op: str, rid: Any, msg: dict[str, Any]) -> None:
         """On the reader thread: a ``generate``, ``count`` or ``embed`` frame, queued as its
@@ -1080,10 +1089,7 @@ def child_main(fd: int, parent_pid: int) -> int:
         elif op == "cancel":
             child.cancel(int(msg.get("target", -1)))
         elif op == "stats":
-            pss, rss = read_memory(os.getpid())
-            made = child.ready
-            ready = made is not None and made[1].done()  # a conversation made ahead waits
-            child.send({"id": rid, "ok": True, "pss": pss, "rss": rss, "ready": ready})
+            child.send({"id": rid, "ok": True, **child.stats()})
         elif op == "close":
             running = child.current  # the generate thread may clear it meanwhile
             if running is not None:
