@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import os
 import re
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -33,7 +34,7 @@ from pydantic import (
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_fixed
 
 from modeld import logs
-from modeld.errors import ModelNotFound, RegistryError
+from modeld.errors import ModelNotFound, ModelNotInstalled, RegistryError
 from modeld.hostinfo import VERSION_PATTERN
 from modeld.layout import MODEL_ID_PATTERN, MODEL_ID_RE, file_name_problem, text_problem
 
@@ -49,6 +50,32 @@ WATCH_IDLE_MS = 500
 WATCH_RESTART_S = 1.0
 
 Backend = Literal["cpu", "gpu"]
+
+
+def nearest_ids(wanted: str, known: Iterable[str], n: int = 3) -> list[str]:
+    """The ids of ``known`` nearest to ``wanted``: the same id in other case
+    (``gemma-4-e2b-it``) alone when there is one, else those it begins (``gemma``), then
+    difflib's closest, compared without case; at most ``n``."""
+    by_lower: dict[str, list[str]] = {}
+    for k in sorted(set(known)):
+        by_lower.setdefault(k.lower(), []).append(k)
+    lowered = wanted.lower()
+    same = [k for k in by_lower.get(lowered, []) if k != wanted]
+    if same:
+        return same[:n]
+    out = [k for low, ks in by_lower.items() if low.startswith(lowered) for k in ks]
+    for close in difflib.get_close_matches(lowered, list(by_lower), n=n, cutoff=0.6):
+        out += [k for k in by_lower[close] if k not in out]
+    return [k for k in out if k != wanted][:n]
+
+
+def did_you_mean(wanted: str, known: Iterable[str]) -> str:
+    """``" (did you mean X?)"`` (or ``X or Y``...) for the ids nearest ``wanted``; "" if none."""
+    near = nearest_ids(wanted, known)
+    if not near:
+        return ""
+    names = near[0] if len(near) == 1 else f"{', '.join(near[:-1])} or {near[-1]}"
+    return f" (did you mean {names}?)"
 
 
 class _Strict(BaseModel):
@@ -284,12 +311,35 @@ class Catalog:
     # --- reading ---------------------------------------------------------------------
 
     def get(self, model_id: str) -> Entry:
+        """The entry of ``model_id``, else its refusal (``unknown``)."""
         entry = self._entries.get(model_id)
         if entry is None:
-            raise ModelNotFound(
-                f"no model {model_id!r} in the catalog; `modeld list` shows the known ids"
-            )
+            raise self.unknown(model_id)
         return entry
+
+    def unknown(self, model_id: str, where: str = "in the catalog") -> ModelNotFound:
+        """The refusal of an id the catalog does not know, naming the nearest known ids:
+        every route that takes an id resolves it here."""
+        return ModelNotFound(
+            f"no model {model_id[:140]!r} {where}{did_you_mean(model_id, self._entries)}; "
+            "`modeld list` shows the known ids"
+        )
+
+    def how_to_install(self, model_id: str) -> str:
+        """The command that installs ``model_id``: a local entry (``modeld import`` wrote
+        it) has no URL to pull from, so its file is imported again."""
+        entry = self._entries.get(model_id)
+        if entry is not None and entry.local:
+            return f"`modeld import PATH {model_id}` (its entry is local: no URL to pull from)"
+        return f"`modeld pull {model_id}`"
+
+    def not_installed(self, model_id: str) -> ModelNotFound | ModelNotInstalled:
+        """The refusal of a request for ``model_id`` when nothing of it is installed."""
+        if model_id not in self._entries:
+            return self.unknown(model_id)
+        return ModelNotInstalled(
+            f"model {model_id} is not installed; run {self.how_to_install(model_id)} first"
+        )
 
     def find(self, model_id: str) -> Entry | None:
         return self._entries.get(model_id)

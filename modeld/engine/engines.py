@@ -141,12 +141,13 @@ def entry_max_tokens(entry: Entry | None, info: ModelInfo | None, *, vision: boo
     )
 
 
-def _file_missing(model_id: str, path: Path | None = None) -> ModelNotInstalled:
-    """The refusal of a model whose installed file is gone (it counts as missing)."""
+def _file_missing(model_id: str, how: str, path: Path | None = None) -> ModelNotInstalled:
+    """The refusal of a model whose installed file is gone (it counts as missing); ``how``
+    installs it again (``Catalog.how_to_install``)."""
     where = f" {path}" if path is not None else ""
     return ModelNotInstalled(
         f"model {model_id}: its file{where} is missing, so it no longer counts as installed; "
-        f"run `modeld pull {model_id}` to fetch it again"
+        f"run {how} to install it again"
     )
 
 
@@ -407,7 +408,8 @@ class Engines:
         return row
 
     def touch(self, model_id: str) -> None:
-        """Note a use of ``model_id``; ``last_used`` reaches SQLite in the background."""
+        """Note a use of ``model_id`` (a load, or a request that was served: a refused one
+        is none); ``last_used`` reaches SQLite in the background."""
         self._touch_pending[model_id] = time.time()
         if self._touch_task is None or self._touch_task.done():
             self._touch_task = asyncio.ensure_future(self._flush_touches())
@@ -753,7 +755,6 @@ class Engines:
         if hit is not None and hit.stamp.matches(self._stamp(model_id)) and hit.path.is_file():
             # The runtime's .litertlm link too: made again if something removed it.
             self._runtime_path(hit.target.digest, hit.path)
-            self.touch(model_id)
             return hit.target
         stamp = self._stamp(model_id)
         target, path = await self._resolve(
@@ -770,7 +771,6 @@ class Engines:
         after = self._stamp(model_id)
         if key is not None and target.plan.vision is None and stamp.matches(after, probes=False):
             self._targets[key] = _Resolved(after, target, path)
-        self.touch(model_id)
         return target
 
     async def _resolve(
@@ -788,8 +788,8 @@ class Engines:
         installed = await self._installed_row(model_id)
         if installed is None:
             if model_id in await self.store.missing():
-                raise _file_missing(model_id)
-            raise ModelNotInstalled.of(model_id)
+                raise _file_missing(model_id, self.catalog.how_to_install(model_id))
+            raise self.catalog.not_installed(model_id)
         if not installed.verified and not allow_unverified:
             explain = self.explain_unverified
             hint = (
@@ -806,7 +806,7 @@ class Engines:
         if not path.is_file():
             # `list` and `pull` then see it missing too: a pull fetches the file again.
             await self.store.mark_missing(model_id, installed.digest)
-            raise _file_missing(model_id, path)
+            raise _file_missing(model_id, self.catalog.how_to_install(model_id), path)
         info = await self.header(model_id, installed.digest, path, diagnose=True)
         if kind is not None:
             check_kind(model_id, info, kind)

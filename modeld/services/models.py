@@ -216,7 +216,7 @@ class Models:
         self.catalog.get(model_id)  # raises ModelNotFound with its hint
         inst = await self.store.installed(model_id)
         if inst is None:
-            raise ModelNotInstalled.of(model_id)
+            raise self.catalog.not_installed(model_id)
         return inst
 
     async def capabilities(self, model_id: str) -> Capabilities:
@@ -347,10 +347,7 @@ class Models:
         inst = await self.store.installed(model_id)
         missing = model_id in await self.store.missing()
         if entry is None and inst is None and not missing:
-            raise ModelNotFound(
-                f"no model {model_id!r} in the catalog or installed; "
-                "`modeld list` shows the known ids"
-            )
+            raise self.catalog.unknown(model_id, "in the catalog or installed")
         doc = self._summary(model_id, entry, inst, missing)
         doc["entry"] = entry.to_dict() if entry else None
         if doc["entry"] is not None:
@@ -370,7 +367,7 @@ class Models:
             doc["plans"] = _no_plans(
                 ModelNotInstalled(
                     f"model {model_id} is not installed, so its file's sections are unknown; "
-                    f"run `modeld pull {model_id}`"
+                    f"run {self.catalog.how_to_install(model_id)}"
                 )
             )
             return doc
@@ -412,8 +409,8 @@ class Models:
         """
         before = await self.store.installed(model_id)
         entry = self.catalog.find(model_id)
-        if before is None and entry is None:
-            self.catalog.get(model_id)  # raises ModelNotFound with its hint
+        if before is None:
+            raise self.catalog.not_installed(model_id)
         report = await self.store.verify(model_id)
         doc = report.to_dict()
         verified_by = before.verified_by if before else None

@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from modeld import logs
+from modeld.catalog.catalog import did_you_mean
 from modeld.config import Settings
 from modeld.download.downloads import Downloads
 from modeld.download.journal import SqliteJournal, journal_keys
@@ -355,9 +356,11 @@ class Remover:
             reasons = self._in_use(model_id)
             targets = await self._targets(model_id)
             if not targets and not reasons:
+                installed = [r.id for r in (await self.inventory()).rows]
                 raise ModelNotInstalled(
                     f"model {model_id} is not installed and has no partial download; nothing to "
-                    "remove (`modeld list --installed` shows what is)"
+                    f"remove{did_you_mean(model_id, installed)}; `modeld list --installed` "
+                    "shows what is"
                 )
             unloaded: list[str] = []
             cancelled = False

@@ -26,7 +26,6 @@ from modeld.errors import (
     EntryExists,
     EntryNotRemovable,
     ModeldError,
-    ModelNotFound,
     ModelNotInstalled,
     Offline,
 )
@@ -175,7 +174,7 @@ class Sources:
         """
         source = self.catalog.source_of(model_id)
         if source is None:
-            raise ModelNotFound(f"no entry {model_id!r}; `modeld list` shows the known ids")
+            raise self.catalog.unknown(model_id)
         if not self.catalog.is_own(model_id):
             if source.parent == bundled_registry_dir():
                 raise EntryNotRemovable(

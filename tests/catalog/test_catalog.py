@@ -15,6 +15,7 @@ from modeld.catalog.catalog import (
     Entry,
     bundled_registry_dir,
     load_file,
+    nearest_ids,
     outdated,
 )
 from modeld.errors import ModelNotFound
@@ -349,3 +350,28 @@ def test_written_entries_read_back_or_are_refused(tmp_path: Path) -> None:
     for bad in ("a..b.litertlm", "a\x1bb.litertlm", "x\udcff.litertlm", "a/b.litertlm"):
         with pytest.raises(ValueError):
             Entry(id="x", display_name="x", file_name=bad, local=True, size=1)
+
+
+def test_nearest_ids_put_the_same_id_in_other_case_first() -> None:
+    """An id in other case is named alone; else the ids it begins, then the closest by
+    difflib, at most three; nothing when nothing is near."""
+    known = ["gemma-4-E2B-it", "gemma-4-E4B-it", "gemma-3n-E2B-it", "gemma-3n-E4B-it", "tiny"]
+    assert nearest_ids("gemma-4-e2b-it", known) == ["gemma-4-E2B-it"]
+    assert nearest_ids("gemma-4-E2B-itt", known)[0] == "gemma-4-E2B-it"
+    assert nearest_ids("gemma", known) == ["gemma-3n-E2B-it", "gemma-3n-E4B-it", "gemma-4-E2B-it"]
+    assert nearest_ids("tiyn", known) == ["tiny"]
+    assert nearest_ids("qqqqqqqq", known) == []
+    assert nearest_ids("tiny", known) == []  # itself is no suggestion
+
+
+def test_an_unknown_id_is_refused_with_the_nearest_known_ones(tmp_path: Path) -> None:
+    """``get`` of an id the catalog lacks names the nearest ids it has, and where all are."""
+    d = tmp_path / "reg"
+    write_entry(d, "tiny-text", size=10, sha256="a" * 64)
+    cat = Catalog([d])
+    with pytest.raises(ModelNotFound) as info:
+        cat.get("Tiny-Text")
+    assert info.value.message == (
+        "no model 'Tiny-Text' in the catalog (did you mean tiny-text?); "
+        "`modeld list` shows the known ids"
+    )

@@ -582,3 +582,28 @@ def test_control_characters_from_a_catalog_entry_are_shown_not_acted_on(short_tm
         assert not any(c in out for c in "\x1b\x07\x9b\u202e")
     finally:
         d.stop()
+
+
+def test_an_unknown_id_gets_the_nearest_known_ones_from_every_verb(tiny: Tiny) -> None:
+    """A mistyped id names the nearest known ids (the same id in other case first), whichever
+    verb took it: pull, show, load, run, verify, rm, rm --entry; one line, exit 1."""
+    verbs = [
+        ("pull", "gemma-4-e2b-it"),
+        ("show", "gemma-4-e2b-it"),
+        ("load", "Tiny-Text"),
+        ("run", "tiny-txt", "hi"),
+        ("verify", "tiny-txt"),
+        ("rm", "tiny-txt"),
+        ("rm", "tiny-txt", "--entry"),
+    ]
+    for verb, wanted, *rest in verbs:
+        result = _tiny_cli(tiny, verb, wanted, *rest)
+        assert result.returncode == 1, (verb, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, lines
+        near = "gemma-4-E2B-it" if wanted.startswith("gemma") else "tiny-text"
+        assert f"did you mean {near}" in lines[0], (verb, lines[0])
+    # Nothing near: no guess, only where the known ids are.
+    far = _tiny_cli(tiny, "show", "qqqqqqqq")
+    assert far.returncode == 1 and "did you mean" not in far.stderr
+    assert "`modeld list` shows the known ids" in far.stderr
