@@ -688,6 +688,13 @@ class Client:
         result: dict[str, Any] = self.request("DELETE", f"/api/models/{_path(model_id)}/memory")
         return result
 
+    def check(self, model: str, images: int = 0, allow_unverified: bool = False) -> dict[str, Any]:
+        """``POST /api/models/{id}/check``: the engine a generation request for ``model`` (with
+        ``images`` images) would get, or the error it would get before its prompt is read."""
+        body = {"images": images, "allow_unverified": allow_unverified}
+        result: dict[str, Any] = self.request("POST", f"/api/models/{_path(model)}/check", body)
+        return result
+
     def generate(self, model: str, prompt: str, **options: Any) -> Iterator[GenerationRecord]:
         """Stream a reply: ``TokenRecord`` records, then one ``FinalRecord``. Options:
         ``system``, ``images`` (bytes), ``format``, ``max_tokens``, ``temperature``,
@@ -904,6 +911,15 @@ class AsyncClient:
 
     async def unload(self, engine_or_model: str, grace: str | None = None) -> dict[str, Any]:
         result: dict[str, Any] = await self.request("DELETE", _unload_path(engine_or_model, grace))
+        return result
+
+    async def check(
+        self, model: str, images: int = 0, allow_unverified: bool = False
+    ) -> dict[str, Any]:
+        body = {"images": images, "allow_unverified": allow_unverified}
+        result: dict[str, Any] = await self.request(
+            "POST", f"/api/models/{_path(model)}/check", body
+        )
         return result
 
     async def generate(

@@ -82,6 +82,7 @@ ROUTES: dict[tuple[str, str], Rule] = {
     ("GET", "/api/engines"): Rule(Role.USE, "ps"),
     ("POST", "/api/engines"): Rule(Role.USE, "load"),
     ("POST", "/api/modeld/generate"): Rule(Role.USE, "generate"),
+    ("POST", "/api/models/{id}/check"): Rule(Role.USE, "check a model"),
     ("GET", "/v1/models"): Rule(Role.USE, "list models"),
     ("GET", "/v1/models/{model}"): Rule(Role.USE, "show a model"),
     ("POST", "/v1/chat/completions"): Rule(Role.USE, "chat"),

@@ -1,4 +1,5 @@
-"""``GET/POST /api/engines``, ``DELETE /api/engines/{id}``, ``POST /api/modeld/generate`` and
+"""``GET/POST /api/engines``, ``DELETE /api/engines/{id}``, ``POST /api/modeld/generate``,
+``POST /api/models/{id}/check`` (would a generation be admitted) and
 ``DELETE /api/models/{id}/memory`` (forget the peaks learned for a model's file).
 
 Bodies are validated by the pydantic models in ``modeld.api.requests``; loads and
@@ -13,7 +14,7 @@ from aiohttp import web
 
 from modeld.api import access, requests
 from modeld.api.connections import cancelled_when_client_leaves
-from modeld.api.requests import GenerateBody, LoadBody
+from modeld.api.requests import CheckBody, GenerateBody, LoadBody
 from modeld.api.stream import Deadline, ndjson
 from modeld.config import parse_duration
 from modeld.errors import BadRequest
@@ -70,6 +71,13 @@ def add_routes(app: web.Application, services: Services) -> None:
     async def forget_memory(request: web.Request) -> web.Response:
         return web.json_response(await inference.forget_memory(request.match_info["id"]))
 
+    async def check(request: web.Request) -> web.Response:
+        body = await requests.read_body(request, CheckBody, optional=True)
+        ready = await inference.ready(
+            request.match_info["id"], images=body.images, allow_unverified=body.allow_unverified
+        )
+        return web.json_response(ready)
+
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await requests.read_body(request, GenerateBody)
         deadline = Deadline(request, services.settings.request_timeout)
@@ -85,4 +93,5 @@ def add_routes(app: web.Application, services: Services) -> None:
     app.router.add_post("/api/engines", load)
     app.router.add_delete("/api/engines/{id}", unload)
     app.router.add_post("/api/modeld/generate", generate)
+    app.router.add_post("/api/models/{id}/check", check)
     app.router.add_delete("/api/models/{id}/memory", forget_memory)

@@ -143,6 +143,13 @@ class LoadBody(Strict):
     allow_unverified: StrictBool = False
 
 
+class CheckBody(Strict):
+    """``POST /api/models/{id}/check``: would a generation request be admitted."""
+
+    images: Annotated[StrictInt, Field(ge=0, le=64)] = 0
+    allow_unverified: StrictBool = False
+
+
 class PullBody(Strict):
     """``POST /api/models/{id}/pull``; ``{}`` streams progress."""
 

@@ -3,7 +3,10 @@
 The prompt comes from the argument, else from stdin (``-``, or any stdin that is not a
 terminal: ``echo hi | modeld run ID``). With neither, on a terminal, ``run`` opens a chat: the
 conversation so far goes with each turn, ``\"\"\"`` starts and ends a multi-line message, the
-arrow keys recall earlier lines (readline), and ``/bye`` or Ctrl-D ends it.
+arrow keys recall earlier lines (readline), ``/help`` lists the commands (a line of one
+word starting with ``/`` is a command, never sent), and ``/bye`` or Ctrl-D ends it. The
+model is checked first: an id a request would be refused for is refused before the chat
+opens or stdin is read.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from modeld.cli.common import (
     data_file,
     defang,
     err_console,
+    escape,
     in_range,
     json_flag,
     keep_alive_arg,
@@ -37,10 +41,15 @@ if TYPE_CHECKING:
 
     from modeld.client import FinalRecord, GenerationRecord
 
-CHAT_HELP = (
-    'Chatting with {model}. /bye or Ctrl-D ends it; """ starts and ends a multi-line message; '
-    "/clear forgets the conversation."
-)
+CHAT_HELP = "Chatting with {model}. /help lists the commands; /bye or Ctrl-D ends it."
+# The chat's own commands: never sent to the model.
+COMMANDS = """\
+/help, /?             these commands
+/bye, /exit, /quit    end the chat (as Ctrl-D does)
+/clear                forget the conversation so far
+\"\"\"                   start a message of several lines; \"\"\" again ends it
+Ctrl-C                stop the reply being written; the chat goes on
+Any other one word starting with / is taken for a mistyped command, not sent."""
 
 
 def timings_line(final: dict[str, Any]) -> str:
@@ -106,11 +115,20 @@ def chat(client: Client, model_id: str, options: dict[str, Any]) -> None:
             sys.stdout.write("\n")
             return
         text: str | None = line
-        if line.strip() in ("/bye", "/exit", "/quit"):
+        command = line.strip()
+        if command in ("/bye", "/exit", "/quit"):
             return
-        if line.strip() == "/clear":
+        if command == "/clear":
             messages.clear()
             err_console.print("conversation cleared")
+            continue
+        if command in ("/help", "/?"):
+            err_console.print(escape(COMMANDS), highlight=False)
+            continue
+        if command.startswith("/") and " " not in command and len(command) > 1:
+            err_console.print(
+                f"unknown command {escape(command)}; /help lists the commands", highlight=False
+            )
             continue
         if line.lstrip().startswith('"""'):
             text = _read_message(line.lstrip())
@@ -164,9 +182,14 @@ def run(
         if as_json:
             raise UsageError("--json needs a prompt (an argument, or `-` for stdin)")
         with client_of(ctx) as client:
+            # Refused as its first message would be (an unknown id, no install, no plan),
+            # before the chat opens.
+            client.check(model_id, len(images or ()), allow_unverified)
             chat(client, model_id, options)
         return
     if prompt is None or prompt == "-":
+        # Refused before stdin is read (a terminal waits for Ctrl-D), as the request would be.
+        call(ctx, lambda c: c.check(model_id, len(images or ()), allow_unverified))
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise UsageError("the prompt read from stdin is empty")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import io
 import logging
@@ -316,7 +317,9 @@ class Inference:
             ) from None
         if warm_up is None and preload:
             warm_up = True if target.warm_up is None else target.warm_up
-        return await self.pool.load(target, keep_alive=alive, pin=pin, warm_up=warm_up)
+        view = await self.pool.load(target, keep_alive=alive, pin=pin, warm_up=warm_up)
+        self.engines.touch(target.model_id)
+        return view
 
     async def unload(self, selector: str, *, grace: float | None = None) -> list[dict[str, Any]]:
         """Stop ``selector``'s engines once what they admitted has ended, or ``grace``
@@ -348,13 +351,7 @@ class Inference:
         encoder that needs gpu when vision=cpu), is refused before an image is decoded. Then
         the prompt's size, and the window the client needs, are held against the engine's.
         """
-        target = await self.engines.target(
-            gen.model,
-            modalities=["text", "image"] if gen.image_count else ["text"],
-            backends=gen.backends,
-            allow_unverified=gen.allow_unverified,
-            images=gen.image_count > 0,
-        )
+        target = await self._target(gen)
         check_prompt(gen, target.model_id, target.max_tokens)
         if gen.context is not None and gen.context > target.max_tokens:
             raise BadRequest(
@@ -363,6 +360,33 @@ class Inference:
                 "max_tokens, else its file's own): ask for that many or fewer, or leave it out"
             )
         return target
+
+    async def _target(self, gen: Generation) -> Target:
+        return await self.engines.target(
+            gen.model,
+            modalities=["text", "image"] if gen.image_count else ["text"],
+            backends=gen.backends,
+            allow_unverified=gen.allow_unverified,
+            images=gen.image_count > 0,
+        )
+
+    async def ready(
+        self, model: str, *, images: int = 0, allow_unverified: bool = False
+    ) -> dict[str, Any]:
+        """The engine a generation request for ``model`` with ``images`` images would get,
+        or the refusal it would get before its prompt is read (an unknown id, no install, an
+        unverified file, no plan, too many images): ``modeld run`` asks before it prompts.
+        """
+        turn = Turn("user", "", [b""] * images)  # only counted: nothing is decoded
+        gen = Generation(model, [turn], allow_unverified=allow_unverified)
+        self.check(gen)
+        target = await self._target(gen)
+        return {
+            "id": target.model_id,
+            "engine": target.engine_id,
+            "plan": target.plan.to_dict(),
+            "max_tokens": target.max_tokens,
+        }
 
     async def prepare(self, gen: Generation) -> Prepared:
         """The runner's job; images decoded and re-encoded off the event loop."""
@@ -399,7 +423,9 @@ class Inference:
         )
         check_inputs(inputs, target.model_id, target.max_tokens)
         job = EmbedJob(tuple(inputs), dimensions)
-        return await self.pool.embed(target, job, keep_alive=alive)
+        embedded = await self.pool.embed(target, job, keep_alive=alive)
+        self.engines.touch(target.model_id)
+        return embedded
 
     async def count(self, gen: Generation, *, may_shorten_keep_alive: bool) -> Final[Counted]:
         """The tokens ``gen``'s prompt takes on its model: what its generation would prefill,
@@ -428,4 +454,17 @@ class Inference:
         records = self.pool.generate(
             target, prepared.job, keep_alive=keep_alive, image_prepare=prepared.image_prepare
         )
-        return target.engine_id, records
+        return target.engine_id, self._used(target.model_id, records)
+
+    async def _used(
+        self, model_id: str, records: AsyncGenerator[Token | Final[Done], None]
+    ) -> AsyncGenerator[Token | Final[Done], None]:
+        """``records``, noting a use of ``model_id`` (``last_used``) once the first one came:
+        a request refused in the pool (over the budget, the queue full) is no use."""
+        async with contextlib.aclosing(records):
+            async for rec in records:
+                self.engines.touch(model_id)
+                yield rec
+                break
+            async for rec in records:
+                yield rec

@@ -101,27 +101,36 @@ def _read_until(fd: int, needle: bytes | None, deadline: float) -> bytes:
     return seen
 
 
-def test_no_prompt_on_a_terminal_opens_a_chat(tiny: Tiny) -> None:
-    """On a pty: a chat opens; each turn is answered, a \"\"\" block is one message, /bye
-    ends it with exit status 0."""
-    with Client(tiny.socket) as c:
-        before = _requests(c)
+def _on_a_pty(tiny: Tiny, *args: str) -> tuple[int, int]:
+    """``modeld ARGS`` started on a new pty: (its pid, the pty's fd)."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: the CLI on the pty
-        os.execve(
-            sys.executable,
-            [sys.executable, "-m", "modeld", "run", "tiny-text", "--max-tokens", "3"],
-            tiny.daemon.env,
-        )
+        os.execve(sys.executable, [sys.executable, "-m", "modeld", *args], tiny.daemon.env)
+    return pid, fd
+
+
+def test_no_prompt_on_a_terminal_opens_a_chat(tiny: Tiny) -> None:
+    """On a pty: a chat opens; each turn is answered, a \"\"\" block is one message, /help and
+    /? list the commands, a mistyped one is named; no command reaches the model; /bye ends it
+    with exit status 0."""
+    with Client(tiny.socket) as c:
+        before = _requests(c)
+    pid, fd = _on_a_pty(tiny, "run", "tiny-text", "--max-tokens", "3")
     deadline = time.monotonic() + 120
     try:
         banner = _read_until(fd, b">>> ", deadline)
-        assert b"/bye" in banner
+        assert b"Chatting with tiny-text" in banner and b"/help" in banner
         os.write(fd, b"hello\n")
         _read_until(fd, b">>> ", deadline)
         os.write(fd, b'"""first line\nsecond line"""\n')
         block = _read_until(fd, b">>> ", deadline)
         assert b"... " in block
+        for command in (b"/help", b"/?"):
+            os.write(fd, command + b"\n")
+            listed = _read_until(fd, b">>> ", deadline)
+            assert b"/clear" in listed and b"/bye" in listed and b"Ctrl-C" in listed, listed
+        os.write(fd, b"/hlep\n")
+        assert b"unknown command /hlep; /help" in _read_until(fd, b">>> ", deadline)
         os.write(fd, b"/bye\n")
         tail = _read_until(fd, None, deadline)
         status = _wait(pid, deadline)
@@ -129,7 +138,49 @@ def test_no_prompt_on_a_terminal_opens_a_chat(tiny: Tiny) -> None:
         os.close(fd)
     assert status == 0, tail
     with Client(tiny.socket) as c:
-        assert _requests(c) == before + 2  # two turns answered; /bye sent nothing
+        assert _requests(c) == before + 2  # two turns answered; the commands sent nothing
+
+
+def test_a_model_that_cannot_answer_is_refused_before_the_chat_opens(tiny: Tiny) -> None:
+    """An id the catalog lacks (with the nearest known ids), or a model not installed: one
+    line, the error a request gets, exit 1, before "Chatting with" on a terminal and before
+    stdin is read otherwise."""
+    cases = [
+        ("tiny-txt", "no model 'tiny-txt' in the catalog; did you mean tiny-text?"),
+        ("gemma-4-e2b-it", "did you mean gemma-4-E2B-it"),
+        ("gemma-4-E2B-it", "not installed; run `modeld pull gemma-4-E2B-it` first"),
+    ]
+    for model, said in cases:
+        pid, fd = _on_a_pty(tiny, "run", model)
+        deadline = time.monotonic() + 60
+        try:
+            shown = _read_until(fd, None, deadline)
+            status = _wait(pid, deadline)
+        finally:
+            os.close(fd)
+        assert status == 1 and said.encode() in shown, shown
+        assert b"Chatting" not in shown and b">>> " not in shown
+        # `-` with a stdin that stays open: refused without reading it (stdin never ends).
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "modeld", "run", model, "-"],
+            env=tiny.daemon.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert waiting.wait(timeout=60) == 1
+        finally:
+            if waiting.poll() is None:
+                waiting.kill()
+            waiting.wait()
+        assert waiting.stdin is not None and waiting.stderr is not None
+        waiting.stdin.close()
+        err = waiting.stderr.read()
+        waiting.stderr.close()
+        assert len(err.strip().splitlines()) == 1, err
+        assert said in err, err
 
 
 def _wait(pid: int, deadline: float) -> int | None:

@@ -18,6 +18,7 @@ from modeld.errors import (
     BackendConstraint,
     BadRequest,
     ContextLengthExceeded,
+    ModeldError,
     ModelNotInstalled,
     TooLarge,
 )
@@ -194,13 +195,13 @@ async def test_stopping_mid_probe_reaps_the_probe_and_records_nothing(clean_env:
 async def test_list_and_show_give_a_use_not_yet_written_as_last_used(started: Services) -> None:
     """Uses after the first are written to SQLite at most every 30 s; `list` and `show` give
     the latest one at once (they said the first, or "never", until the write)."""
-    await started.engines.target("tiny-text")
+    started.engines.touch("tiny-text")
     await asyncio.sleep(0)
     await started.store.write(lambda conn: conn.execute("SELECT 1"))  # the first write landed
     written = await started.store.installed("tiny-text")
     assert written is not None and written.last_used is not None
     await asyncio.sleep(0.01)
-    await started.engines.target("tiny-text")  # a second use: its write waits
+    started.engines.touch("tiny-text")  # a second use: its write waits
     assert (await started.store.installed("tiny-text")).last_used == written.last_used  # type: ignore[union-attr]
     listed = {m["id"]: m for m in (await started.models.listing())["models"]}
     shown = await started.models.show("tiny-text")
@@ -213,10 +214,68 @@ async def test_prune_counts_a_use_not_yet_written(started: Services) -> None:
     the model used a moment ago is kept, not removed as unused since the first use."""
     from modeld.services.prune import Selection
 
-    await started.engines.target("tiny-text")
+    started.engines.touch("tiny-text")
     await asyncio.sleep(0)
     await started.store.write(lambda conn: conn.execute("SELECT 1"))  # the first write landed
     await asyncio.sleep(1.2)
-    await started.engines.target("tiny-text")  # a second use: its write waits 30 s
+    started.engines.touch("tiny-text")  # a second use: its write waits 30 s
     doc = await started.remover.prune(Selection(unused_for=1.0), dry_run=True)
     assert "tiny-text" not in [i["id"] for i in doc["items"]], doc["items"]
+
+
+async def test_only_a_request_that_was_served_counts_as_a_use(started: Services) -> None:
+    """A refused request (a prompt over the window, a model not installed) leaves the
+    model's last use as it was; one served, or a load, sets it."""
+    inference, engines = started.inference, started.engines
+
+    async def last_used(model_id: str) -> float | None:
+        # A first use is written at once, later ones wait: let the first write start, and
+        # land behind it (one writer thread, in order); a later one is still pending.
+        await asyncio.sleep(0)
+        await started.store.write(lambda conn: conn.execute("SELECT 1"))
+        inst = await started.store.installed(model_id)
+        return engines.used_at(model_id) or (inst.last_used if inst is not None else None)
+
+    window = (await inference.admit(Generation("tiny-text", [Turn("user", "hi")]))).max_tokens
+    huge = "x" * (window * PROMPT_BYTES_PER_TOKEN + 1)
+    with pytest.raises(ContextLengthExceeded):
+        await inference.generate(
+            Generation("tiny-text", [Turn("user", huge)]), may_shorten_keep_alive=True
+        )
+    with pytest.raises(ModelNotInstalled):
+        await inference.generate(
+            Generation("absent", [Turn("user", "hi")]), may_shorten_keep_alive=True
+        )
+    assert await last_used("tiny-text") is None
+    gen = Generation("tiny-text", [Turn("user", "hello")], Options(max_tokens=2))
+    _, records = await inference.generate(gen, may_shorten_keep_alive=True)
+    assert isinstance([r async for r in records][-1], Final)
+    served = await last_used("tiny-text")
+    assert served is not None
+    await inference.unload("tiny-text")
+    await inference.load(
+        "gemma3n-like",
+        backends=None,
+        keep_alive=None,
+        pin=False,
+        allow_unverified=False,
+        may_shorten_keep_alive=True,
+    )
+    assert await last_used("gemma3n-like") is not None
+
+
+async def test_ready_refuses_as_a_request_would_before_its_prompt(started: Services) -> None:
+    """``ready`` (what `modeld run` asks before it prompts) refuses an unknown id, a model
+    not installed, images a plan cannot take, as ``generate`` does; else names the engine.
+    No engine starts."""
+    inference = started.inference
+    for model, images in (("tiny-txt", 0), ("absent", 0), ("gemma3n-like", 1), ("tiny-text", 2)):
+        gen = Generation(model, [Turn("user", "hi", [_png()] * images)])
+        with pytest.raises(ModeldError) as asked:
+            await inference.ready(model, images=images)
+        with pytest.raises(ModeldError) as sent:
+            await inference.generate(gen, may_shorten_keep_alive=True)
+        assert (asked.value.code, asked.value.message) == (sent.value.code, sent.value.message)
+    ready = await inference.ready("tiny-text")
+    assert ready["engine"] == "tiny-text:cpu" and ready["plan"]["main"] == "cpu"
+    assert started.pool.list() == []
