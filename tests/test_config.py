@@ -118,6 +118,7 @@ def test_memory_default_is_half_of_memory(clean_env: Path) -> None:
     ("key", "value", "needle"),
     [
         ("MODELD_MEMORY_BUDGET", "lots", "MODELD_MEMORY_BUDGET=lots"),
+        ("MODELD_MEMORY_BUDGET", "4", "MODELD_MEMORY_BUDGET=4: 4 B is too small to be meant"),
         ("MODELD_MAIN_BACKEND", "npu", "MODELD_MAIN_BACKEND=npu"),
         ("MODELD_KEEP_ALIVE", "soon", "MODELD_KEEP_ALIVE=soon"),
         ("MODELD_DOWNLOAD_CONNECTIONS", "0", "MODELD_DOWNLOAD_CONNECTIONS=0"),
@@ -155,6 +156,11 @@ def test_bad_value_exits_2_with_one_line(
         ("MODELD_LISTEN_PUBLIC", "maybe", "=maybe: not 1 or 0 (true or false); allowed"),
         ("MODELD_PIECE_SIZE", "1", "=1: must be from 64 KiB to 1 GiB; allowed:"),
         ("MODELD_PIECE_SIZE", "2GiB", "must be from 64 KiB to 1 GiB"),
+        # A size too small to be meant: a unit left out (4 bytes for 4 GB).
+        ("MODELD_MEMORY_BUDGET", "4", "=4: 4 B is too small to be meant (a bare number is"),
+        ("MODELD_MEMORY_BUDGET", "63MiB", "too small to be meant"),
+        ("MODELD_DISK_BUDGET", "50", "=50: 50 B is too small to be meant"),
+        ("MODELD_MAX_BODY", "1000", "=1000: 1000 B is too small to be meant"),
     ],
 )
 def test_a_bad_value_is_told_in_modelds_words(

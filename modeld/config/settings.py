@@ -27,6 +27,7 @@ from modeld.config import (
     config_file_path,
     default_cpu_threads,
     format_address,
+    format_size,
     hf_endpoint,
     hf_home,
     hf_hub_cache,
@@ -76,6 +77,16 @@ class _TomlSource(PydanticBaseSettingsSource):
 
 # Durations that must be more than 0 (``keep_alive`` also takes 0 and -1).
 MIN_PIECE, MAX_PIECE = 64 * 1024, 1024**3
+# The least each size setting takes (piece_size: MIN_PIECE): less is a unit left out
+# (MODELD_MEMORY_BUDGET=4 is 4 bytes, not 4 GB), never what was meant. No engine fits a
+# smaller memory budget (a runner alone takes more), and no request with an image a
+# smaller body.
+MIN_SIZES = {
+    "memory_budget": 64 * 1024**2,
+    "disk_budget": 64 * 1024,
+    "max_body": 64 * 1024,
+    "body_memory": 64 * 1024,
+}
 
 _TIMEOUTS = (
     "stall_timeout",
@@ -160,11 +171,15 @@ class Settings(BaseSettings):
     def _size(cls, v: Any) -> int:
         return parse_size(v)
 
-    @field_validator("memory_budget", "piece_size", "max_body", "body_memory")
+    @field_validator("memory_budget", "disk_budget", "max_body", "body_memory")
     @classmethod
-    def _positive_size(cls, v: int) -> int:
-        if v <= 0:
-            raise ValueError("must be more than 0 bytes")
+    def _not_too_small(cls, v: int | None, info: ValidationInfo) -> int | None:
+        least = MIN_SIZES[str(info.field_name)]
+        if v is not None and v < least:
+            raise ValueError(
+                f"{format_size(v)} is too small to be meant (a bare number is bytes: write the "
+                f"unit, as in 4GiB)"
+            )
         return v
 
     @field_validator("piece_size")
@@ -418,15 +433,15 @@ def _allowed(field: str) -> str:
     if field in _TIMEOUTS:
         return "a duration above 0 such as 30s, 5m or 1h30m"
     allowed = {
-        "memory_budget": SIZE_HELP,
-        "disk_budget": SIZE_HELP,
+        "memory_budget": SIZE_HELP + ", at least 64 MiB",
+        "disk_budget": SIZE_HELP + ", at least 64 KiB",
         "piece_size": SIZE_HELP + ", from 64 KiB to 1 GiB",
         "keep_alive": DURATION_HELP,
         "stall_timeout": DURATION_HELP,
         "probe_header_timeout": DURATION_HELP,
         "probe_first_byte_timeout": DURATION_HELP,
         "shutdown_timeout": DURATION_HELP,
-        "max_body": SIZE_HELP,
+        "max_body": SIZE_HELP + ", at least 64 KiB",
         "body_memory": SIZE_HELP + ", at least max_body",
         "body_timeout": DURATION_HELP,
         "header_timeout": DURATION_HELP,

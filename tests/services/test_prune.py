@@ -391,16 +391,16 @@ async def test_to_budget_without_a_budget_is_refused(short_tmp: Path) -> None:
 
 
 async def test_to_budget_trims_lru(short_tmp: Path) -> None:
-    """With a 250-byte budget, the least recently used of three 100-byte models goes."""
-    store, remover = await _open(short_tmp, disk_budget="250")
+    """With a 250 KiB budget, the least recently used of three 100 KiB models goes."""
+    store, remover = await _open(short_tmp, disk_budget="250KiB")
     try:
         for i, m in enumerate(("first", "second", "third")):
-            await _install(store, short_tmp, m, bytes([i]) * 100)
+            await _install(store, short_tmp, m, bytes([i]) * 102400)
         await store.touch("second")
         await store.touch("third")
         doc = await remover.prune(Selection(to_budget=True), dry_run=False)
         assert [i["id"] for i in doc["items"]] == ["first"]
-        assert doc["installed_after"] == 200
+        assert doc["installed_after"] == 204800
         assert sorted(i.model_id for i in await store.list_installed()) == ["second", "third"]
         assert os.listdir(short_tmp / "blobs").__len__() == 2
     finally:
