@@ -29,10 +29,9 @@ from modeld.api import (
     system,
 )
 from modeld.api.access import KeyVerifier, describe_peer
-from modeld.api.bodies import BODY_LIMITS, BodyLimits
+from modeld.api.bodies import BODY_LIMITS, BodyLimits, over_max_body
 from modeld.api.connections import track_requests
 from modeld.api.dialects import Dialect, dialect_of
-from modeld.config import format_size
 from modeld.errors import (
     BadRequest,
     ClientLeft,
@@ -75,10 +74,7 @@ def _refusal(request: web.Request, e: web.HTTPException, max_body: int) -> Model
     if e.status == 405:
         return MethodNotAllowed(f"{request.method} is not allowed on {request.path}")
     if e.status == 413:
-        return TooLarge(
-            f"request body over MODELD_MAX_BODY ({format_size(max_body)}); "
-            "send smaller images or fewer of them"
-        )
+        return TooLarge(over_max_body(max_body))
     err = BadRequest(e.reason) if e.status < 500 else ModeldError(e.reason)
     err.status = e.status  # type: ignore[misc]
     return err

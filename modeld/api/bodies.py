@@ -267,12 +267,18 @@ class BodyLimits:
 BODY_LIMITS: web.AppKey[BodyLimits] = web.AppKey("body_limits", BodyLimits)
 
 
+def over_max_body(max_body: int) -> str:
+    """What a body over ``MODELD_MAX_BODY`` is told, whatever made it large."""
+    return (
+        f"the request body is over MODELD_MAX_BODY ({format_size(max_body)}); send less (a "
+        "shorter prompt or conversation, fewer or smaller images), or raise the daemon's "
+        "MODELD_MAX_BODY"
+    )
+
+
 def _too_large(limits: BodyLimits, size: int | None) -> TooLarge:
     logs.event("body_refused", logging.WARNING, reason="max_body", size=size, limit=limits.max_body)
-    return TooLarge(
-        f"the request body is over MODELD_MAX_BODY ({format_size(limits.max_body)}); "
-        "send smaller images or fewer of them"
-    )
+    return TooLarge(over_max_body(limits.max_body))
 
 
 async def read_json(request: web.Request, *, optional: bool = False) -> dict[str, Any]:

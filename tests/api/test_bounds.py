@@ -210,7 +210,7 @@ def test_json_bomb_is_refused_while_health_answers(daemon_with: Any) -> None:
 
 def test_body_over_max_body_is_413_unread(daemon_with: Any) -> None:
     """A declared length over MODELD_MAX_BODY is refused before the body is sent; a chunked
-    body that grows past it is refused too."""
+    body that grows past it is refused too. The advice fits a long prompt as well as images."""
     d = daemon_with(MODELD_MAX_BODY="1MiB", MODELD_BODY_MEMORY="2MiB")
     with _connect(d.socket) as s:
         s.sendall(_head("POST", "/api/modeld/generate", 2 * MiB) + b'{"model": ')
@@ -218,6 +218,7 @@ def test_body_over_max_body_is_413_unread(daemon_with: Any) -> None:
     assert status == 413
     err = error_of(raw)
     assert err["code"] == "too_large" and "MODELD_MAX_BODY (1.0 MiB)" in err["message"]
+    assert "a shorter prompt" in err["message"], err["message"]
 
     chunk = b"x" * 65536
     with _connect(d.socket) as s:
@@ -230,6 +231,7 @@ def test_body_over_max_body_is_413_unread(daemon_with: Any) -> None:
             pass  # the daemon answered and closed once past the bound
         status, _, raw = _read_response(s)
     assert status == 413 and error_of(raw)["code"] == "too_large"
+    assert "a shorter prompt" in error_of(raw)["message"]
     assert unix_http(d.socket)[0] == 200
 
 
