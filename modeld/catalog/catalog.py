@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
+import logging
 import os
 import re
 import tomllib
@@ -258,7 +259,10 @@ def load_dir(directory: Path) -> tuple[dict[str, tuple[Entry, Path]], list[Probl
     if not directory.is_dir():
         return {}, [
             Problem(
-                directory, None, "registry dir does not exist; create it or fix MODELD_REGISTRY"
+                directory,
+                None,
+                "registry dir does not exist; create it (it is read once it exists) or fix "
+                "MODELD_REGISTRY",
             )
         ]
     found: dict[str, list[tuple[Entry, Path, bool]]] = {}
@@ -380,7 +384,13 @@ class Catalog:
         self._entries, self._sources = entries, sources
         if [str(p) for p in problems] != [str(p) for p in self.problems]:
             for p in problems:
-                logs.event("registry_problem", path=str(p.path), key=p.key, message=p.message)
+                logs.event(
+                    "registry_problem",
+                    logging.WARNING,
+                    path=str(p.path),
+                    key=p.key,
+                    message=p.message,
+                )
         self.problems = problems
         if change:
             logs.event(
@@ -399,7 +409,7 @@ class Catalog:
         n = len(self._entries)
         summary = f"{n} model{'s' if n != 1 else ''} from {len(self.dirs)} registry dir(s)"
         if self.problems:
-            summary += f"; {len(self.problems)} problem(s) in registry files"
+            summary += f"; {len(self.problems)} problem(s) in the registry dirs"
         return {
             "summary": summary,
             "entries": n,
@@ -502,9 +512,10 @@ class Catalog:
             wait=wait_fixed(WATCH_RESTART_S),
             before_sleep=self._watch_failed,
         )
-        async for attempt in watching:
-            with attempt:
-                await self._watch_once(stop)
+        while not stop.is_set():
+            async for attempt in watching:
+                with attempt:
+                    await self._watch_once(stop)
 
     def _watch_failed(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome is not None else None
@@ -515,7 +526,13 @@ class Catalog:
         from watchfiles import awatch
 
         paths = self._watched()
-        if not paths or stop.is_set():
+        if stop.is_set():
+            return
+        if not paths:
+            # Nothing to watch yet: look again for a dir made meanwhile.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), WATCH_RESTART_S)
+            self.reload()
             return
         caught_up = False
         async for changes in awatch(
@@ -534,6 +551,11 @@ class Catalog:
             if changes or not caught_up:
                 caught_up = True
                 self.reload()
+            if self._watched() != paths:
+                # A registry dir made (or removed) since this watch began: read it now,
+                # and watch again over the dirs that exist.
+                self.reload()
+                return
 
 
 # A TOML basic string's escapes: the short ones, and ``\uXXXX`` for other controls.

@@ -4,6 +4,7 @@ reload.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -375,3 +376,28 @@ def test_an_unknown_id_is_refused_with_the_nearest_known_ones(tmp_path: Path) ->
         "no model 'Tiny-Text' in the catalog (did you mean tiny-text?); "
         "`modeld list` shows the known ids"
     )
+
+
+async def test_a_registry_dir_made_after_start_is_read_live(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A registry dir that does not exist is a problem (in status, logged as a warning);
+    made while the watcher runs, its entries show without a reload call or a restart."""
+    own, later = tmp_path / "own", tmp_path / "later"
+    with caplog.at_level(logging.INFO, logger="modeld"):
+        cat = Catalog([own, later], own=own)  # as the daemon has it
+    (problem,) = cat.status()["problems"]
+    assert str(later) in problem and "does not exist" in problem
+    (record,) = [r for r in caplog.records if "registry_problem" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    await cat.start()
+    try:
+        # The watcher is live once an edit in a watched dir shows (and has read what was
+        # there when it began).
+        write_entry(own, "o", size=5)
+        await wait_until(lambda: "o" in cat)
+        write_entry(later, "m", size=5)
+        await wait_until(lambda: "m" in cat)
+        assert cat.status()["problems"] == []
+    finally:
+        await cat.stop()
