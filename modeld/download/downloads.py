@@ -80,6 +80,14 @@ def result_dict(result: Any) -> Any:
     return result
 
 
+def failure_line(model_id: str, message: str) -> str:
+    """A failed pull as one ``status`` line: the message, led by the model's id unless its
+    head (before the first colon) names it already ("download of m1 failed: ...")."""
+    if model_id in message.split(":", 1)[0].split():
+        return message
+    return f"{model_id}: {message}"
+
+
 class Downloads:
     """Every download of the daemon, by model id (the download id is the model id)."""
 
@@ -261,7 +269,7 @@ class Downloads:
         for j in reversed(self.recent):
             latest.setdefault(j.id, j)
         problems = [
-            f"{j.id}: {j.error.message}"
+            failure_line(j.id, j.error.message)
             for j in reversed(latest.values())
             if j.error is not None and j.state is DownloadState.FAILED and j.id not in self.jobs
         ]

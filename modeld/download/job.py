@@ -197,6 +197,15 @@ _ADVICE = {
 }
 
 
+def _where_to_edit(model_id: str) -> str:
+    """How to change a model's entry on a running daemon, as the pull messages say it."""
+    return (
+        f"copy its file (`modeld show {model_id}` names it) into registry/ in the daemon's state "
+        "dir (`modeld status` names that dir) and edit the copy: it is read at once and "
+        "overrides the bundled entry by id (an entry in a MODELD_REGISTRY dir: edit it there)"
+    )
+
+
 def _nothing_kept(model_id: str, size: int, mirrors: list[Mirror]) -> str:
     """The message of a pull that no mirror could serve and that kept no byte: each mirror's
     reason, then what to fix for each cause among them."""
@@ -204,19 +213,15 @@ def _nothing_kept(model_id: str, size: int, mirrors: list[Mirror]) -> str:
     if not any(m.answered for m in mirrors):
         return (
             f"{model_id}: no mirror could be reached ({reasons}); nothing was kept. Check the "
-            "network (and HTTPS_PROXY), or add a mirror: copy the entry's file (`modeld show "
-            f"{model_id}` names it) into a directory of your own, put your URL first in its "
-            "`urls`, and set MODELD_REGISTRY to that directory (a later registry dir overrides "
-            "the bundled entry by id; it applies without a restart)"
+            "network (and HTTPS_PROXY), or add a mirror of your own first in the entry's "
+            f"`urls`: {_where_to_edit(model_id)}"
         )
     causes = {m.cause if m.answered else "unreachable" for m in mirrors}
     advice = [_ADVICE[c].format(size=size) for c in _ADVICE if c in causes]
     return (
         f"{model_id}: no mirror could serve the file ({reasons}); nothing was kept. "
         + ". ".join(advice)
-        + f". To change the entry, copy its file (`modeld show {model_id}` names it) into a "
-        "directory of your own, edit it there, and set MODELD_REGISTRY to that directory (a "
-        "later registry dir overrides the bundled entry by id; it applies without a restart)"
+        + f". To change the entry, {_where_to_edit(model_id)}"
     )
 
 

@@ -56,7 +56,8 @@ class ScanReport:
         if self.missing:
             out.append(
                 f"installed model(s) {', '.join(sorted(self.missing))}: the file is missing;"
-                " they count as not installed; run `modeld pull ID` again"
+                " they count as not installed; `modeld pull ID` fetches it again"
+                " (`modeld import PATH ID` for an imported one)"
             )
         for w in self.wrong_size:
             out.append(

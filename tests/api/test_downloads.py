@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import random
+import re
 import shutil
 import signal
 import time
@@ -674,3 +675,43 @@ def test_cli_says_when_a_resume_must_start_from_byte_0(
     assert (d.home / "blobs" / f"sha256-{SHA}").read_bytes() == DATA
     log = d.wait_log("download_from_zero model=m1")
     assert f'reason="{host} ignores Range requests' in log
+
+
+def test_the_advice_of_a_failed_pull_can_be_followed_on_the_running_daemon(
+    short_tmp: Path,
+) -> None:
+    """A pull no mirror can serve says how to change the entry, and that works as written on
+    the daemon that said it, without a restart: a copy of a bundled entry's file in the
+    state dir's registry/ overrides it (here pointed at a loopback mirror), and an entry in
+    a MODELD_REGISTRY dir is edited in place."""
+    tm = ThreadMirror(DATA, Faults(status=404))
+    good = ThreadMirror(DATA, Faults())
+    try:
+        d = started_daemon(short_tmp, "m1", [tm], SIZE, SHA)
+        try:
+            failed = d.cli("pull", "m1")
+            assert failed.returncode == 1
+            said = failed.stderr.strip()
+            assert "registry/ in the daemon's state dir (`modeld status` names that dir)" in said
+            assert "without a restart" not in said and "set MODELD_REGISTRY" not in said
+            # An entry in a MODELD_REGISTRY dir: edit it there.
+            source = Path(d.cli_json("show", "m1")["source"])
+            source.write_text(source.read_text().replace(tm.mirror.url, good.mirror.url))
+            wait_sync(lambda: good.mirror.url in d.cli_json("show", "m1")["entry"]["urls"][0])
+            assert d.cli_json("pull", "m1")["state"] == "installed"
+            # A bundled entry: its copy in <state dir>/registry, edited, is the one in effect.
+            bundled = Path(d.cli_json("show", "gemma-4-E2B-it")["source"])
+            state_dir = Path(d.cli_json("status")["settings"]["home"])
+            copy = state_dir / "registry" / bundled.name
+            text = re.sub(
+                r"(?s)urls = \[.*?\]", f'urls = ["{good.mirror.url}"]', bundled.read_text()
+            )
+            text = re.sub(r"(?m)^size = .*$", f"size = {SIZE}", text)
+            copy.write_text(re.sub(r'(?m)^sha256 = ".*"$', f'sha256 = "{SHA}"', text))
+            wait_sync(lambda: d.cli_json("show", "gemma-4-E2B-it")["source"] == str(copy))
+            assert d.cli_json("pull", "gemma-4-E2B-it")["state"] == "installed"
+        finally:
+            d.stop()
+    finally:
+        tm.close()
+        good.close()
