@@ -181,8 +181,10 @@ def _print_show(m: dict[str, Any]) -> None:
             for engine, n in es["loaded_cpu_threads"].items()
         )
         n = es["cpu_threads"]
+        source = es["cpu_threads_from"]
+        why = "the default: one per physical core" if source == "default" else f"from {source}"
         console.print(
-            f"  engines   {n} CPU thread{'' if n == 1 else 's'} (from {es['cpu_threads_from']}), "
+            f"  engines   {n} CPU thread{'' if n == 1 else 's'} ({why}), "
             f"warm-up: {es['warm_up']}{loaded}"
         )
     runtime = m["runtime"]

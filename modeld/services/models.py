@@ -325,7 +325,11 @@ class Models:
         """The CPU threads and warm-up rule an engine of this model gets, and loaded engines'."""
         settings = self.settings
         runtime = entry.runtime if entry else None
-        threads_from = "entry" if runtime and runtime.threads else "MODELD_CPU_THREADS"
+        threads_from = "default"  # one per physical core usable (``default_cpu_threads``)
+        if runtime and runtime.threads:
+            threads_from = "entry"
+        elif "cpu_threads" in settings.model_fields_set:
+            threads_from = "MODELD_CPU_THREADS"
         warm_up = runtime.warm_up if runtime and runtime.warm_up is not None else None
         if warm_up is None:
             warm_up_rule = "gpu plans and pinned loads" if settings.warm_up else "never"

@@ -163,3 +163,14 @@ async def test_bug_report_gathers_the_model_and_its_file(started: Services) -> N
     assert doc["model"]["digest"] == digest and doc["model"]["size"] == size
     assert doc["plans"]["text"]["plan"]["main"] == "cpu"
     assert doc["engines"] == [] and isinstance(doc["recent_events"], list)
+
+
+async def test_show_names_where_the_cpu_thread_count_comes_from(started: Services) -> None:
+    """Unset, the count is the default (one per physical core), never "MODELD_CPU_THREADS";
+    set, the setting; an entry's own [runtime] threads win over both."""
+    shown = await started.models.show("tiny-text")
+    assert shown["engine_settings"]["cpu_threads_from"] == "default"
+    started.settings.cpu_threads = 3  # as a SIGHUP reload of a config that sets it
+    shown = await started.models.show("tiny-text")
+    assert shown["engine_settings"]["cpu_threads"] == 3
+    assert shown["engine_settings"]["cpu_threads_from"] == "MODELD_CPU_THREADS"
