@@ -44,12 +44,51 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 # Other names for a verb (as Ollama's `ls` and `stop`); they stay out of the verb list.
 ALIASES = {"ls": "list", "stop": "unload"}
+# The verbs by task, in the order a newcomer meets them: `modeld` and `modeld --help` list
+# them so (every verb in exactly one task).
+TASKS: list[tuple[str, list[str]]] = [
+    ("the daemon", ["serve", "status", "logs"]),
+    ("models on disk", ["list", "show", "pull", "import", "verify", "rm", "prune"]),
+    ("running models", ["run", "load", "ps", "unload"]),
+    ("administration", ["key", "bug-report"]),
+]
 
 DESCRIPTION = """\
-modeld: downloads, checks and serves LiteRT-LM models over a Unix socket.
+modeld: downloads, checks and serves LiteRT-LM models over a Unix socket."""
 
-Aliases: ls (list), stop (unload). Shell completion (model ids from the daemon):
+EPILOG = """\
+Aliases: ls (list), stop (unload). `modeld VERB --help` gives a verb's options.
+Shell completion (model ids from the daemon):
 eval "$(_MODELD_COMPLETE=bash_source modeld)" in ~/.bashrc (zsh_source, fish_source)."""
+
+
+def short_usage() -> str:
+    """What a bare `modeld` prints: the verbs by task, with no verb module imported."""
+    width = max(len(task) for task, _ in TASKS) + 1
+    lines = [f"  {task + ':':<{width}} {', '.join(verbs)}" for task, verbs in TASKS]
+    return (
+        "usage: modeld [--socket PATH] VERB [ARGS]\n\nverbs:\n"
+        + "\n".join(lines)
+        + "\n\n`modeld --help` says what each verb does, `modeld VERB --help` its options.\n"
+    )
+
+
+def _verbs_by_task(sub: argparse._SubParsersAction[VerbParser], width: int) -> str:
+    """The verbs section of `modeld --help`: each task's verbs with their summaries."""
+    import textwrap
+
+    summaries = {a.dest: a.help or "" for a in sub._choices_actions}
+    column = max(len(v) for _, verbs in TASKS for v in verbs) + 4
+    out: list[str] = []
+    for task, verbs in TASKS:
+        out.append(f"{task}:")
+        for verb in verbs:
+            wrapped = textwrap.wrap(summaries[verb], max(width - column, 30)) or [""]
+            out.append(f"  {verb:<{column - 2}}{wrapped[0]}")
+            out += [" " * column + line for line in wrapped[1:]]
+        out.append("")
+    return "\n".join(out).rstrip()
+
 
 SOCKET_HELP = (
     "Daemon socket (default: MODELD_SOCKET, else the first that exists of "
@@ -78,26 +117,37 @@ def verb_of(argv: Sequence[str]) -> int | None:
 def build_parser(verbs: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The command line's parser, with the sub-parsers of ``verbs`` (default: all)."""
     parser = argparse.ArgumentParser(
-        prog="modeld", description=DESCRIPTION, formatter_class=Formatter
+        prog="modeld", description=DESCRIPTION, epilog=EPILOG, formatter_class=Formatter
     )
     parser.add_argument("--version", action="version", version=f"modeld {__version__}")
     parser.add_argument("--socket", metavar="PATH", help=SOCKET_HELP)
+    # The verbs are listed by task in the description (``_verbs_by_task``), not by argparse.
     sub = parser.add_subparsers(
-        title="verbs", metavar="VERB", dest="_verb_name", parser_class=VerbParser
+        metavar="VERB", dest="_verb_name", parser_class=VerbParser, help=argparse.SUPPRESS
     )
     sub.required = True
+    # Set after the verbs' parsers took their prog ("modeld run") from the parser's.
+    parser.usage = "%(prog)s [-h] [--version] [--socket PATH] VERB [ARGS]"
 
     for name in verbs if verbs is not None else VERBS:
         module, attr = VERBS[name]
         adder: object = getattr(importlib.import_module(f"modeld.cli.{module}"), attr)
         assert callable(adder)
         adder(Verbs(sub))
+    if verbs is None:
+        width = Formatter("modeld")._width
+        parser.description = f"{DESCRIPTION}\n\n{_verbs_by_task(sub, width)}"
     return parser
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    """Parse ``argv``, building only the asked verb's parser when the verb is known."""
+    """Parse ``argv``, building only the asked verb's parser when the verb is known; nothing
+    but ``--socket``: the short usage (exit 2)."""
     at = verb_of(argv)
+    bare = [a for i, a in enumerate(argv) if a != "--socket" and argv[i - 1 : i] != ["--socket"]]
+    if at is None and not bare:
+        sys.stderr.write(short_usage())
+        raise SystemExit(2)
     verbs: list[str] | None = None
     if at is not None:
         name = ALIASES.get(argv[at], argv[at])

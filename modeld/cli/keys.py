@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 from modeld.cli.common import Ctx, Verbs, console, emit, err_console, escape, json_flag, table
-from modeld.config import load_settings
 
 TYPE_CHECKING = False  # `typing` stays unimported at run time (a CLI call's cost)
 if TYPE_CHECKING:
@@ -21,7 +20,8 @@ if TYPE_CHECKING:
 
 
 def _keys_file() -> KeysFile:
-    # Imported here: every other verb starts without it.
+    # Imported here: every other verb (and `modeld --help`) starts without them.
+    from modeld.config import load_settings
     from modeld.daemon.apikeys import KeysFile
 
     return KeysFile(load_settings().api_keys_path)

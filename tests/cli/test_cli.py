@@ -26,7 +26,7 @@ from modeld.errors import BadRequest
 from tests.cli.conftest import TINY, Tiny
 from tests.support.daemon import DaemonProcess, daemon_env
 from tests.support.mirror import Faults, ThreadMirror
-from tests.support.state import write_entry
+from tests.support.state import MODELS, write_entry
 from tests.support.unix import cut_off_daemon
 from tests.support.wait import wait_sync
 
@@ -607,3 +607,79 @@ def test_an_unknown_id_gets_the_nearest_known_ones_from_every_verb(tiny: Tiny) -
     far = _tiny_cli(tiny, "show", "qqqqqqqq")
     assert far.returncode == 1 and "did you mean" not in far.stderr
     assert "`modeld list` shows the known ids" in far.stderr
+
+
+def _modeld(*args: str) -> subprocess.CompletedProcess[str]:
+    """``modeld ARGS`` with no daemon anywhere (a socket path that does not exist)."""
+    env = dict(os.environ, MODELD_SOCKET="/nonexistent/modeld.sock")
+    return subprocess.run(
+        [sys.executable, "-m", "modeld", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_bare_modeld_prints_the_verbs_by_task() -> None:
+    """`modeld` alone: a short usage on stderr with every verb once, under its task, in the
+    order of TASKS; exit 2 (bad usage), as `modeld --socket PATH` alone."""
+    from modeld.cli import TASKS, VERBS
+
+    assert sorted(v for _, verbs in TASKS for v in verbs) == sorted(VERBS)
+    for args in ((), ("--socket", "/x.sock")):
+        result = _modeld(*args)
+        assert result.returncode == 2 and result.stdout == ""
+        lines = result.stderr.splitlines()
+        assert lines[0] == "usage: modeld [--socket PATH] VERB [ARGS]"
+        for task, verbs in TASKS:
+            (line,) = [x for x in lines if x.strip().startswith(f"{task}:")]
+            assert line.split(":", 1)[1].split() == [f"{v}," for v in verbs[:-1]] + verbs[-1:]
+        assert "modeld VERB --help" in result.stderr
+
+
+def test_help_lists_the_verbs_by_task_without_reading_the_settings() -> None:
+    """`modeld --help` lists each verb with its summary under its task, in the order of
+    TASKS, not alphabetically; and it imports neither the settings (pydantic) nor aiohttp."""
+    from modeld.cli import TASKS
+
+    result = _modeld("--help")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    shown = [x.split()[0] for x in lines if x.startswith("  ") and not x.startswith("   ")]
+    listed = [x for x in shown if not x.startswith("-")]
+    assert listed == [v for _, verbs in TASKS for v in verbs], listed
+    for task, _ in TASKS:
+        assert f"\n{task}:\n" in result.stdout
+    code = (
+        "import sys, modeld.cli\n"
+        "try:\n    modeld.cli.main(['--help'])\n"
+        "except SystemExit:\n    pass\n"
+        "heavy = ('modeld.config.settings', 'pydantic', 'aiohttp')\n"
+        "print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stderr.strip() == "[]", out.stderr
+
+
+def test_a_removed_import_is_told_to_import_again_not_to_pull(tiny: Tiny, short_tmp: Path) -> None:
+    """A file imported under a local entry, then removed: run, load, verify and show say to
+    import the file again (a pull of a local entry is refused), never `modeld pull`."""
+    path = short_tmp / "mine.litertlm"
+    shutil.copyfile(MODELS / "tiny-text-b.litertlm", path)
+    assert _tiny_cli(tiny, "import", str(path), "mine").returncode == 0
+    try:
+        assert _tiny_cli(tiny, "rm", "mine").returncode == 0
+        for args in (["run", "mine", "hi"], ["load", "mine"], ["verify", "mine"]):
+            result = _tiny_cli(tiny, *args)
+            assert result.returncode == 1, (args, result.stderr)
+            assert "`modeld import PATH mine`" in result.stderr, (args, result.stderr)
+            assert "modeld pull" not in result.stderr, (args, result.stderr)
+        shown = json.loads(_tiny_cli(tiny, "show", "mine", "--json").stdout)
+        said = shown["plans"]["text"]["error"]["message"]
+        assert "`modeld import PATH mine`" in said and "modeld pull" not in said, said
+    finally:
+        _tiny_cli(tiny, "rm", "mine", "--entry")

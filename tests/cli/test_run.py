@@ -146,7 +146,7 @@ def test_a_model_that_cannot_answer_is_refused_before_the_chat_opens(tiny: Tiny)
     line, the error a request gets, exit 1, before "Chatting with" on a terminal and before
     stdin is read otherwise."""
     cases = [
-        ("tiny-txt", "no model 'tiny-txt' in the catalog; did you mean tiny-text?"),
+        ("tiny-txt", "no model 'tiny-txt' in the catalog (did you mean tiny-text?)"),
         ("gemma-4-e2b-it", "did you mean gemma-4-E2B-it"),
         ("gemma-4-E2B-it", "not installed; run `modeld pull gemma-4-E2B-it` first"),
     ]
