@@ -58,8 +58,8 @@ modeld: downloads, checks and serves LiteRT-LM models over a Unix socket."""
 
 EPILOG = """\
 Aliases: ls (list), stop (unload). `modeld VERB --help` gives a verb's options.
-Shell completion (model ids from the daemon):
-eval "$(_MODELD_COMPLETE=bash_source modeld)" in ~/.bashrc (zsh_source, fish_source)."""
+Shell completion (verbs, options, model ids from the daemon) for bash, zsh and fish:
+the line to add to your shell's start-up file is in the README, under "The CLI"."""
 
 
 def short_usage() -> str:
