@@ -418,11 +418,18 @@ def test_a_failed_pull_is_a_status_problem_until_the_model_is_pulled_again(
     tm.mirror.faults.status = 404
     failed = d.cli("pull", "m1")
     assert failed.returncode == 1, failed.stdout
-    (problem,) = d.cli_json("status")["downloads"]["problems"]
+
+    def problems() -> list[str]:
+        found: list[str] = d.cli_json("status")["downloads"]["problems"]
+        return found
+
+    # A pull's outcome is recorded when its job's task has ended, after its last record.
+    wait_sync(lambda: bool(problems()), what="the failed pull recorded")
+    (problem,) = problems()
     assert problem.startswith("m1: "), problem
     tm.mirror.faults.status = None
     assert d.cli_json("pull", "m1")["state"] == "installed"
-    assert d.cli_json("status")["downloads"]["problems"] == []
+    wait_sync(lambda: problems() == [], what="the installing pull recorded")
     assert "! downloads:" not in d.cli("status").stdout
 
 
