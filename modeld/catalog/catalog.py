@@ -53,6 +53,16 @@ WATCH_RESTART_S = 1.0
 Backend = Literal["cpu", "gpu"]
 
 
+def how_to_edit_entry(model_id: str) -> str:
+    """How to change a model's entry on a running daemon, as messages say it: the state
+    dir's own registry dir is read at once and overrides a bundled entry by id."""
+    return (
+        f"copy its file (`modeld show {model_id}` names it) into registry/ in the daemon's "
+        "state dir (`modeld status` names that dir) and edit the copy: it is read at once and "
+        "overrides the bundled entry by id (an entry in a MODELD_REGISTRY dir: edit it there)"
+    )
+
+
 def nearest_ids(wanted: str, known: Iterable[str], n: int = 3) -> list[str]:
     """The ids of ``known`` nearest to ``wanted``: the same id in other case
     (``gemma-4-e2b-it``) alone when there is one, else those it begins (``gemma``), then

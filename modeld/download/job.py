@@ -32,7 +32,7 @@ import aiohttp
 from yarl import URL
 
 from modeld import logs
-from modeld.catalog.catalog import Entry
+from modeld.catalog.catalog import Entry, how_to_edit_entry
 from modeld.config import Settings, format_size
 from modeld.download.fetch import CHUNK, Fetcher, PrefixHasher, Writer, crc32
 from modeld.download.journal import BLOCK_SIZE, Block, Journal, JournalState, MemoryJournal
@@ -197,15 +197,6 @@ _ADVICE = {
 }
 
 
-def _where_to_edit(model_id: str) -> str:
-    """How to change a model's entry on a running daemon, as the pull messages say it."""
-    return (
-        f"copy its file (`modeld show {model_id}` names it) into registry/ in the daemon's state "
-        "dir (`modeld status` names that dir) and edit the copy: it is read at once and "
-        "overrides the bundled entry by id (an entry in a MODELD_REGISTRY dir: edit it there)"
-    )
-
-
 def _nothing_kept(model_id: str, size: int, mirrors: list[Mirror]) -> str:
     """The message of a pull that no mirror could serve and that kept no byte: each mirror's
     reason, then what to fix for each cause among them."""
@@ -214,14 +205,14 @@ def _nothing_kept(model_id: str, size: int, mirrors: list[Mirror]) -> str:
         return (
             f"{model_id}: no mirror could be reached ({reasons}); nothing was kept. Check the "
             "network (and HTTPS_PROXY), or add a mirror of your own first in the entry's "
-            f"`urls`: {_where_to_edit(model_id)}"
+            f"`urls`: {how_to_edit_entry(model_id)}"
         )
     causes = {m.cause if m.answered else "unreachable" for m in mirrors}
     advice = [_ADVICE[c].format(size=size) for c in _ADVICE if c in causes]
     return (
         f"{model_id}: no mirror could serve the file ({reasons}); nothing was kept. "
         + ". ".join(advice)
-        + f". To change the entry, {_where_to_edit(model_id)}"
+        + f". To change the entry, {how_to_edit_entry(model_id)}"
     )
 
 
@@ -766,9 +757,8 @@ class DownloadJob:
                     f"{self.id}: {first_name} is {first}, but {name} is {sha}, for the same "
                     f"file{self._revision_note()}; one of them is wrong, and nothing was "
                     "installed. Check the sha256 its source publishes (a Hub file's page) and "
-                    'put the right one in the entry (sha256 = "..."; a file in a MODELD_REGISTRY '
-                    "dir overrides a bundled entry), or fix the entry's URLs if one names "
-                    "another file",
+                    'put the right one in the entry (sha256 = "..."), or fix its URLs if one '
+                    f"names another file: to change the entry, {how_to_edit_entry(self.id)}",
                     sources=dict(sources),
                 )
         if t.sha256:

@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from modeld import logs
+from modeld.catalog.catalog import how_to_edit_entry
 from modeld.config import format_size
 from modeld.engine.budget import Budget
 from modeld.engine.runner.client import RunnerDied, RunnerError
@@ -230,8 +231,8 @@ def prompt_too_long(target: Target, why: str) -> ContextLengthExceeded:
     most = f", up to the file's own {ceiling}" if ceiling else ""
     return ContextLengthExceeded(
         f"{said}, or raise `{key}` under `[limits]` in the model's catalog entry{most} "
-        f"(`modeld show {model}` names the entry's file; a copy in a MODELD_REGISTRY dir "
-        f"overrides a bundled one), then `modeld unload {model}` so the next load takes it.",
+        f"(to change it, {how_to_edit_entry(model)}), then `modeld unload {model}` so the "
+        "next load takes it.",
         **details,
     )
 

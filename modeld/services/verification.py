@@ -48,7 +48,10 @@ def _entry_file(model_id: str, source: Path | None, bundled: Path | None) -> str
     if source is None:
         return f"the entry of {model_id}"
     if bundled is not None and source.parent == bundled:
-        return f"a copy of {source} in a MODELD_REGISTRY dir (it overrides the bundled one)"
+        return (
+            f"a copy of {source} in registry/ in the daemon's state dir (`modeld status` "
+            "names that dir; read at once, it overrides the bundled one)"
+        )
     return str(source)
 
 

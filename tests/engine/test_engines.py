@@ -152,7 +152,8 @@ async def test_a_prompt_over_the_window_names_the_entry_limit(limited: InProcess
         assert re.search(r"However, your messages resulted in \d{3} tokens\.", message), message
         assert (
             "or raise `max_tokens` under `[limits]` in the model's catalog entry, up to the "
-            "file's own 256 (`modeld show spec-off` names the entry's file" in message
+            "file's own 256 (to change it, copy its file (`modeld show spec-off` names it) "
+            "into registry/ in the daemon's state dir" in message
         ), message
         assert message.endswith("then `modeld unload spec-off` so the next load takes it.")
         # A prompt of exactly the window (200 tokens) leaves no room for a reply: the message
