@@ -32,6 +32,7 @@ from modeld.services.inference import (
 )
 from modeld.services.parts import Services
 from tests.support.state import MODELS, install_fixture, registry_settings, write_entry
+from tests.support.wait import wait_until
 
 TINY = MODELS / "tiny-text.litertlm"
 GEMMA3N = MODELS / "gemma3n-like.litertlm"
@@ -162,25 +163,21 @@ async def test_a_warm_target_is_reused_until_what_it_came_from_changes(
 
 
 async def test_stopping_mid_probe_reaps_the_probe_and_records_nothing(clean_env: Path) -> None:
-    """A GPU probe outlives the request that started it; stopping the parts kills and reaps
-    its child, and no probe row is written for the file."""
+    """A GPU probe (a runner creating the gpu engine) outlives the request that started it;
+    stopping the parts kills and reaps its child, and no probe row is written for the file."""
     import psutil
 
     home, registry = clean_env / "home", clean_env / "registry"
     install_fixture(home, "tiny-text", TINY, registry=registry)
 
-    def probes() -> list[psutil.Process]:
+    def runners() -> list[psutil.Process]:
         kids = psutil.Process().children(recursive=True)
-        return [p for p in kids if "modeld.modelfile.probe" in " ".join(p.cmdline())]
+        return [p for p in kids if "modeld.engine.runner.child" in " ".join(p.cmdline())]
 
     async with Root(registry_settings(home, registry, main_backend="gpu"), spare=False) as parts:
         request = asyncio.ensure_future(parts.engines.target("tiny-text"))
-        for _ in range(200):
-            if probes():
-                break
-            await asyncio.sleep(0.01)
-        running = probes()
-        assert running, "the probe child never started"
+        await wait_until(lambda: bool(runners()) and not request.done())
+        running = runners()
         request.cancel()  # the client left; the probe goes on
         with contextlib.suppress(asyncio.CancelledError):
             await request
