@@ -105,6 +105,13 @@ class Metrics:
         self.generated_tokens = Counter(
             "modeld_generated_tokens", "Tokens generated", ["model"], registry=r
         )
+        self.turns = Counter(
+            "modeld_turns",
+            "Generations by how their conversation began: continued (a conversation kept "
+            "after the last reply), else why not",
+            ["model", "how"],
+            registry=r,
+        )
         # rm and prune
         self.removed_bytes = Counter(
             "modeld_removed_bytes",

@@ -128,6 +128,9 @@ class ApiKeyInfo(Protocol):
     @property
     def role(self) -> str: ...
 
+    @property
+    def created(self) -> str: ...
+
 
 class KeyVerifier(Protocol):
     """Finds the key a TCP client presented (``modeld.daemon.apikeys.KeyRing``)."""
@@ -148,6 +151,12 @@ class Grant:
     who: str  # for the log line: ``uid:gid:pid`` or ``key:NAME@ADDRESS``
     described: str  # for a refusal: ``uid 1001 gid 1001 (pid 42)`` or ``API key 'webui'``
     how_to_admin: str  # the setting or command that would make this peer an admin
+    # Whose prompts these are, for what is kept of them between requests (a conversation
+    # kept for its next turn): peers of one scope may see each other's prompts, others
+    # never share. ``uid:N`` on the socket (a uid's processes can read each other's
+    # memory), ``key:NAME:CREATED`` on TCP (a key removed and added again under its name is
+    # another key); None: unknown, nothing is kept.
+    scope: str | None = None
 
 
 GRANT: web.RequestKey[Grant] = web.RequestKey("grant", Grant)
@@ -195,6 +204,7 @@ def _unix_grant(settings: Settings, peer: Peer | None) -> Grant:
             "add the uid to MODELD_ADMIN_UIDS or one of its groups to MODELD_ADMIN_GIDS "
             "(admin_uids/admin_gids in the config file), then reload the daemon (SIGHUP)"
         ),
+        scope=f"uid:{peer.uid}" if peer is not None else None,
     )
 
 
@@ -267,6 +277,7 @@ def _key_grant(request: web.Request, keys: KeyVerifier | None) -> Grant:
         who=f"key:{key.name}@{request.remote or '-'}",
         described=f"API key {key.name!r}",
         how_to_admin="use a key with the admin role (`modeld key add NAME --role admin`)",
+        scope=f"key:{key.name}:{key.created}",
     )
 
 
@@ -281,6 +292,12 @@ def administers(request: web.Request) -> bool:
     """Whether the request's peer has the *admin* role (False when none was granted)."""
     grant: Grant | None = request.get(GRANT)
     return grant is not None and grant.role is Role.ADMIN
+
+
+def scope_of(request: web.Request) -> str | None:
+    """Whose prompts the request's are (``Grant.scope``); None when no grant was made."""
+    grant: Grant | None = request.get(GRANT)
+    return grant.scope if grant is not None else None
 
 
 def require_admin(request: web.Request, what: str) -> None:

@@ -84,6 +84,7 @@ def add_routes(app: web.Application, services: Services) -> None:
         async with cancelled_when_client_leaves(request):
             async with deadline.bound():
                 gen = await requests.off_loop(requests.from_native, body)
+                gen.scope = access.scope_of(request)
                 _, records = await inference.generate(
                     gen, may_shorten_keep_alive=access.administers(request)
                 )

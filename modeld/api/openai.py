@@ -893,6 +893,7 @@ def add_routes(app: web.Application, services: Services) -> None:
     async def answer(
         request: web.Request, reply: _Reply, gen: Generation, body: _Sampled, deadline: Deadline
     ) -> web.StreamResponse:
+        gen.scope = access.scope_of(request)
         async with cancelled_when_client_leaves(request):
             records = await generate_within(request, services, gen, deadline)
             if body.stream:

@@ -34,6 +34,25 @@ def _size(n: int | None) -> str:
     return format_size(n) if n else "-"
 
 
+def continued_of(turns: dict[str, Any]) -> str:
+    """Turns that continued a kept conversation, of all (``ps``'s CONTINUED column)."""
+    total = turns["continued"] + sum(turns["restarted"].values())
+    return f"{turns['continued']}/{total}" if total else "-"
+
+
+def turns_line(turns: dict[str, Any]) -> str:
+    """Why an engine's turns did not continue a kept conversation, and how many it keeps;
+    "" when every turn continued or was a first one."""
+    why = {k: n for k, n in turns["restarted"].items() if k != "first"}
+    if not why:
+        return ""
+    reasons = ", ".join(f"{k} {n}" for k, n in why.items())
+    return (
+        f"turns not continued: {reasons} (docs/engines.md#conversations-that-continue); "
+        f"{turns['kept']} conversation(s) kept"
+    )
+
+
 def _print_ps(doc: dict[str, Any]) -> None:
     engines = doc["engines"]
     if not engines:
@@ -48,6 +67,7 @@ def _print_ps(doc: dict[str, Any]) -> None:
             "IDLE",
             "EXPIRES",
             "REQUESTS",
+            "CONTINUED",
             "LAST EVICTION",
         )
         for e in engines:
@@ -64,12 +84,16 @@ def _print_ps(doc: dict[str, Any]) -> None:
                 if e["keep_alive"] < 0 or e["pinned"]
                 else "-",
                 str(e["requests"]),
+                continued_of(e["conversations"]),
                 e["last_eviction"] or "-",
             )
         console.print(t)
         for e in engines:
             if e["adapter"]:
                 console.print(f"{e['id']}: GPU adapter {e['adapter']}", highlight=False)
+            why = turns_line(e["conversations"])
+            if why:
+                console.print(f"{e['id']}: {why}", highlight=False)
     console.print(f"budget: {_size(doc['used'])} of {_size(doc['budget'])} in use")
     spare = doc.get("spare") or {}
     if spare.get("pid"):

@@ -18,6 +18,7 @@ from modeld.cli.common import (
     json_flag,
     table,
 )
+from modeld.cli.engines import continued_of
 from modeld.config import format_duration, format_size
 from modeld.errors import IntegrityError
 
@@ -186,6 +187,15 @@ def _print_show(m: dict[str, Any]) -> None:
         console.print(
             f"  engines   {n} CPU thread{'' if n == 1 else 's'} ({why}), "
             f"warm-up: {es['warm_up']}{loaded}"
+        )
+        console.print(
+            f"  turns     a text engine keeps {es['kept_conversations']} conversation(s) for "
+            "their next turn"
+            + "".join(
+                f"; {engine} continued {continued_of(turns)}"
+                for engine, turns in es["loaded_conversations"].items()
+            ),
+            highlight=False,
         )
     runtime = m["runtime"]
     console.print(

@@ -122,6 +122,9 @@ class Settings(BaseSettings):
     # One short generation when an engine loads, where the first request would pay for
     # compilation and first touch: gpu plans, pinned loads, preloads. 0 turns it off.
     warm_up: bool = True
+    # Conversations a text engine keeps after a reply, so that their next turn prefills only
+    # its new text (docs/engines.md#conversations-that-continue); 0 keeps none.
+    kept_conversations: int = Field(default=4, ge=0, le=64)
     vision_backend: Literal["cpu", "gpu"] = "cpu"
     download_connections: int = Field(default=8, ge=1, le=64)
     piece_size: SizeSetting = 16 * 1024**2
@@ -394,6 +397,7 @@ class Settings(BaseSettings):
             "main_backend": self.main_backend,
             "cpu_threads": self.cpu_threads,
             "warm_up": self.warm_up,
+            "kept_conversations": self.kept_conversations,
             "vision_backend": self.vision_backend,
             "download_connections": self.download_connections,
             "piece_size": self.piece_size,
@@ -455,6 +459,7 @@ def _allowed(field: str) -> str:
         "download_connections": "a whole number from 1 to 64",
         "cpu_threads": "a whole number from 1 to 256",
         "warm_up": "1 or 0 (true or false)",
+        "kept_conversations": "a whole number from 0 to 64",
         "registry": "directories separated by ':'",
         "allow_uids": "numeric uids separated by ':' or ',' (a list in TOML)",
         "allow_gids": "numeric gids separated by ':' or ',' (a list in TOML)",

@@ -874,6 +874,7 @@ class Engines:
             # Always an explicit count: the runtime's own default ignores the machine.
             threads=entry.runtime.threads or self.settings.cpu_threads,
             kind=info.kind,
+            kept_conversations=self.settings.kept_conversations,
         )
         return spec, max_tokens
 
@@ -905,6 +906,7 @@ class Engines:
                 settings.vision_backend,
                 settings.cpu_threads,
                 settings.warm_up,
+                settings.kept_conversations,
             ),
             probes=self._probe_cache.get(digest) if digest else None,
             spare=budget.spare_reserved if budget.spare is not None else None,

@@ -7,6 +7,7 @@ changes is ``Pool._set_state`` (``modeld.engine.pool``), which checks every chan
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import functools
 import math
@@ -137,6 +138,10 @@ class Engine:
     tainted: bool = False
     users: int = 0  # requests waiting for the load, queued on the lock, or running
     served: int = 0
+    # Its generations by how their conversation began: "continued" (one its runner kept
+    # after the last reply) or why not (``Done.restart``); and how many its runner keeps.
+    turns: collections.Counter[str] = field(default_factory=collections.Counter)
+    kept: int = 0
     pinned: bool = False
     explicit: bool = False
     keep_alive: float = 300.0

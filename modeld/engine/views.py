@@ -14,6 +14,15 @@ from modeld.metrics import Metrics
 from modeld.modelfile.plan import Plan
 
 
+class Turns(TypedDict):
+    """How an engine's generations began: how many continued a conversation its runner kept
+    after the last reply, how many did not and why (``Restart``), and how many it keeps."""
+
+    kept: int
+    continued: int
+    restarted: dict[str, int]
+
+
 @dataclass(frozen=True)
 class EngineView:
     """One engine as ``ps`` and ``GET /api/engines`` show it (``to_dict`` is the JSON form)."""
@@ -53,6 +62,7 @@ class EngineView:
     cpu_threads: Any
     loaded_at: float
     last_eviction: str | None
+    conversations: Turns
 
     def to_dict(self) -> dict[str, Any]:
         # Fields in declaration order: the API's JSON keeps its key order.
@@ -95,6 +105,11 @@ def engine_view(e: Engine, now: float, last_eviction: str | None) -> EngineView:
         cpu_threads=(e.options or {}).get("cpu_threads"),
         loaded_at=e.created_at,
         last_eviction=last_eviction,
+        conversations={
+            "kept": e.kept,
+            "continued": e.turns["continued"],
+            "restarted": {k: n for k, n in sorted(e.turns.items()) if k != "continued"},
+        },
     )
 
 
@@ -109,6 +124,9 @@ class Phases:
 
     def tokens(self, model_id: str, count: int) -> None:
         self.metrics.child(self.metrics.generated_tokens, model_id).inc(count)
+
+    def turn(self, model_id: str, how: str) -> None:
+        self.metrics.child(self.metrics.turns, model_id, how).inc()
 
 
 class PhaseTimings(TypedDict):
@@ -145,7 +163,9 @@ class Final(Generic[R]):
         """The native API's final record: the runner's fields with ``done``, ``model``,
         ``engine`` and the phase timings (unmeasured phases left out)."""
         out = record_to_wire(self.result)
-        out.pop("conversation", None)
+        # How the runner had its conversation is the engine's business (``ps`` counts it).
+        for name in ("conversation", "continued_tokens", "restart", "kept"):
+            out.pop(name, None)
         out.update(
             done=True,
             model=self.model,
@@ -190,6 +210,8 @@ def final_record(e: Engine, rec: R, phases: Phases | None, at: Moments) -> Final
         "total": now - arrived,
     }
     tokens = rec.tokens if isinstance(rec, Done) else 0
+    if isinstance(rec, Done):
+        _count_turn(e, rec, phases)
     if phases is not None:
         for phase in ("load", "queue", "prefill", "first_token", "total"):
             value = timings[phase]  # type: ignore[literal-required]
@@ -209,3 +231,14 @@ def final_record(e: Engine, rec: R, phases: Phases | None, at: Moments) -> Final
         **fields,
     )
     return Final(rec, e.target.model_id, e.target.engine_id, timings)
+
+
+def _count_turn(e: Engine, rec: Done, phases: Phases | None) -> None:
+    """Count how ``rec``'s conversation began on ``e`` (``Turns``)."""
+    e.kept = rec.kept
+    how = "continued" if rec.conversation == "continued" else rec.restart
+    if how is None:
+        return
+    e.turns[how] += 1
+    if phases is not None:
+        phases.turn(e.target.model_id, how)

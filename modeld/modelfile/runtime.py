@@ -39,6 +39,9 @@ class CreateSpec:
     # "text": a ``litert_lm.Engine``; "embedding": a ``litert_lm.EmbeddingEngine`` (the
     # file's kind, ``ModelInfo.kind``: an ``Engine`` aborts the process on an embedding file).
     kind: str = "text"
+    # A runner's ``create`` only: how many conversations it keeps after a reply for their
+    # next turn (``MODELD_KEPT_CONVERSATIONS``; 0: none).
+    kept_conversations: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -171,6 +171,9 @@ class Generation:
     backends: dict[str, Any] | None = None
     # The token window the client needs (Ollama's ``num_ctx``); None: the engine's own.
     context: int | None = None
+    # Whose prompts these are (``access.scope_of``): what is kept of a conversation between
+    # its turns is kept for this scope alone; None keeps nothing.
+    scope: str | None = None
 
     @property
     def image_count(self) -> int:
@@ -179,7 +182,7 @@ class Generation:
     def job(self, prepared: Callable[[bytes], bytes]) -> GenerateJob:
         """The runner's job; ``prepared`` re-encodes each image."""
         messages = tuple(t.message(prepared) for t in self.turns)
-        return GenerateJob(messages, self.options, self.shape)
+        return GenerateJob(messages, self.options, self.shape, self.scope)
 
 
 def _prompt_size(gen: Generation, limit: int) -> int:

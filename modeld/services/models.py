@@ -335,12 +335,14 @@ class Models:
             warm_up_rule = "gpu plans and pinned loads" if settings.warm_up else "never"
         else:
             warm_up_rule = "every load (entry)" if warm_up else "never (entry)"
-        loaded = {e["id"]: e["cpu_threads"] for e in self.pool.list() if e["model"] == model_id}
+        views = [e for e in self.pool.list() if e["model"] == model_id]
         return {
             "cpu_threads": (runtime.threads if runtime else None) or settings.cpu_threads,
             "cpu_threads_from": threads_from,
             "warm_up": warm_up_rule,
-            "loaded_cpu_threads": loaded,
+            "loaded_cpu_threads": {e["id"]: e["cpu_threads"] for e in views},
+            "kept_conversations": settings.kept_conversations,
+            "loaded_conversations": {e["id"]: e["conversations"] for e in views},
         }
 
     # --- show ------------------------------------------------------------------------

@@ -230,3 +230,39 @@ def test_admin_uid_administers_after_sighup(shared_daemon: tuple[DaemonProcess, 
         assert result.returncode == 0, (args, result.stderr)
     status, body = unix_request(d.socket, "GET", "/api/models/tiny-text")
     assert status == 200 and body["installed"]["verified_by"]
+
+
+@needs_root
+def test_a_kept_conversation_is_continued_only_by_its_own_uid(
+    shared_daemon: tuple[DaemonProcess, Path],
+) -> None:
+    """On the socket a chat's next turn continues the conversation its engine kept only when
+    it comes from the same uid: the same history from another uid gets a fresh one."""
+    d, _ = shared_daemon
+
+    def chat(messages: list[Any]) -> tuple[str, str, Any]:
+        return (
+            "POST",
+            "/v1/chat/completions",
+            {
+                "model": "tiny-text",
+                "messages": messages,
+                "max_tokens": 4,
+                "temperature": 0,
+            },
+        )
+
+    def turns() -> dict[str, Any]:
+        (engine,) = d.cli_json("ps")["engines"]
+        return dict(engine["conversations"])
+
+    messages: list[Any] = [{"role": "user", "content": "root's secret"}]
+    status, body = unix_request(d.socket, *chat(messages))
+    assert status == 200, body
+    text = body["choices"][0]["message"]["content"]
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+    ((status, _),) = requests_as_peer(d.socket, [chat(messages)])
+    assert status == 200
+    assert turns() == {"kept": 2, "continued": 0, "restarted": {"first": 1, "unknown": 1}}
+    status, _ = unix_request(d.socket, *chat(messages))
+    assert status == 200 and turns()["continued"] == 1

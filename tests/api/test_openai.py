@@ -928,3 +928,51 @@ async def test_langchain_structured_output_and_tools(http: httpx.AsyncClient) ->
     assert [c["name"] for c in merged.tool_calls] == ["get_weather"]
     assert merged.tool_calls[0]["args"]["city"] in ("Paris", "Rome")
     assert merged.response_metadata["finish_reason"] == "tool_calls"
+
+
+async def _turns(http: httpx.AsyncClient, model: str) -> dict[str, Any]:
+    """How the generations on ``model``'s engine began (``ps``'s ``conversations``)."""
+    engines = (await http.get("/api/engines")).json()["engines"]
+    (turns,) = [e["conversations"] for e in engines if e["model"] == model]
+    return dict(turns)
+
+
+async def test_a_chat_continues_the_conversation_its_engine_kept(
+    oa: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
+    """Each turn of a chat after the first (the whole history sent, streamed or not)
+    continues the conversation its engine kept after the last reply: ``ps`` and the metrics
+    count them. The same history sent to another model's engine is not continued, nor is
+    the next turn after an unload."""
+    messages: list[Any] = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+    ]
+    for n in range(4):
+        kw: dict[str, Any] = {"model": "tiny-text", "max_tokens": 6, "temperature": 0}
+        if n % 2:
+            stream = await oa.chat.completions.create(messages=messages, **kw, stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        else:
+            whole = await oa.chat.completions.create(messages=messages, **kw)
+            text = whole.choices[0].message.content or ""
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+    assert await _turns(http, "tiny-text") == {
+        "kept": 1,
+        "continued": 3,
+        "restarted": {"first": 1},
+    }
+    metrics = (await http.get("/metrics")).text
+    assert 'modeld_turns_total{how="continued",model="tiny-text"} 3.0' in metrics
+    assert 'modeld_turns_total{how="first",model="tiny-text"} 1.0' in metrics
+
+    await oa.chat.completions.create(messages=messages, **{**kw, "model": "vision-cpu-ok"})
+    assert (await _turns(http, "vision-cpu-ok"))["restarted"] == {"unknown": 1}
+
+    assert (await http.delete("/api/engines/tiny-text")).status_code == 200
+    await oa.chat.completions.create(messages=messages, **kw)
+    assert await _turns(http, "tiny-text") == {
+        "kept": 1,
+        "continued": 0,
+        "restarted": {"unknown": 1},
+    }

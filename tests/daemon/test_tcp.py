@@ -514,3 +514,34 @@ def test_an_inherited_public_tcp_socket_needs_consent(short_tmp: Path) -> None:
     finally:
         stop_process(proc)
         listener.close()
+
+
+def test_a_kept_conversation_is_continued_only_with_the_key_it_was_kept_for(tcp: Tcp) -> None:
+    """A chat's next turn continues the conversation its engine kept only when it comes with
+    the same API key: the same history sent with another key gets a fresh one (``ps`` counts
+    it as one with nothing kept for that caller)."""
+
+    def chat(key: str, messages: list[Any]) -> str:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{tcp.port}/v1", api_key=key, max_retries=0
+        )
+        reply = client.chat.completions.create(
+            model="tiny-text", messages=messages, max_tokens=4, temperature=0
+        )
+        return reply.choices[0].message.content or ""
+
+    def turns() -> dict[str, Any]:
+        _, _, doc = tcp.request("GET", "/api/engines", key=tcp.use_key)
+        (engine,) = doc["engines"]
+        return dict(engine["conversations"])
+
+    messages: list[Any] = [{"role": "user", "content": "a secret of the web UI's user"}]
+    text = chat(tcp.use_key, messages)
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+    before = turns()
+    chat(tcp.admin_key, messages)
+    after = turns()
+    assert after["restarted"].get("unknown", 0) == before["restarted"].get("unknown", 0) + 1
+    assert after["continued"] == before["continued"]
+    chat(tcp.use_key, messages)
+    assert turns()["continued"] == before["continued"] + 1

@@ -74,8 +74,10 @@ def test_an_option_reaches_the_runtime_and_the_keys_that_depend_on_it(name: str)
     plain = GenerateJob(USER)
     if to in SESSION_TAKES:
         assert job.session_plain() and job.conversation_key() != plain.conversation_key()
+        assert job.kept_settings() != plain.kept_settings()
     else:
         assert not job.session_plain() and job.conversation_key() == plain.conversation_key()
+        assert not job.session_turns()
 
 
 def test_an_added_option_reaches_every_derived_path() -> None:
@@ -99,8 +101,9 @@ def test_an_added_option_reaches_every_derived_path() -> None:
         job, plain = GenerateJob(USER, options), GenerateJob(USER, extended())
         if to in SESSION_TAKES:
             assert job.session_plain() and job.conversation_key() != plain.conversation_key()
+            assert job.kept_settings() != plain.kept_settings()
         else:
-            assert not job.session_plain()
+            assert not job.session_plain() and not job.session_turns()
 
 
 @pytest.mark.parametrize(
@@ -134,6 +137,26 @@ def test_history_or_a_nul_keeps_a_job_off_the_bare_session() -> None:
     assert not image.session_plain()
 
 
+def test_turns_of_text_go_on_a_bare_session_with_their_prompt_rendered() -> None:
+    """A whole conversation of text from the system, the user and the assistant, ending
+    with the user, is what a kept conversation is made of; a tool turn or tool call, an
+    image, a NUL, or a last turn not the user's is not."""
+    system: Message = {"role": "system", "content": "be brief"}
+    hi: Message = {"role": "assistant", "content": "hi"}
+    assert GenerateJob((system, *USER, hi, *USER)).session_turns()
+    calls = {**hi, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}
+    tool = {"role": "tool", "content": [{"type": "tool_response", "name": "f", "response": "1"}]}
+    image = {"role": "user", "content": [{"type": "image", "blob": "AA=="}]}
+    for messages in (
+        (*USER, calls, *USER),
+        (*USER, calls, tool),
+        (image, hi, *USER),
+        ({"role": "user", "content": "a\x00b"}, hi, *USER),
+        (*USER, hi),
+    ):
+        assert not GenerateJob(messages).session_turns(), messages  # type: ignore[arg-type]
+
+
 def test_records_survive_the_wire() -> None:
     """The runner's final records read back as they were sent."""
     done = Done(
@@ -146,8 +169,13 @@ def test_records_survive_the_wire() -> None:
         tool_calls=({"name": "f", "arguments": {"a": 1}},),
         json={"status": "complete", "raw": "{}", "error": None},
         conversation="ready",
+        continued_tokens=3,
+        restart="history",
+        kept=2,
     )
     assert record_of(record_to_wire(done)) == done
+    scoped = GenerateJob(USER, scope="key:webui:2026-12-05T07:00:00Z")
+    assert job_of("generate", scoped.to_wire()) == scoped
     embedded = Embedded([[0.5, 0.25]], 2, RunnerTimings(prefill=0.125, embed=0.125))
     assert record_of(record_to_wire(embedded)) == embedded
     counted = Embedded([[0.5], [0.25]], 1, RunnerTimings(embed=0.125), tokens=(3, 4))

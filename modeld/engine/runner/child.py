@@ -80,12 +80,15 @@ from modeld.engine.runner.job import (
     GenerateJob,
     Job,
     Made,
+    Message,
+    Restart,
     RunnerTimings,
     ToolCall,
     WarmUp,
     job_of,
     record_to_wire,
 )
+from modeld.engine.runner.kept import Kept, KeptConversations, chain, has_reply, root, settings_of
 from modeld.proc import die_with_parent
 
 _HEADER = struct.Struct(">I")
@@ -369,6 +372,9 @@ class _Child:
         self.template: Any = None
         # The file's sampler (``sampler_defaults``): what a request's sampler fields go over.
         self.sampler_defaults: dict[str, Any] = {}
+        # Conversations kept after a reply for their next turn (``_kept_for``, ``_keep``);
+        # None: this engine keeps none.
+        self.kept: KeptConversations | None = None
         self._last_error: Any = None
         self._clear_error: Any = None
         self.worker = threading.Thread(target=self._work, name="generate", daemon=True)
@@ -471,12 +477,15 @@ class _Child:
         seconds = time.perf_counter() - started
         self.template = self._template(spec)
         if spec.kind == "text":
-            from modeld.engine.runner.generate import sampler_defaults
+            from modeld.engine.runner.generate import can_keep, sampler_defaults
 
             try:
                 self.sampler_defaults = sampler_defaults(spec.path)
             except Exception:
                 self.clear_error()
+            # Kept conversations are bare sessions: only where plain jobs get those.
+            if spec.kept_conversations > 0 and self.template is not None and can_keep(self.engine):
+                self.kept = KeptConversations(spec.kept_conversations)
         warm_up = None
         if msg.get("warm_up"):
             try:
@@ -648,11 +657,15 @@ class _Child:
             kwargs.pop("constrained_decoding_config")
             constrained = False
             conversation = self.engine.create_conversation(**kwargs)
+        self._register(rid, conversation)
+        return conversation, constrained, reused
+
+    def _register(self, rid: int, conversation: Any) -> None:
+        """Make ``conversation`` the one ``cancel`` reaches for ``rid``."""
         with self.current_lock:
             self.current = (rid, conversation)
         if rid in self.cancelled:
             conversation.cancel_process()
-        return conversation, constrained, reused
 
     def _open_session(self, rid: int, kwargs: dict[str, Any]) -> tuple[Any, bool]:
         """A ``PlainSession`` for ``rid``, registered so that ``cancel`` can reach it: the one
@@ -669,10 +682,7 @@ class _Child:
         reused = session is not None
         if session is None:
             session = PlainSession(self.engine, self.template, kwargs)
-        with self.current_lock:
-            self.current = (rid, session)
-        if rid in self.cancelled:
-            session.cancel_process()
+        self._register(rid, session)
         return session, reused
 
     def _reopen(
@@ -698,6 +708,137 @@ class _Child:
             if self.current is not None and self.current[1] is conversation:
                 self.current = None
             conversation.close()
+
+    # --- conversations kept for their next turn (``modeld.engine.runner.kept``) ----------
+
+    def _kept_for(
+        self, job: GenerateJob, kwargs: dict[str, Any], last: Any
+    ) -> tuple[Restart | None, Kept | None]:
+        """Why ``job`` does not continue a kept conversation (None: it does), and the record
+        of its session when that may be kept after the reply: the kept one it continues
+        (its session set to prefill only what it does not hold yet), or one for a fresh
+        session (no session yet; ``text``: its whole prompt, "" for one plain turn, which
+        its session renders). Every check that fails leaves the job to the paths it had
+        before."""
+        from modeld.engine.runner.generate import prompt_of
+
+        first = not has_reply(job.messages[:-1])
+        why = self._unkeepable(job)
+        if why is not None or self.kept is None or job.scope is None:
+            return "first" if first else why, None
+        found, why = (None, "first") if first else self.kept.take(job, job.scope)
+        if found is None and job.session_plain():
+            return why, Kept(None, "", (), 0, b"", b"", b"")
+        try:
+            prompt = prompt_of(self.engine, self.template, kwargs, last)
+        except Exception:
+            self.clear_error()
+            prompt = ""
+        if found is not None:
+            if prompt and self._extends(found, prompt):
+                return None, found
+            self._drop([found])
+            why = "prompt"
+        return why, Kept(None, prompt, (), 0, b"", b"", b"") if prompt else None
+
+    def _unkeepable(self, job: GenerateJob) -> Restart | None:
+        """Why ``job``'s session could be neither continued nor kept; None: it could."""
+        from modeld.engine.runner.generate import sampling
+
+        if self.kept is None:
+            return "off"
+        if not job.session_turns():
+            return "shape"
+        if sampling(job.options, self.sampler_defaults) == "seeded":
+            return "seeded"
+        return "anonymous" if job.scope is None else None
+
+    def _extends(self, kept: Kept, prompt: str) -> bool:
+        """Whether ``prompt`` starts with what ``kept`` holds, token for token: then its
+        session, sent the rest, holds what a fresh one would for the whole. On True, ``kept``
+        is set to prefill the rest and says what it will hold."""
+        rest = prompt[len(kept.text) :]
+        if not rest or not prompt.startswith(kept.text):
+            return False
+        try:
+            held = kept.ids or tuple(self.engine.tokenize(kept.text))
+            ids = tuple(self.engine.tokenize(prompt))
+            if ids != held + tuple(self.engine.tokenize(rest)):
+                return False
+        except Exception:
+            self.clear_error()
+            return False
+        kept.text, kept.ids = prompt, ids
+        kept.session.prompt, kept.session.resume = rest, True
+        kept.session.checkpointed = True
+        return True
+
+    def _keep(
+        self,
+        kept: Kept,
+        job: GenerateJob,
+        last: Any,
+        kwargs: dict[str, Any],
+        reply: str,
+        *,
+        settle: bool,
+    ) -> None:
+        """After the final record: keep ``kept``'s session for the conversation's next turn,
+        filed under its messages and ``reply`` as the app sends them back. ``settle``: the
+        conversation has continued before, so the reply is prefilled into its checkpoint
+        now, while the engine is idle, and the next turn prefills only its own text; else
+        the next turn prefills both. Anything that fails drops it."""
+        assert self.kept is not None and job.scope is not None
+        session = kept.session
+        with self.current_lock:
+            if self.current is not None and self.current[1] is session:
+                self.current = None
+        answer: Message = {"role": "assistant", "content": reply}
+        # A fresh session's whole prompt, which it may have rendered itself.
+        kept.text = kept.text or session.prompt
+        try:
+            if settle and self.jobs.empty():
+                self._settle(kept, kwargs, [*kwargs.get("messages", ()), last, answer])
+            session.prompt, session.resume = "", True
+            kept.root = root(job.scope)
+            kept.history = chain(kept.root, (*job.messages, answer))[-1]
+            kept.settings = settings_of(job)
+            self._drop(self.kept.keep(kept))
+        except Exception:
+            self.clear_error()
+            self._drop([kept])
+
+    def _settle(self, kept: Kept, kwargs: dict[str, Any], messages: list[Any]) -> None:
+        """Move ``kept``'s checkpoint past the reply: rewind to it (the decoded tokens go),
+        prefill the reply as the template renders it, save it there. Left where it was when
+        the rendering does not extend what it holds, token for token."""
+        from modeld.engine.runner.generate import checkpoint, history_of
+
+        text = history_of(self.engine, kwargs, messages)
+        rest = text[len(kept.text) :]
+        if not rest or not text.startswith(kept.text):
+            return
+        held = kept.ids or tuple(self.engine.tokenize(kept.text))
+        ids = tuple(self.engine.tokenize(text))
+        if ids != held + tuple(self.engine.tokenize(rest)):
+            return
+        session = kept.session.session
+        checkpoint(session, rewind=True)
+        session.run_prefill([rest])
+        checkpoint(session)
+        kept.text, kept.ids = text, ids
+        kept.tokens += session.get_benchmark_info().last_prefill_token_count
+
+    def _kept_after(self, keep: bool) -> int:
+        """How many conversations are kept once this job's session is (or is not)."""
+        if self.kept is None:
+            return 0
+        return min(self.kept.limit, len(self.kept) + keep)
+
+    def _drop(self, dropped: list[Kept]) -> None:
+        for kept in dropped:
+            with contextlib.suppress(Exception):
+                kept.session.close()
 
     def _whole_reply(self, rid: int, conversation: Any, last: Any, **kw: Any) -> Any:
         """The reply message in one blocking call, or None when the runtime refused it.
@@ -815,11 +956,22 @@ class _Child:
         started = time.perf_counter()
         self.clear_error()
         kwargs, last, constrained, send_kwargs = conversation_args(job, self.sampler_defaults)
-        plain = self.template is not None and job.session_plain()
+        # ``held``: the job's session may be kept after the reply; with a session already,
+        # it continues a kept conversation (``restart`` None).
+        restart, held = self._kept_for(job, kwargs, last)
+        continued = held is not None and held.session is not None
+        plain = self.template is not None and (held is not None or job.session_plain())
         key = None if plain else job.conversation_key()
         conversation: Any
-        if plain:
+        if held is not None and held.session is not None:
+            conversation, reused = held.session, False
+            self._register(rid, conversation)
+        elif plain:
             conversation, reused = self._open_session(rid, kwargs)
+            if held is not None:
+                held.session = conversation
+                conversation.prompt = held.text or conversation.prompt
+                conversation.checkpointed = True
         else:
             conversation, constrained, reused = self._open(rid, kwargs, constrained, key)
         self.prepare_queued()
@@ -878,7 +1030,12 @@ class _Child:
             info = conversation.get_benchmark_info()
         except RuntimeError:
             info = None
-        prefill_tokens = info.last_prefill_token_count if info else 0
+        prefilled = info.last_prefill_token_count if info else 0
+        if continued and not plain:
+            # Its session failed before a token and a fresh conversation answered.
+            continued, restart = False, "prompt"
+        held_tokens = held.tokens if continued and held is not None else 0
+        prefill_tokens = held_tokens + prefilled
         decode_tokens = info.last_decode_token_count if info else chunks
         max_out = job.options.max_tokens
         window = self.max_tokens
@@ -896,7 +1053,7 @@ class _Child:
         ttft = (first_at - started) if first_at is not None else None
         decode_seconds = (ended - first_at) if first_at is not None else 0.0
         prefill = (
-            prefill_tokens / info.last_prefill_tokens_per_second
+            prefilled / info.last_prefill_tokens_per_second
             if info and info.last_prefill_tokens_per_second
             else None
         )
@@ -919,12 +1076,17 @@ class _Child:
             generate=ended - started,
         )
         made: Made | None = None
-        if plain:
+        if continued:
+            made = "continued"
+        elif plain:
             # A bare session answered (``PlainSession``), made ahead for the job or not.
             made = "none ready" if reused else "none"
         elif reused:
             made = "ready"
         text = "".join(text_parts)
+        # Kept only where the decode ended by itself: a session whose decode was cancelled
+        # (a stop string, the client gone) is not one the runtime promises to go on with.
+        keep = held is not None and plain and not cancelled and not stops.hit
         # No PSS here: reading smaps_rollup is slow on a big process, so the daemon measures
         # it from /proc off the request path.
         self.send_final(
@@ -944,11 +1106,18 @@ class _Child:
                 ),
                 conversation=made,
                 stop_sequence=stops.matched if stops.hit else None,
+                continued_tokens=held_tokens,
+                restart=restart,
+                kept=self._kept_after(keep),
             ),
         )
-        # After the final record, not before: closing is the runner's business, not the
-        # client's wait (the next job runs on this same thread, so it starts on a closed one).
-        self._close(conversation)
+        # After the final record, not before: closing or keeping is the runner's business,
+        # not the client's wait (the next job runs on this same thread, so it starts after).
+        if keep and held is not None:
+            held.tokens += prefilled
+            self._keep(held, job, last, kwargs, text, settle=continued)
+        else:
+            self._close(conversation)
         if key is not None and not cancelled:
             self._prepare_next(key, job)
 

@@ -13,7 +13,7 @@ import json
 import secrets
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from modeld.engine.runner.job import (
     FINISH_CANCELLED,
@@ -166,12 +166,33 @@ def sampler_fields(options: Options, defaults: dict[str, Any] | None) -> dict[st
     given = options.to("sampler")
     if not given:
         return {}
-    out = {k: v for k, v in (defaults or {}).items() if v is not None} | given
+    out = _merged(given, defaults)
     greedy = out.get("temperature") == 0
     out.setdefault("top_k", 1 if greedy else DEFAULT_TOP_K)
     if "seed" not in out:
         out["seed"] = secrets.randbelow(1 << 31)
     return out
+
+
+def _merged(given: dict[str, Any], defaults: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (defaults or {}).items() if v is not None} | given
+
+
+Sampling = Literal["greedy", "random", "seeded"]
+
+
+def sampling(options: Options, defaults: dict[str, Any] | None) -> Sampling:
+    """How a reply's tokens are picked: ``"greedy"`` (the likeliest, whatever the sampler's
+    state), ``"random"`` (sampled with a seed drawn for the request, ``sampler_fields``) or
+    ``"seeded"`` (sampled with a fixed seed: the request's, or the runtime's for the engine's
+    own sampler, so the same prompt gets the same reply). A kept conversation's sampler has
+    drawn its earlier replies: it answers greedy and random requests as a fresh one would,
+    not seeded ones."""
+    given = options.to("sampler")
+    out = _merged(given, defaults)
+    if out.get("temperature") == 0 or out.get("top_k") == 1:
+        return "greedy"
+    return "random" if given and given.get("seed") is None else "seeded"
 
 
 def sampler_defaults(path: str) -> dict[str, Any]:
@@ -252,10 +273,89 @@ def render(template: Any, message: Any) -> str:
         return str(template.render_message_to_string(message) or "")
 
 
+def _preface(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What of a conversation's arguments (``conversation_args``) its prompt is rendered
+    from besides the message sent: the system message and the earlier messages."""
+    return {k: kwargs[k] for k in ("system_message", "messages") if k in kwargs}
+
+
+def prompt_of(engine: Any, template: Any, kwargs: dict[str, Any], message: Any) -> str:
+    """The prompt a conversation made with ``kwargs`` prefills when ``message`` is sent to
+    it first: its system message and earlier messages, then ``message`` and the generation
+    prompt, rendered with the model's template ("" when the runtime could not)."""
+    preface = _preface(kwargs)
+    if not preface:
+        return render(template, message)
+    # A conversation never sent to renders the whole preface with the message.
+    conversation = engine.create_conversation(**preface)
+    try:
+        return render(conversation, message)
+    finally:
+        conversation.close()
+
+
+def history_of(engine: Any, kwargs: dict[str, Any], messages: list[Any]) -> str:
+    """The system message of ``kwargs`` and ``messages`` rendered as a conversation's
+    preface, with no generation prompt: what a later prompt of the same conversation starts
+    with ("" when the runtime could not render it). The runtime's private C API
+    (``can_keep`` checks it)."""
+    preface = _preface(kwargs) | {"messages": messages}
+    conversation = engine.create_conversation(**preface)
+    try:
+        with _RENDER_LOCK:
+            raw = conversation._lib.litert_lm_conversation_render_preface_to_string(
+                conversation._ptr
+            )
+        return raw.decode("utf-8") if raw else ""
+    finally:
+        conversation.close()
+
+
+def can_keep(engine: Any) -> bool:
+    """Whether the runtime has what a kept conversation needs: a session's checkpoints
+    (``checkpoint``) and a conversation's preface render (``history_of``). Both are its
+    private C API: a runtime that moved them keeps no conversation
+    (tests/engine/test_runner.py fails on such an upgrade)."""
+    try:
+        lib = engine._lib
+        calls = (
+            lib.litert_lm_session_save_checkpoint,
+            lib.litert_lm_session_rewind_to_checkpoint,
+        )
+        preface = lib.litert_lm_conversation_render_preface_to_string
+    except AttributeError:
+        return False
+    for call in calls:
+        call.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        call.restype = ctypes.c_int
+    preface.argtypes = [ctypes.c_void_p]
+    preface.restype = ctypes.c_char_p
+    return True
+
+
+# The one checkpoint a kept session has: where its conversation's prompt so far ends.
+_CHECKPOINT = b"kept"
+
+
+def checkpoint(session: Any, *, rewind: bool = False) -> None:
+    """Save a runtime session's checkpoint here, or go back to it (``rewind``): what it
+    prefilled or decoded since is dropped. ``can_keep`` set the calls up."""
+    call = (
+        session._lib.litert_lm_session_rewind_to_checkpoint
+        if rewind
+        else session._lib.litert_lm_session_save_checkpoint
+    )
+    if call(session._ptr, _CHECKPOINT) != 0:
+        what = "go back to" if rewind else "save"
+        raise RuntimeError(f"the runtime could not {what} a session's checkpoint")
+
+
 class PlainSession:
     """A reply to one plain user turn (``GenerateJob.session_plain``) on a bare runtime
     session, where making a conversation costs far more than a session, enough to matter for a
-    short reply (docs/engines.md#the-runner-protocol).
+    short reply (docs/engines.md#the-runner-protocol); or to a conversation of plain turns
+    (``session_turns``) given its whole prompt, which may then be kept for its next turn
+    (``checkpointed``, ``resume``: docs/engines.md#conversations-that-continue).
 
     The prompt is the one a conversation prefills: the engine's template conversation (made
     once, never sent to) renders the turn with the model's chat template
@@ -285,14 +385,24 @@ class PlainSession:
         self.lock = threading.Lock()  # orders a cancel against the start of the decode
         self.cancelled = False
         self.decoding = False
+        # What the next prefill sends: the rendered prompt, or the part of it that a kept
+        # session does not hold yet; "": ``message`` rendered by the template.
         self.prompt = render(template, message) if message is not None else ""
+        # A kept session goes back to its checkpoint before the prefill (``resume``); one
+        # that may be kept saves a checkpoint after it (``checkpointed``).
+        self.resume = False
+        self.checkpointed = False
 
     def _prefill(self, message: Any) -> None:
-        prompt = self.prompt or render(self.template, message)
+        prompt = self.prompt = self.prompt or render(self.template, message)
         if not prompt:
             # The runtime could not render it (it says "" then): a conversation tells why.
             raise RuntimeError("the template conversation rendered no prompt")
+        if self.resume:
+            checkpoint(self.session, rewind=True)
         self.session.run_prefill([prompt])
+        if self.checkpointed:
+            checkpoint(self.session)
 
     def _begin(self, start: Callable[[], None] | None = None) -> bool:
         """Mark the decode begun, unless a cancel came first (then False). ``start`` runs

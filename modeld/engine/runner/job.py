@@ -9,8 +9,9 @@ same way (``record_of``).
 The fields a request sets of the runtime's sampler, conversation and send are listed once,
 in ``Options``, each tagged with where it goes (``Destination``). What depends on them is
 derived from that list: the arguments of the runtime's calls (``Options.to``), the key under
-which a conversation made ahead is reused (``GenerateJob.conversation_key``) and whether a
-bare session can answer (``GenerateJob.session_plain``). A field added to ``Options`` reaches
+which a conversation made ahead is reused (``GenerateJob.conversation_key``), whether a
+bare session can answer (``GenerateJob.session_plain``) and the settings a kept conversation
+is continued under (``GenerateJob.kept_settings``). A field added to ``Options`` reaches
 every path, or fails a test (tests/engine/test_job.py).
 
 Like the child, this imports only the standard library.
@@ -187,16 +188,34 @@ class Shape:
         )
 
 
+# Why a turn did not continue a conversation kept after an earlier reply (``Done.restart``);
+# docs/engines.md#conversations-that-continue says what each one means.
+Restart = Literal[
+    "first",  # no earlier reply in the request: nothing to continue
+    "off",  # MODELD_KEPT_CONVERSATIONS=0, or an engine that keeps none (gpu, a model that thinks)
+    "shape",  # tools, JSON, raw, images, tool turns, penalties: no bare session answers it
+    "seeded",  # a fixed seed that samples: a kept sampler has moved on, the reply would differ
+    "anonymous",  # no caller to keep it for
+    "unknown",  # nothing kept for this caller and these settings on this engine
+    "history",  # kept ones for this caller and settings, none with this history
+    "options",  # this history is kept under other options
+    "prompt",  # the history matched, the rendered prompt or its tokens did not extend it
+]
+RESTARTS: tuple[Restart, ...] = get_args(Restart)
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateJob:
     """One reply to make: the conversation's messages (the last one is sent), its options
-    and its shape."""
+    and its shape; ``scope``: whose it is (``Generation.scope``), None: no one's, so nothing
+    is kept for it."""
 
     op: ClassVar[Literal["generate"]] = "generate"
 
     messages: tuple[Message, ...]
     options: Options = Options()
     shape: Shape = Shape()
+    scope: str | None = None
 
     def conversation_key(self) -> tuple[Any, ...] | None:
         """What the job's conversation is made from, when that can be made before the job
@@ -210,33 +229,54 @@ class GenerateJob:
         """Whether a bare session (``PlainSession``) can answer: one user turn of text without
         a NUL (the rendered prompt comes back as a C string), a plain shape, and no option a
         session does not take."""
-        if len(self.messages) != 1 or not self.shape.plain:
+        return len(self.messages) == 1 and self.session_turns()
+
+    def session_turns(self) -> bool:
+        """Whether a bare session can answer the whole conversation, given its prompt rendered:
+        turns of text without a NUL from the system, the user and the assistant (no tool
+        calls), the last from the user, a plain shape, and no option a session does not
+        take. What a conversation kept for the next turn is made of."""
+        if not self.messages or self.messages[-1]["role"] != "user" or not self.shape.plain:
             return False
-        turn = self.messages[0]
-        texts = text_only(turn)
-        return (
-            turn["role"] == "user"
-            and texts is not None
-            and not any("\x00" in t for t in texts)
-            and not any(self.options.to(d) for d in DESTINATIONS if d not in SESSION_TAKES)
-        )
+        if any(self.options.to(d) for d in DESTINATIONS if d not in SESSION_TAKES):
+            return False
+        for turn in self.messages:
+            texts = text_only(turn)
+            if (
+                turn["role"] not in ("system", "user", "assistant")
+                or "tool_calls" in turn
+                or texts is None
+                or any("\x00" in t for t in texts)
+            ):
+                return False
+        return True
+
+    def kept_settings(self) -> tuple[Any, ...]:
+        """What a kept conversation must have been made with to continue this job: every
+        option its session takes, set or not."""
+        return self.options.values(SESSION_TAKES)
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        out = {
             "messages": list(self.messages),
             "options": self.options.to_wire(),
             "shape": self.shape.to_wire(),
         }
+        if self.scope is not None:
+            out["scope"] = self.scope
+        return out
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> GenerateJob:
         messages = data.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("a generate job's messages must be a list of objects")
+        scope = data.get("scope")
         return cls(
             messages=tuple(messages),
             options=Options(**(data.get("options") or {})),
             shape=Shape.from_wire(data.get("shape") or {}),
+            scope=None if scope is None else str(scope),
         )
 
 
@@ -331,8 +371,9 @@ class RunnerTimings:
 
 
 # How the job's conversation was had: "ready" (made ahead), "none" (a bare session made in
-# line), "none ready" (a bare session made ahead); None: a conversation made for the job.
-Made = Literal["ready", "none", "none ready"]
+# line), "none ready" (a bare session made ahead), "continued" (the bare session kept after
+# the conversation's last reply); None: a conversation made for the job.
+Made = Literal["ready", "none", "none ready", "continued"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,6 +392,12 @@ class Done:
     conversation: Made | None = None
     # The stop string the reply was cut at (``finish`` is "stop"); None: none was met.
     stop_sequence: str | None = None
+    # Of ``prompt_tokens``, those a kept conversation already held (not prefilled again).
+    continued_tokens: int = 0
+    # Why the turn did not continue a kept conversation; None: it did.
+    restart: Restart | None = None
+    # How many conversations the runner keeps once this job is over.
+    kept: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,4 +510,7 @@ def record_of(data: dict[str, Any]) -> Done | Embedded | Counted:
         json=data.get("json"),
         conversation=data.get("conversation"),
         stop_sequence=data.get("stop_sequence"),
+        continued_tokens=int(data.get("continued_tokens") or 0),
+        restart=next((r for r in RESTARTS if r == data.get("restart")), None),
+        kept=int(data.get("kept") or 0),
     )
