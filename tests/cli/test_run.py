@@ -112,9 +112,11 @@ def _on_a_pty(tiny: Tiny, *args: str) -> tuple[int, int]:
 def test_no_prompt_on_a_terminal_opens_a_chat(tiny: Tiny) -> None:
     """On a pty: a chat opens; each turn is answered, a \"\"\" block is one message, /help and
     /? list the commands, a mistyped one is named; no command reaches the model; /bye ends it
-    with exit status 0."""
+    with exit status 0. The second turn continues the conversation the engine kept after the
+    first reply (the chat sends the reply back as it got it), and `ps` says so."""
     with Client(tiny.socket) as c:
         before = _requests(c)
+        continued = _continued(c)
     pid, fd = _on_a_pty(tiny, "run", "tiny-text", "--max-tokens", "3")
     deadline = time.monotonic() + 120
     try:
@@ -139,6 +141,9 @@ def test_no_prompt_on_a_terminal_opens_a_chat(tiny: Tiny) -> None:
     assert status == 0, tail
     with Client(tiny.socket) as c:
         assert _requests(c) == before + 2  # two turns answered; the commands sent nothing
+        assert _continued(c) == continued + 1
+    ps = _cli(tiny, "ps")
+    assert "CONTINUED" in ps.stdout and f"{continued + 1}/" in ps.stdout, ps.stdout
 
 
 def test_a_model_that_cannot_answer_is_refused_before_the_chat_opens(tiny: Tiny) -> None:
@@ -198,3 +203,8 @@ def _wait(pid: int, deadline: float) -> int | None:
 
 def _requests(c: Client) -> int:
     return sum(e["requests"] for e in c.engines()["engines"] if e["model"] == "tiny-text")
+
+
+def _continued(c: Client) -> int:
+    engines = c.engines()["engines"]
+    return sum(e["conversations"]["continued"] for e in engines if e["model"] == "tiny-text")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -42,12 +43,22 @@ def assistant(text: str) -> Message:
     return {"role": "assistant", "content": text}
 
 
+# The real-size fixture (``tests/models/build.py --real-size``), where it was built.
+REAL_SIZE = (
+    Path(os.environ.get("MODELD_TEST_MODEL_CACHE", Path.home() / ".cache/modeld-test-models"))
+    / "gemma3-1b-real.litertlm"
+)
+
+
 @contextlib.asynccontextmanager
-async def runner(tmp: Path, kept: int) -> AsyncIterator[Runner]:
-    """A runner on tiny-text that keeps ``kept`` conversations (0: none)."""
+async def runner(tmp: Path, kept: int, model: Path | None = None) -> AsyncIterator[Runner]:
+    """A runner on tiny-text (or ``model``) that keeps ``kept`` conversations (0: none)."""
     r = await Runner.start()
     try:
-        await r.create(spec(tmp, max_tokens=512, kept_conversations=kept))
+        made = spec(tmp, max_tokens=512, kept_conversations=kept)
+        if model is not None:
+            made = spec(tmp, model, max_tokens=4096, kept_conversations=kept)
+        await r.create(made)
         yield r
     finally:
         await r.close()
@@ -107,6 +118,43 @@ async def test_a_continued_turn_gets_the_reply_a_fresh_conversation_gets(
             assert done.kept == 1
             last_prompt = done.prompt_tokens
             messages += [assistant(text), user(f"and then {n}?")]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REAL_SIZE.is_file(), reason=f"{REAL_SIZE} is not built")
+async def test_a_reply_sent_back_as_decoded_continues_as_a_fresh_conversation(
+    short_tmp: Path,
+) -> None:
+    """On the real-size fixture, whose first reply to this chat is sixteen newlines: a
+    rewound session kept the newlines its decode processed, and a prefill of the reply sent
+    back took their cache entries as the decode had computed them, so the next reply was
+    not a fresh conversation's. Continued (the second turn) and settled (the third), the
+    kept conversation gives the fresh replies."""
+    questions = [
+        "Question 1: island machine river question bread travel forest window memory market "
+        "winter bread story reason story morning question history window morning city friend "
+        "memory morning market language letter winter memory number question mountain the "
+        "light?",
+        "Question 2: forest the travel friend journey letter city garden summer journey "
+        "history number light light letter bread travel morning window reason evening friend "
+        "winter reason number light island letter journey?",
+        "Question 3: and then?",
+    ]
+    async with (
+        runner(short_tmp, 4, REAL_SIZE) as keeping,
+        runner(short_tmp, 0, REAL_SIZE) as fresh,
+    ):
+        system = "You are a helpful assistant. Answer the user's questions in plain words."
+        messages: list[Message] = [{"role": "system", "content": system}]
+        for n, question in enumerate(questions):
+            messages.append(user(question))
+            text, done = await reply(keeping, messages, max_tokens=16)
+            want, _ = await reply(fresh, messages, max_tokens=16)
+            assert text == want, n
+            assert (done.conversation == "continued") == (n > 0)
+            if n == 0:
+                assert text == "\n" * 16
+            messages.append(assistant(text))
 
 
 def _variants(first: str) -> list[tuple[str, list[Message], dict[str, Any], str | None]]:

@@ -812,7 +812,7 @@ class _Child:
         """Move ``kept``'s checkpoint past the reply: rewind to it (the decoded tokens go),
         prefill the reply as the template renders it, save it there. Left where it was when
         the rendering does not extend what it holds, token for token."""
-        from modeld.engine.runner.generate import checkpoint, history_of
+        from modeld.engine.runner.generate import checkpoint, history_of, rewind
 
         text = history_of(self.engine, kwargs, messages)
         rest = text[len(kept.text) :]
@@ -823,7 +823,7 @@ class _Child:
         if ids != held + tuple(self.engine.tokenize(rest)):
             return
         session = kept.session.session
-        checkpoint(session, rewind=True)
+        rewind(session)
         session.run_prefill([rest])
         checkpoint(session)
         kept.text, kept.ids = text, ids

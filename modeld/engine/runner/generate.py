@@ -335,18 +335,33 @@ def can_keep(engine: Any) -> bool:
 
 # The one checkpoint a kept session has: where its conversation's prompt so far ends.
 _CHECKPOINT = b"kept"
+# One token prefilled over what a session processed past its checkpoint (``rewind``).
+_OVERWRITE = "a"
 
 
-def checkpoint(session: Any, *, rewind: bool = False) -> None:
-    """Save a runtime session's checkpoint here, or go back to it (``rewind``): what it
-    prefilled or decoded since is dropped. ``can_keep`` set the calls up."""
-    call = (
-        session._lib.litert_lm_session_rewind_to_checkpoint
-        if rewind
-        else session._lib.litert_lm_session_save_checkpoint
-    )
+def checkpoint(session: Any) -> None:
+    """Save a runtime session's checkpoint where it is (``can_keep`` set the calls up)."""
+    _checkpoint_call(session._lib.litert_lm_session_save_checkpoint, session, "save")
+
+
+def rewind(session: Any) -> None:
+    """Take a runtime session back to its checkpoint, with nothing of what it processed
+    since left to reuse.
+
+    Rewound, the runtime keeps the tokens it processed past the checkpoint, and a later
+    prefill whose tokens match them takes their cache entries as they are: entries the
+    decode computed one token at a time, which are not quite those a prefill computes, so
+    the reply after them was not a fresh conversation's (the real-size fixture, a reply
+    of newlines sent back). One token prefilled at the checkpoint, and rewound, leaves
+    nothing to match."""
+    call = session._lib.litert_lm_session_rewind_to_checkpoint
+    _checkpoint_call(call, session, "go back to")
+    session.run_prefill([_OVERWRITE])
+    _checkpoint_call(call, session, "go back to")
+
+
+def _checkpoint_call(call: Any, session: Any, what: str) -> None:
     if call(session._ptr, _CHECKPOINT) != 0:
-        what = "go back to" if rewind else "save"
         raise RuntimeError(f"the runtime could not {what} a session's checkpoint")
 
 
@@ -399,7 +414,7 @@ class PlainSession:
             # The runtime could not render it (it says "" then): a conversation tells why.
             raise RuntimeError("the template conversation rendered no prompt")
         if self.resume:
-            checkpoint(self.session, rewind=True)
+            rewind(self.session)
         self.session.run_prefill([prompt])
         if self.checkpointed:
             checkpoint(self.session)
