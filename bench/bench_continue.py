@@ -22,7 +22,9 @@ at most 1.3 times the first's, with reuse), the engine's PSS at the end of (a) a
 Usage: ``nice python bench/bench_continue.py [--model PATH] [--turns 10] [--rounds 1]``;
 the default model is tests/models/tiny-text-long.litertlm (a 1,280-token window: the chat
 is scaled down to fit it unless told otherwise); a real-size file from the cache
-(``~/.cache/modeld-test-models``) takes ``--turn-tokens 130 --reply-tokens 64``.
+(``~/.cache/modeld-test-models``) takes ``--turn-tokens 130 --reply-tokens 16``: a random
+model's reply, rendered as text, takes several times its decoded tokens, so 16 of them
+bring the history to about 2,000 tokens by the tenth turn.
 """
 
 from __future__ import annotations
@@ -124,11 +126,19 @@ def engine_doc(sock: Path) -> dict[str, Any]:
     return dict(engine)
 
 
+@dataclass
+class Contender:
+    name: str
+    kept: int  # MODELD_KEPT_CONVERSATIONS; -1: direct runtime calls
+    pause: float = 0.0  # seconds between a reply and the next turn
+
+
 def daemon_chat(
-    root: Path, model_id: str, kept: int, threads: int, prompts: list[str], tokens: int
+    root: Path, model_id: str, who: Contender, threads: int, prompts: list[str], tokens: int
 ) -> tuple[list[Turn], dict[str, Any]]:
-    """One chat through a fresh daemon keeping ``kept`` conversations: its turns, and its
-    engine as ``ps`` shows it at the end."""
+    """One chat through a fresh daemon keeping ``who.kept`` conversations, ``who.pause``
+    seconds between a reply and the next turn: its turns, and its engine as ``ps`` shows
+    it at the end."""
     home = root / "home"
     d = DaemonProcess(
         home=home,
@@ -138,7 +148,7 @@ def daemon_chat(
             MODELD_LOG_LEVEL="warning",
             MODELD_KEEP_ALIVE="-1",
             MODELD_CPU_THREADS=str(threads),
-            MODELD_KEPT_CONVERSATIONS=str(kept),
+            MODELD_KEPT_CONVERSATIONS=str(who.kept),
         ),
     )
     d.start_quick()
@@ -146,12 +156,15 @@ def daemon_chat(
         # The load and the first generation's one-time costs, apart from the chat.
         chat_turn(d.socket, model_id, [{"role": "user", "content": "Hello."}], 4)
         messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
-        turns = []
+        turns: list[Turn] = []
         for prompt in prompts:
+            if turns:
+                time.sleep(who.pause)  # a reader's pause: the reply is prefilled meanwhile
             messages.append({"role": "user", "content": prompt})
             turn = chat_turn(d.socket, model_id, messages, tokens)
             messages.append({"role": "assistant", "content": turn.text})
             turns.append(turn)
+            progress(who.name, turn)
         return turns, engine_doc(d.socket)
     finally:
         d.stop()
@@ -179,9 +192,14 @@ def direct_chat(engine: Any, prompts: list[str], tokens: int) -> list[Turn]:
                 if isinstance(content, list):
                     parts += [str(c.get("text", "")) for c in content if isinstance(c, dict)]
             turns.append(Turn(first or float("nan"), "".join(parts), conversation.token_count))
+            progress("direct", turns[-1])
     finally:
         conversation.close()
     return turns
+
+
+def progress(name: str, turn: Turn) -> None:
+    print(f"  {name}: {turn.prompt_tokens} tokens, first {turn.first:.3f} s", file=sys.stderr)
 
 
 def med(xs: list[float]) -> float:
@@ -196,6 +214,12 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, default=None, help="max tokens a reply")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=default_cpu_threads())
+    parser.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        help="also run the kept contender with this many seconds between turns",
+    )
     args = parser.parse_args()
     import litert_lm
 
@@ -216,7 +240,11 @@ def main() -> None:
         f"load {os.getloadavg()[0]:.2f}; {args.turns} turns of ~{turn_tokens} tokens, "
         f"replies of {reply_tokens} tokens at most, temperature 0; {args.rounds} round(s)"
     )
-    runs: dict[str, list[list[Turn]]] = {"kept": [], "none": [], "direct": []}
+    contenders = [Contender("kept", 4)]
+    if args.pause:
+        contenders.append(Contender(f"kept, {args.pause:g} s pauses", 4, args.pause))
+    contenders += [Contender("none", 0), Contender("direct", -1)]
+    runs: dict[str, list[list[Turn]]] = {c.name: [] for c in contenders}
     engines: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="mdc-", dir="/tmp") as tmp:
         root = Path(tmp)
@@ -239,43 +267,49 @@ def main() -> None:
                 runs["direct"].append(direct_chat(engine, prompts, reply_tokens))
             finally:
                 engine.close()
-            for name, kept in (("kept", 4), ("none", 0)):
-                turns, engines[name] = daemon_chat(
-                    root, model_id, kept, args.threads, prompts, reply_tokens
-                )
-                runs[name].append(turns)
-    same = all(
-        [t.text for t in a] == [t.text for t in b]
-        for a, b in zip(runs["kept"], runs["none"], strict=True)
-    )
+            for who in contenders:
+                if who.kept >= 0:
+                    turns, engines[who.name] = daemon_chat(
+                        root, model_id, who, args.threads, prompts, reply_tokens
+                    )
+                    runs[who.name].append(turns)
+    report(args.turns, runs, engines)
+
+
+def report(
+    turns: int, runs: dict[str, list[list[Turn]]], engines: dict[str, dict[str, Any]]
+) -> None:
+    """The per-turn table, the goal, the equality of the replies, the engines at the end."""
     firsts = {
-        name: [med([r[i].first for r in rounds]) for i in range(args.turns)]
+        name: [med([r[i].first for r in rounds]) for i in range(turns)]
         for name, rounds in runs.items()
     }
-    print(
-        f"\n{'turn':>4} {'prompt':>7} | {'kept s':>7} {'none s':>7} {'direct s':>8} | "
-        f"{'kept/t1':>7} {'none/t1':>7} {'dir/t1':>7} | {'kept/dir':>8}"
-    )
-    for i in range(args.turns):
-        k, o, d = (firsts[name][i] for name in ("kept", "none", "direct"))
+    names = list(runs)
+    print("\nfirst token (s), and its ratio to the contender's own first turn:")
+    print(f"{'turn':>4} {'prompt':>7}  " + "  ".join(f"{n:>22}" for n in names))
+    for i in range(turns):
+        cells = [f"{firsts[n][i]:>13.3f} {firsts[n][i] / firsts[n][0]:>7.2f}x" for n in names]
+        print(f"{i + 1:>4} {runs['none'][0][i].prompt_tokens:>7}  " + "  ".join(cells))
+    last = turns - 1
+    for name in names:
+        ratio = firsts[name][last] / firsts[name][0]
+        against = firsts[name][last] / firsts["direct"][last]
+        verdict = "met" if ratio <= GOAL else "NOT met"
         print(
-            f"{i + 1:>4} {runs['none'][0][i].prompt_tokens:>7} | {k:>7.3f} {o:>7.3f} {d:>8.3f} | "
-            f"{k / firsts['kept'][0]:>7.2f} {o / firsts['none'][0]:>7.2f} "
-            f"{d / firsts['direct'][0]:>7.2f} | {k / d:>8.2f}"
+            f"{name}: turn {turns}'s first token {ratio:.2f}x turn 1's (goal <= {GOAL}x: "
+            f"{verdict}); {against:.2f}x direct calls' turn {turns}"
         )
-    last = args.turns - 1
-    ratio = firsts["kept"][last] / firsts["kept"][0]
-    print(
-        f"\ngoal: turn {args.turns}'s first token <= {GOAL}x turn 1's with reuse: "
-        f"{ratio:.2f}x {'met' if ratio <= GOAL else 'NOT met'} "
-        f"(without reuse {firsts['none'][last] / firsts['none'][0]:.2f}x, "
-        f"one runtime conversation {firsts['direct'][last] / firsts['direct'][0]:.2f}x)"
-    )
-    print(f"replies with reuse equal replies without: {'yes' if same else 'NO'}")
-    for name in ("kept", "none"):
-        e = engines[name]
+    for name in names:
+        if name in ("none", "direct"):
+            continue
+        same = all(
+            [t.text for t in a] == [t.text for t in b]
+            for a, b in zip(runs[name], runs["none"], strict=True)
+        )
+        print(f"replies of {name!r} equal replies without reuse: {'yes' if same else 'NO'}")
+    for name, e in engines.items():
         pss = f"{e['pss'] / 2**20:.1f} MiB" if e["pss"] else "not measured"
-        print(f"engine PSS at the end ({name}): {pss}; turns: {json.dumps(e['conversations'])}")
+        print(f"engine ({name}) at the end: PSS {pss}; {json.dumps(e['conversations'])}")
 
 
 if __name__ == "__main__":

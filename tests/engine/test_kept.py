@@ -21,6 +21,7 @@ from modeld.engine.runner.job import Done, GenerateJob, Message, Options, Shape,
 from modeld.engine.runner.kept import Kept, KeptConversations, chain, root, settings_of
 from modeld.modelfile.runtime import create_engine
 from tests.engine.test_runner import spec
+from tests.support.wait import until
 
 SYSTEM: Message = {"role": "system", "content": "be brief"}
 GREEDY: dict[str, Any] = {"max_tokens": 10, "temperature": 0.0}
@@ -84,21 +85,36 @@ async def reply(
     raise AssertionError("no final record")
 
 
+async def settled(r: Runner, kept: int = 1) -> None:
+    """Wait until the runner keeps ``kept`` conversations (the last reply's is kept after
+    its final record) with every reply prefilled (``_settle``)."""
+
+    async def done() -> bool:
+        stats = await r.call("stats")
+        return bool(stats["kept"] == kept and stats["settling"] == 0)
+
+    await until(done)
+
+
+@pytest.mark.parametrize("pause", [False, True], ids=["at once", "after a pause"])
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize(
     "options", [GREEDY, {"max_tokens": 10}], ids=["temperature 0", "the file's sampler"]
 )
 async def test_a_continued_turn_gets_the_reply_a_fresh_conversation_gets(
-    short_tmp: Path, stream: bool, options: dict[str, Any]
+    short_tmp: Path, stream: bool, options: dict[str, Any], pause: bool
 ) -> None:
     """Over six turns of one chat (the whole history sent each time), every turn after the
     first continues the conversation kept after the last reply, and gets the same text and
-    token counts as a runner that keeps none; the kept one held at least the whole prompt
-    of the turn before (its replies were cut at max_tokens)."""
+    token counts as a runner that keeps none. The kept one holds at least the last prompt;
+    after a pause, from the third turn on (once the chat has continued), the last reply too,
+    prefilled meanwhile."""
     async with runner(short_tmp, 4) as keeping, runner(short_tmp, 0) as fresh:
         messages = [SYSTEM, user("hello there")]
         last_prompt = 0
         for n in range(6):
+            if pause and n:
+                await settled(keeping)
             shape = Shape(stream=stream)
             text, done = await reply(keeping, messages, shape=shape, **options)
             want, plain = await reply(fresh, messages, shape=shape, **options)
@@ -115,6 +131,8 @@ async def test_a_continued_turn_gets_the_reply_a_fresh_conversation_gets(
             else:
                 assert done.conversation == "continued" and done.restart is None
                 assert last_prompt <= done.continued_tokens < done.prompt_tokens
+                if pause and n >= 2:
+                    assert done.continued_tokens > last_prompt
             assert done.kept == 1
             last_prompt = done.prompt_tokens
             messages += [assistant(text), user(f"and then {n}?")]
@@ -128,8 +146,8 @@ async def test_a_reply_sent_back_as_decoded_continues_as_a_fresh_conversation(
     """On the real-size fixture, whose first reply to this chat is sixteen newlines: a
     rewound session kept the newlines its decode processed, and a prefill of the reply sent
     back took their cache entries as the decode had computed them, so the next reply was
-    not a fresh conversation's. Continued (the second turn) and settled (the third), the
-    kept conversation gives the fresh replies."""
+    not a fresh conversation's. Continued at once (the second turn), and after its reply
+    was prefilled in a pause (the third), the kept conversation gives the fresh replies."""
     questions = [
         "Question 1: island machine river question bread travel forest window memory market "
         "winter bread story reason story morning question history window morning city friend "
@@ -147,6 +165,8 @@ async def test_a_reply_sent_back_as_decoded_continues_as_a_fresh_conversation(
         system = "You are a helpful assistant. Answer the user's questions in plain words."
         messages: list[Message] = [{"role": "system", "content": system}]
         for n, question in enumerate(questions):
+            if n == 2:
+                await settled(keeping)
             messages.append(user(question))
             text, done = await reply(keeping, messages, max_tokens=16)
             want, _ = await reply(fresh, messages, max_tokens=16)
@@ -205,10 +225,10 @@ async def test_a_turn_that_differs_from_the_kept_conversation_is_never_continued
 async def test_a_reply_cut_by_a_stop_string_or_left_by_its_client_is_not_continued(
     short_tmp: Path,
 ) -> None:
-    """A reply whose decode was cancelled (cut at a stop string) is not kept, and one whose
-    client left is never continued: the next turn, sent with the text its client got, gets
-    a fresh conversation. A reply cut at max_tokens ended by itself: it is kept and
-    continued."""
+    """A reply whose decode was cancelled (cut at a stop string) is not kept: the next turn,
+    sent with the text its client got, gets a fresh conversation; one whose client left
+    gets the fresh reply whatever the cancel's timing. A reply cut at max_tokens ended by
+    itself: it is kept and continued."""
     async with runner(short_tmp, 4) as keeping, runner(short_tmp, 0) as fresh:
         first = [user("tell me about the sea")]
         whole, done = await reply(fresh, first, max_tokens=40)
@@ -221,9 +241,10 @@ async def test_a_reply_cut_by_a_stop_string_or_left_by_its_client_is_not_continu
         text, done = await reply(keeping, second, max_tokens=40)
         assert done.restart == "unknown" and text == (await reply(fresh, second, max_tokens=40))[0]
 
-        # Left after its first token: cancelled in the runner, or (when the cancel came
-        # after the decode ended) kept with a reply longer than the client's. Either way its
-        # next turn, sent with what the client got, is not continued.
+        # Left after its first token: cancelled in the runner (not kept), or, when the
+        # decode ended before the cancel came, kept with the whole reply: its next turn,
+        # sent with what the client got, continues only if that was the whole reply. Either
+        # way it gets the fresh reply.
         options = Options(max_tokens=100, temperature=0.0)
         job = GenerateJob((user("a long story"),), options, Shape(), "uid:1")
         got = ""
@@ -234,8 +255,8 @@ async def test_a_reply_cut_by_a_stop_string_or_left_by_its_client_is_not_continu
             break
         await records.aclose()
         second = [user("a long story"), assistant(got), user("more")]
-        _, done = await reply(keeping, second, max_tokens=100)
-        assert done.restart in ("unknown", "history")
+        text, done = await reply(keeping, second, max_tokens=100)
+        assert text == (await reply(fresh, second, max_tokens=100))[0]
 
         # Cut at max_tokens: kept, and the next turn continues it.
         first = [user("hello there")]

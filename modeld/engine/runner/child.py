@@ -25,9 +25,11 @@ JSON object. Parent -> child ops, each with an ``id``:
   with the file's tokenizer (``modeld.modelfile.tokens``; absent where it cannot be read)
 - ``cancel``: ``target`` (a generate id) -> no reply of its own; the generation ends
   with ``finish: "cancelled"``
-- ``stats`` -> ``{"id", "ok": true, "pss", "rss", "ready", "busy"}`` (``ready``: a
-  conversation made ahead waits for the next job; ``busy``: a job runs, is still being
-  closed after its final record, or waits)
+- ``stats`` -> ``{"id", "ok": true, "pss", "rss", "ready", "busy", "kept", "settling"}``
+  (``ready``: a conversation made ahead waits for the next job; ``busy``: a job runs, is
+  still being closed or kept after its final record, or waits, or a kept conversation's
+  reply is being prefilled; ``kept``: conversations kept for their next turn, ``settling``
+  of them with a reply still to prefill)
 - ``close`` -> ``{"id", "ok": true}``, then the process exits
 
 Token frames skip JSON (they are most of the traffic): the length word has its top bit
@@ -333,6 +335,12 @@ def _ahead_during_decode(backend: str, threads: int | None) -> Ahead:
     return "all" if default_cpu_threads() > threads else "streamed"
 
 
+# How long the engine waits, idle after a reply, before it prefills a kept conversation's
+# reply into its checkpoint (``_Child._next_job``): longer than a client that sends its
+# next turn at once takes to send it, far shorter than a reader's pause.
+SETTLE_AFTER = 0.25
+
+
 # The warm-up generation: a few tokens are enough to run every kernel of a prefill and
 # a decode step once.
 WARM_UP_PROMPT = "Hello"
@@ -375,6 +383,9 @@ class _Child:
         # Conversations kept after a reply for their next turn (``_kept_for``, ``_keep``);
         # None: this engine keeps none.
         self.kept: KeptConversations | None = None
+        # The generate thread's work after a final record (a close, a keep) or between jobs
+        # (a settle) is under way: the runner is not idle yet (``stats``' ``busy``).
+        self.tidying = False
         self._last_error: Any = None
         self._clear_error: Any = None
         self.worker = threading.Thread(target=self._work, name="generate", daemon=True)
@@ -561,8 +572,16 @@ class _Child:
         pss, rss = read_memory(os.getpid())
         made = self.ready
         ready = made is not None and made[1].done()  # a conversation made ahead waits
-        busy = self.current is not None or not self.jobs.empty()
-        return {"pss": pss, "rss": rss, "ready": ready, "busy": busy}
+        busy = self.current is not None or not self.jobs.empty() or self.tidying
+        kept = self.kept
+        return {
+            "pss": pss,
+            "rss": rss,
+            "ready": ready,
+            "busy": busy,
+            "kept": len(kept) if kept is not None else 0,
+            "settling": kept.waiting() if kept is not None else 0,
+        }
 
     def accept(self, op: str, rid: Any, msg: dict[str, Any]) -> None:
         """On the reader thread: a ``generate``, ``count`` or ``embed`` frame, queued as its
@@ -599,7 +618,7 @@ class _Child:
 
     def _work(self) -> None:
         while True:
-            queued = self.jobs.get()
+            queued = self._next_job()
             if queued is None:
                 return
             rid, job = queued
@@ -621,6 +640,7 @@ class _Child:
                 message = generate_error_message(e, reason, job)
                 self.error(rid, generate_error_code(e, reason), message)
             finally:
+                self.tidying = False
                 with self.current_lock:
                     left, self.current = self.current, None
                 if left is not None:
@@ -768,9 +788,8 @@ class _Child:
         except Exception:
             self.clear_error()
             return False
-        kept.text, kept.ids = prompt, ids
-        kept.session.prompt, kept.session.resume = rest, True
-        kept.session.checkpointed = True
+        kept.text, kept.ids, kept.settle = prompt, ids, None
+        kept.session.resume_at(rest)
         return True
 
     def _keep(
@@ -785,9 +804,10 @@ class _Child:
     ) -> None:
         """After the final record: keep ``kept``'s session for the conversation's next turn,
         filed under its messages and ``reply`` as the app sends them back. ``settle``: the
-        conversation has continued before, so the reply is prefilled into its checkpoint
-        now, while the engine is idle, and the next turn prefills only its own text; else
-        the next turn prefills both. Anything that fails drops it."""
+        conversation has continued before, so its reply is to be prefilled into the
+        checkpoint once the engine is idle (``_next_job``), for the next turn to prefill
+        only its own text; else (or until then) the next turn prefills both. Anything that
+        fails drops it."""
         assert self.kept is not None and job.scope is not None
         session = kept.session
         with self.current_lock:
@@ -797,9 +817,9 @@ class _Child:
         # A fresh session's whole prompt, which it may have rendered itself.
         kept.text = kept.text or session.prompt
         try:
-            if settle and self.jobs.empty():
-                self._settle(kept, kwargs, [*kwargs.get("messages", ()), last, answer])
-            session.prompt, session.resume = "", True
+            if settle:
+                preface = {k: v for k, v in kwargs.items() if k == "system_message"}
+                kept.settle = (preface, [*kwargs.get("messages", ()), last, answer])
             kept.root = root(job.scope)
             kept.history = chain(kept.root, (*job.messages, answer))[-1]
             kept.settings = settings_of(job)
@@ -808,26 +828,50 @@ class _Child:
             self.clear_error()
             self._drop([kept])
 
-    def _settle(self, kept: Kept, kwargs: dict[str, Any], messages: list[Any]) -> None:
-        """Move ``kept``'s checkpoint past the reply: rewind to it (the decoded tokens go),
-        prefill the reply as the template renders it, save it there. Left where it was when
-        the rendering does not extend what it holds, token for token."""
+    def _next_job(self) -> Queued | None:
+        """The next job. While a kept conversation's reply waits to be settled and no job
+        comes within ``SETTLE_AFTER``, it is settled (``_settle``): a client that sends its
+        next turn at once gets it sooner with the reply prefilled along with its turn, in
+        one prefill; one that pauses, as a reader does, finds it done."""
+        while self.kept is not None and (kept := self.kept.unsettled()) is not None:
+            try:
+                return self.jobs.get(timeout=SETTLE_AFTER)
+            except queue.Empty:
+                self._settle(kept)
+        return self.jobs.get()
+
+    def _settle(self, kept: Kept) -> None:
+        """Move ``kept``'s checkpoint past its reply: back to it (what the decode processed
+        goes), the reply prefilled as the template renders it, a checkpoint there. Left
+        where it was when the rendering does not extend what it holds, token for token;
+        dropped when the runtime fails."""
         from modeld.engine.runner.generate import checkpoint, history_of, rewind
 
-        text = history_of(self.engine, kwargs, messages)
-        rest = text[len(kept.text) :]
-        if not rest or not text.startswith(kept.text):
-            return
-        held = kept.ids or tuple(self.engine.tokenize(kept.text))
-        ids = tuple(self.engine.tokenize(text))
-        if ids != held + tuple(self.engine.tokenize(rest)):
-            return
-        session = kept.session.session
-        rewind(session)
-        session.run_prefill([rest])
-        checkpoint(session)
-        kept.text, kept.ids = text, ids
-        kept.tokens += session.get_benchmark_info().last_prefill_token_count
+        assert self.kept is not None and kept.settle is not None
+        (preface, messages), kept.settle = kept.settle, None
+        self.tidying = True
+        try:
+            text = history_of(self.engine, preface, messages)
+            rest = text[len(kept.text) :]
+            if not rest or not text.startswith(kept.text):
+                return
+            held = kept.ids or tuple(self.engine.tokenize(kept.text))
+            ids = tuple(self.engine.tokenize(text))
+            if ids != held + tuple(self.engine.tokenize(rest)):
+                return
+            session = kept.session
+            rewind(session.session, decoded=session.decoded)
+            session.session.run_prefill([rest])
+            checkpoint(session.session)
+            session.decoded = False
+            kept.text, kept.ids = text, ids
+            kept.tokens += session.session.get_benchmark_info().last_prefill_token_count
+        except Exception:
+            self.clear_error()
+            self.kept.discard(kept)
+            self._drop([kept])
+        finally:
+            self.tidying = False
 
     def _kept_after(self, keep: bool) -> int:
         """How many conversations are kept once this job's session is (or is not)."""
@@ -1084,6 +1128,7 @@ class _Child:
         elif reused:
             made = "ready"
         text = "".join(text_parts)
+        self.tidying = True
         # Kept only where the decode ended by itself: a session whose decode was cancelled
         # (a stop string, the client gone) is not one the runtime promises to go on with.
         keep = held is not None and plain and not cancelled and not stops.hit

@@ -335,7 +335,7 @@ def can_keep(engine: Any) -> bool:
 
 # The one checkpoint a kept session has: where its conversation's prompt so far ends.
 _CHECKPOINT = b"kept"
-# One token prefilled over what a session processed past its checkpoint (``rewind``).
+# One token scored at a kept session's checkpoint (``rewind``).
 _OVERWRITE = "a"
 
 
@@ -344,20 +344,21 @@ def checkpoint(session: Any) -> None:
     _checkpoint_call(session._lib.litert_lm_session_save_checkpoint, session, "save")
 
 
-def rewind(session: Any) -> None:
-    """Take a runtime session back to its checkpoint, with nothing of what it processed
-    since left to reuse.
+def rewind(session: Any, *, decoded: bool) -> None:
+    """Take a runtime session back to its checkpoint; ``decoded``: it decoded since, and
+    nothing of that may be left to reuse.
 
     Rewound, the runtime keeps the tokens it processed past the checkpoint, and a later
     prefill whose tokens match them takes their cache entries as they are: entries the
     decode computed one token at a time, which are not quite those a prefill computes, so
     the reply after them was not a fresh conversation's (the real-size fixture, a reply
-    of newlines sent back). One token prefilled at the checkpoint, and rewound, leaves
-    nothing to match."""
+    of newlines sent back). One token scored at the checkpoint (its steps drop those
+    tokens, and cost no prefill), and rewound, leaves nothing to match."""
     call = session._lib.litert_lm_session_rewind_to_checkpoint
     _checkpoint_call(call, session, "go back to")
-    session.run_prefill([_OVERWRITE])
-    _checkpoint_call(call, session, "go back to")
+    if decoded:
+        session.run_text_scoring([_OVERWRITE])
+        _checkpoint_call(call, session, "go back to")
 
 
 def _checkpoint_call(call: Any, session: Any, what: str) -> None:
@@ -404,9 +405,18 @@ class PlainSession:
         # session does not hold yet; "": ``message`` rendered by the template.
         self.prompt = render(template, message) if message is not None else ""
         # A kept session goes back to its checkpoint before the prefill (``resume``); one
-        # that may be kept saves a checkpoint after it (``checkpointed``).
+        # that may be kept saves a checkpoint after it (``checkpointed``); ``decoded``: it
+        # decoded past its checkpoint.
         self.resume = False
         self.checkpointed = False
+        self.decoded = False
+
+    def resume_at(self, prompt: str) -> None:
+        """Set a kept session up for its conversation's next turn: back to its checkpoint,
+        then ``prompt`` (what it does not hold yet), and a checkpoint after it again."""
+        with self.lock:
+            self.cancelled = self.decoding = False
+        self.prompt, self.resume, self.checkpointed = prompt, True, True
 
     def _prefill(self, message: Any) -> None:
         prompt = self.prompt = self.prompt or render(self.template, message)
@@ -414,10 +424,11 @@ class PlainSession:
             # The runtime could not render it (it says "" then): a conversation tells why.
             raise RuntimeError("the template conversation rendered no prompt")
         if self.resume:
-            rewind(self.session)
+            rewind(self.session, decoded=self.decoded)
         self.session.run_prefill([prompt])
         if self.checkpointed:
             checkpoint(self.session)
+            self.decoded = False
 
     def _begin(self, start: Callable[[], None] | None = None) -> bool:
         """Mark the decode begun, unless a cancel came first (then False). ``start`` runs
@@ -425,7 +436,7 @@ class PlainSession:
         with self.lock:
             if self.cancelled:
                 return False
-            self.decoding = True
+            self.decoding = self.decoded = True
             if start is not None:
                 start()
         return True

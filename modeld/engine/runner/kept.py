@@ -77,6 +77,10 @@ class Kept:
     root: bytes
     history: bytes
     settings: bytes
+    # What its reply is rendered from to be prefilled into its checkpoint while the engine
+    # is idle (``child._settle``): the system message and the messages, reply included;
+    # None: nothing waits (a first turn's reply is left to the next turn).
+    settle: tuple[dict[str, Any], list[Any]] | None = None
 
 
 class KeptConversations:
@@ -108,6 +112,18 @@ class KeptConversations:
         if any(k.root == start and k.settings == settings for k in self._kept.values()):
             return None, "history"
         return None, "unknown"
+
+    def unsettled(self) -> Kept | None:
+        """The most recently used kept conversation whose reply waits to be settled."""
+        return next((k for k in reversed(self._kept.values()) if k.settle is not None), None)
+
+    def waiting(self) -> int:
+        """How many kept conversations' replies wait to be settled; safe from another thread
+        (the list is taken in one step under the GIL)."""
+        return sum(k.settle is not None for k in list(self._kept.values()))
+
+    def discard(self, kept: Kept) -> None:
+        self._kept.pop((kept.history, kept.settings), None)
 
     def keep(self, kept: Kept) -> list[Kept]:
         """File ``kept`` as the most recently used; return the ones dropped to make room
