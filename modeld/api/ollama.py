@@ -723,6 +723,7 @@ class _Routes:
             reply = _Reply(raw_name if isinstance(raw_name, str) else tagged(gen.model), chat=chat)
             if not gen.turns or (not gen.turns[-1].text and not gen.image_count and not chat):
                 return web.json_response(await self._load_or_unload(request, gen, reply))
+            gen.scope = access.scope_of(request)
             async with deadline.bound():
                 _, records = await self.inference.generate(gen, may_shorten_keep_alive=administers)
             if gen.shape.stream:

@@ -742,7 +742,9 @@ async def generate_within(
     request: web.Request, services: Services, gen: Generation, deadline: Deadline
 ) -> Records:
     """The records of ``gen`` from the ``Inference`` service, admitted within ``deadline``
-    (its records are read within it by ``event_stream`` or ``collect``)."""
+    (its records are read within it by ``event_stream`` or ``collect``); what is kept of
+    its conversation is kept for the request's caller (``access.scope_of``)."""
+    gen.scope = access.scope_of(request)
     async with deadline.bound():
         _, records = await services.inference.generate(
             gen, may_shorten_keep_alive=access.administers(request)
@@ -893,7 +895,6 @@ def add_routes(app: web.Application, services: Services) -> None:
     async def answer(
         request: web.Request, reply: _Reply, gen: Generation, body: _Sampled, deadline: Deadline
     ) -> web.StreamResponse:
-        gen.scope = access.scope_of(request)
         async with cancelled_when_client_leaves(request):
             records = await generate_within(request, services, gen, deadline)
             if body.stream:

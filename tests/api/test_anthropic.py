@@ -13,7 +13,7 @@ import httpx2
 import pytest
 
 from tests.api.conftest import KeyedTcp
-from tests.support.daemon import InProcessDaemon, daemon_with_models
+from tests.support.daemon import InProcessDaemon, daemon_with_models, engine_turns
 
 # The anthropic client brings its own copy of httpx (``httpx2``).
 
@@ -212,3 +212,27 @@ def test_the_client_over_tcp_sends_its_key_as_x_api_key(keyed_tcp: KeyedTcp) -> 
         )
     assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     assert "modeld key list" in refused.value.message
+
+
+async def test_a_conversation_continues_the_one_its_engine_kept(
+    ac: anthropic.AsyncAnthropic, http: httpx.AsyncClient
+) -> None:
+    """Each turn of a Messages conversation after the first (the whole history sent, whole
+    or streamed, the reply sent back as its text block) continues the conversation its
+    engine kept after the last reply."""
+    messages: Any = [{"role": "user", "content": "hello"}]
+    sampling = {"temperature": 0, "top_k": 1, "top_p": 1}
+    for n in range(3):
+        kw: Any = {"model": "tiny-text", "max_tokens": 6, "system": "be brief"}
+        if n % 2:
+            async with ac.messages.stream(**kw, messages=messages, extra_body=sampling) as s:
+                text = "".join([t async for t in s.text_stream])
+        else:
+            m = await ac.messages.create(**kw, messages=messages, extra_body=sampling)
+            text = m.content[0].text if m.content[0].type == "text" else ""
+        messages += [
+            {"role": "assistant", "content": [{"type": "text", "text": text}]},
+            {"role": "user", "content": "more"},
+        ]
+    turns = await engine_turns(http, "tiny-text")
+    assert turns == {"kept": 1, "continued": 2, "restarted": {"first": 1}}

@@ -18,7 +18,7 @@ from PIL import Image
 from modeld.api.ollama import NEVER, OLLAMA_VERSION, _Reply
 from modeld.engine.views import Final
 from modeld.services.inference import Done, Token, ToolCall
-from tests.support.daemon import InProcessDaemon, daemon_with_models
+from tests.support.daemon import InProcessDaemon, daemon_with_models, engine_turns
 from tests.support.mirror import Faults, Mirror
 from tests.support.state import model_bytes, write_entry
 from tests.support.wait import until
@@ -396,3 +396,24 @@ async def test_a_stream_that_fails_ends_with_an_ollama_error_record(
 
 def _dead_url() -> str:
     return "http://127.0.0.1:9/liar.litertlm"
+
+
+async def test_a_chat_continues_the_conversation_its_engine_kept(
+    client: ollama.AsyncClient, http: httpx.AsyncClient
+) -> None:
+    """Each turn of an Ollama chat after the first (the whole history sent, whole or
+    streamed) continues the conversation its engine kept after the last reply."""
+    messages: list[Any] = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+    ]
+    options = {"num_predict": 6, "temperature": 0}
+    for n in range(3):
+        if n % 2:
+            stream = await client.chat("tiny-text", messages, stream=True, options=options)
+            text = "".join([p.message.content or "" async for p in stream])
+        else:
+            text = (await client.chat("tiny-text", messages, options=options)).message.content or ""
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+    turns = await engine_turns(http, "tiny-text")
+    assert turns == {"kept": 1, "continued": 2, "restarted": {"first": 1}}

@@ -21,7 +21,7 @@ from modeld.api.openai import _Reply
 from modeld.engine.runner.generate import calls_of
 from modeld.engine.runner.job import Done
 from modeld.engine.views import Final, PhaseTimings
-from tests.support.daemon import InProcessDaemon, daemon_with_models
+from tests.support.daemon import InProcessDaemon, daemon_with_models, engine_turns
 
 
 @pytest.fixture
@@ -930,13 +930,6 @@ async def test_langchain_structured_output_and_tools(http: httpx.AsyncClient) ->
     assert merged.response_metadata["finish_reason"] == "tool_calls"
 
 
-async def _turns(http: httpx.AsyncClient, model: str) -> dict[str, Any]:
-    """How the generations on ``model``'s engine began (``ps``'s ``conversations``)."""
-    engines = (await http.get("/api/engines")).json()["engines"]
-    (turns,) = [e["conversations"] for e in engines if e["model"] == model]
-    return dict(turns)
-
-
 async def test_a_chat_continues_the_conversation_its_engine_kept(
     oa: openai.AsyncOpenAI, http: httpx.AsyncClient
 ) -> None:
@@ -957,7 +950,7 @@ async def test_a_chat_continues_the_conversation_its_engine_kept(
             whole = await oa.chat.completions.create(messages=messages, **kw)
             text = whole.choices[0].message.content or ""
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
-    assert await _turns(http, "tiny-text") == {
+    assert await engine_turns(http, "tiny-text") == {
         "kept": 1,
         "continued": 3,
         "restarted": {"first": 1},
@@ -967,11 +960,11 @@ async def test_a_chat_continues_the_conversation_its_engine_kept(
     assert 'modeld_turns_total{how="first",model="tiny-text"} 1.0' in metrics
 
     await oa.chat.completions.create(messages=messages, **{**kw, "model": "vision-cpu-ok"})
-    assert (await _turns(http, "vision-cpu-ok"))["restarted"] == {"unknown": 1}
+    assert (await engine_turns(http, "vision-cpu-ok"))["restarted"] == {"unknown": 1}
 
     assert (await http.delete("/api/engines/tiny-text")).status_code == 200
     await oa.chat.completions.create(messages=messages, **kw)
-    assert await _turns(http, "tiny-text") == {
+    assert await engine_turns(http, "tiny-text") == {
         "kept": 1,
         "continued": 0,
         "restarted": {"unknown": 1},

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.api.conftest import KeyedTcp
-from tests.support.daemon import InProcessDaemon, daemon_with_models
+from tests.support.daemon import InProcessDaemon, daemon_with_models, engine_turns
 
 WEATHER: Any = {
     "type": "function",
@@ -181,3 +181,26 @@ def test_responses_over_tcp_with_a_key(keyed_tcp: KeyedTcp) -> None:
     with pytest.raises(openai.AuthenticationError) as refused:
         bad.responses.create(model="tiny-text", input="hi")
     assert refused.value.code == "invalid_api_key"
+
+
+async def test_a_conversation_sent_whole_continues_the_one_its_engine_kept(
+    oa: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
+    """Each turn of a conversation sent whole as input items (no previous_response_id: it
+    is not stored), the reply sent back as its message item, continues the conversation its
+    engine kept after the last reply."""
+    items: list[Any] = [{"role": "user", "content": "hello"}]
+    for _ in range(3):
+        r = await oa.responses.create(
+            model="tiny-text",
+            input=items,
+            instructions="be brief",
+            max_output_tokens=6,
+            temperature=0,
+        )
+        items += [
+            {"role": "assistant", "content": [{"type": "output_text", "text": r.output_text}]},
+            {"role": "user", "content": "more"},
+        ]
+    turns = await engine_turns(http, "tiny-text")
+    assert turns == {"kept": 1, "continued": 2, "restarted": {"first": 1}}

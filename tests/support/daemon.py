@@ -196,6 +196,14 @@ async def socket_http(daemon: InProcessDaemon) -> AsyncIterator[httpx.AsyncClien
         yield client
 
 
+async def engine_turns(http: httpx.AsyncClient, model: str) -> dict[str, Any]:
+    """How the generations on ``model``'s engine began (``ps``'s ``conversations``: kept,
+    continued, restarted by reason)."""
+    engines = (await http.get("/api/engines")).json()["engines"]
+    (turns,) = [e["conversations"] for e in engines if e["model"] == model]
+    return dict(turns)
+
+
 async def streamed_chat(http: httpx.AsyncClient, model: str, prompt: str, tokens: int) -> Any:
     """One streamed chat completion of ``tokens`` tokens at most, and what its client saw:
     ``status``, the error's ``code`` and ``Retry-After`` (before or inside the stream),
