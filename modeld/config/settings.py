@@ -124,7 +124,7 @@ class Settings(BaseSettings):
     warm_up: bool = True
     # Conversations a text engine keeps after a reply, so that their next turn prefills only
     # its new text (docs/engines.md#conversations-that-continue); 0 keeps none.
-    kept_conversations: int = Field(default=4, ge=0, le=64)
+    kept_conversations: int = Field(default=2, ge=0, le=64)
     vision_backend: Literal["cpu", "gpu"] = "cpu"
     download_connections: int = Field(default=8, ge=1, le=64)
     piece_size: SizeSetting = 16 * 1024**2

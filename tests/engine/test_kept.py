@@ -268,10 +268,11 @@ async def test_a_reply_cut_by_a_stop_string_or_left_by_its_client_is_not_continu
         assert text == (await reply(fresh, second, max_tokens=3))[0]
 
 
-async def test_kept_conversations_are_bounded_least_recently_used_first(short_tmp: Path) -> None:
-    """An engine keeps at most MODELD_KEPT_CONVERSATIONS: a conversation continued is used
-    again, the one used least recently is dropped for a new one, and its next turn is not
-    continued."""
+async def test_kept_conversations_are_bounded_chats_last(short_tmp: Path) -> None:
+    """An engine keeps at most MODELD_KEPT_CONVERSATIONS: to make room it drops the least
+    recently used of those that never continued (one-shot requests between a chat's turns
+    do not push the chat out), else the least recently used; the next turn of one dropped
+    is not continued."""
     async with runner(short_tmp, 2) as keeping:
         chats: dict[str, list[Message]] = {}
 
@@ -283,11 +284,14 @@ async def test_kept_conversations_are_bounded_least_recently_used_first(short_tm
 
         assert (await turn("a")).kept == 1
         assert (await turn("b")).kept == 2
-        assert (await turn("a")).conversation == "continued"  # a is used more recently than b
-        done = await turn("c")  # b goes
-        assert done.kept == 2 and done.restart == "first"
-        assert (await turn("b")).restart == "history"  # kept again, in place of a
-        assert (await turn("c")).conversation == "continued"
+        assert (await turn("a")).conversation == "continued"  # a chat now
+        assert (await turn("c")).kept == 2  # b goes, not the older chat
+        assert (await turn("b")).restart == "history"  # kept again, in place of c
+        assert (await turn("a")).conversation == "continued"
+        assert (await turn("c")).restart == "history"
+        # With only chats kept, the least recently used goes.
+        assert (await turn("c")).conversation == "continued"  # a chat too: b goes
+        assert (await turn("b")).restart == "history"  # b is kept again, in place of a
         assert (await turn("a")).restart == "history"
 
 

@@ -820,6 +820,7 @@ class _Child:
             if settle:
                 preface = {k: v for k, v in kwargs.items() if k == "system_message"}
                 kept.settle = (preface, [*kwargs.get("messages", ()), last, answer])
+                kept.continued = True
             kept.root = root(job.scope)
             kept.history = chain(kept.root, (*job.messages, answer))[-1]
             kept.settings = settings_of(job)

@@ -81,10 +81,12 @@ class Kept:
     # is idle (``child._settle``): the system message and the messages, reply included;
     # None: nothing waits (a first turn's reply is left to the next turn).
     settle: tuple[dict[str, Any], list[Any]] | None = None
+    # Whether it has continued: a chat, where one never continued may be a one-shot request.
+    continued: bool = False
 
 
 class KeptConversations:
-    """At most ``limit`` kept conversations, the least recently used dropped first."""
+    """At most ``limit`` kept conversations (``keep`` says which go first)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -127,14 +129,18 @@ class KeptConversations:
 
     def keep(self, kept: Kept) -> list[Kept]:
         """File ``kept`` as the most recently used; return the ones dropped to make room
-        (the caller closes their sessions)."""
+        (the caller closes their sessions): the least recently used of the others that
+        never continued first, so that one-shot requests (an app's title or tag requests
+        between a chat's turns) do not push out the chats, then the least recently used."""
         key = (kept.history, kept.settings)
         dropped = []
         if key in self._kept:
             dropped.append(self._kept.pop(key))
         self._kept[key] = kept
         while len(self._kept) > self.limit:
-            dropped.append(self._kept.popitem(last=False)[1])
+            others = [k for k in self._kept if k != key]
+            oldest = next((k for k in others if not self._kept[k].continued), others[0])
+            dropped.append(self._kept.pop(oldest))
         return dropped
 
 
