@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from modeld.engine.runner.generate import can_keep
 from modeld.engine.runner.job import Done, GenerateJob, Message, Options, Shape, Token
 from modeld.engine.runner.kept import Kept, KeptConversations, chain, root, settings_of
 from modeld.modelfile.runtime import create_engine
+from tests.engine.test_realsize import CACHE, cached
 from tests.engine.test_runner import spec
 from tests.support.wait import until
 
@@ -44,11 +44,9 @@ def assistant(text: str) -> Message:
     return {"role": "assistant", "content": text}
 
 
-# The real-size fixture (``tests/models/build.py --real-size``), where it was built.
-REAL_SIZE = (
-    Path(os.environ.get("MODELD_TEST_MODEL_CACHE", Path.home() / ".cache/modeld-test-models"))
-    / "gemma3-1b-real.litertlm"
-)
+# The real-size fixture whose random weights give the reply the test needs (not the
+# pattern variant).
+REAL_SIZE = CACHE / "gemma3-1b-real.litertlm"
 
 
 @contextlib.asynccontextmanager
@@ -138,8 +136,8 @@ async def test_a_continued_turn_gets_the_reply_a_fresh_conversation_gets(
             messages += [assistant(text), user(f"and then {n}?")]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not REAL_SIZE.is_file(), reason=f"{REAL_SIZE} is not built")
+@pytest.mark.realsize
+@pytest.mark.timeout(900)
 async def test_a_reply_sent_back_as_decoded_continues_as_a_fresh_conversation(
     short_tmp: Path,
 ) -> None:
@@ -158,6 +156,7 @@ async def test_a_reply_sent_back_as_decoded_continues_as_a_fresh_conversation(
         "winter reason number light island letter journey?",
         "Question 3: and then?",
     ]
+    cached(REAL_SIZE)
     async with (
         runner(short_tmp, 4, REAL_SIZE) as keeping,
         runner(short_tmp, 0, REAL_SIZE) as fresh,
