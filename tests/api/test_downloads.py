@@ -603,7 +603,8 @@ def test_cli_pull_repairs_a_flipped_byte_for_half_the_file_at_most(short_tmp: Pa
     (problem,) = problems
     assert problem.startswith(f"m1: the mirror 127.0.0.1:{liar.mirror.port} sent 1 blocks"), problem
     assert (d.home / "blobs" / f"sha256-{SHA}").read_bytes() == DATA
-    assert liar.mirror.sent + other.mirror.sent <= 1.5 * SIZE
+    # Besides the blocks, each mirror's probe answers take a few hundred bytes at most.
+    assert liar.mirror.sent + other.mirror.sent <= 1.5 * SIZE + 4096
 
 
 def test_cli_cancel_detach_and_import(
