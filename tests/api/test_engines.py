@@ -231,6 +231,9 @@ class PssSampler:
     def __init__(self, client: AsyncClient) -> None:
         self.client = client
         self.pids: set[int] = set()
+        # Children of this process from before (an earlier test's runner still exiting on a
+        # loaded machine) are not this daemon's: only the pids it names count among them.
+        self.before = set(_children())
         self.max_sum = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -245,7 +248,7 @@ class PssSampler:
         while not self._stop.wait(0.05):
             # Runner pids are children of this process (in-process daemon): also catch any
             # the last refresh did not know yet.
-            pids = self.pids | set(_children())
+            pids = self.pids | (set(_children()) - self.before)
             self.max_sum = max(self.max_sum, sum(_pss(p) for p in pids))
 
     def __enter__(self) -> PssSampler:
